@@ -1,0 +1,39 @@
+# Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv when missing. torch is pinned to the CPU build here so a CPU host
+# never downloads CUDA wheels; set TORCH_SPEC to use another build.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.weightbus-installed
+
+.PHONY: demo test lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/weightbus bench buckets
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP)
+	$(BIN)/weightbus bench buckets
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis

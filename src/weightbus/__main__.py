@@ -1,0 +1,3 @@
+from weightbus.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,25 @@
+"""`weightbus bench SUITE`: benchmark suites, each a module with `add_arguments` and `run`."""
+
+import argparse
+import importlib
+
+# suite name -> (module, one-line help); modules are imported only when their suite runs.
+SUITES = {
+    "buckets": ("weightbus.bench.buckets", "flat-bucket packing vs a memcpy floor, same run"),
+}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="run a benchmark suite")
+    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name, (module_name, help_text) in SUITES.items():
+        suite = suites.add_parser(name, help=help_text)
+        suite.set_defaults(handler=_runner(module_name))
+        importlib.import_module(module_name).add_arguments(suite)
+
+
+def _runner(module_name: str):
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(module_name).run(args)
+
+    return run
