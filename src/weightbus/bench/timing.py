@@ -1,0 +1,62 @@
+"""Timing and reporting helpers shared by the benchmark suites."""
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """Median wall time of one benchmarked operation over `repeat` runs."""
+
+    name: str
+    nbytes: int
+    seconds: list[float]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.median_s / 1e9
+
+
+def measure(name: str, nbytes: int, fn: Callable[[], object], repeat: int) -> Measurement:
+    """Run `fn` once to warm up (page faults, caches), then `repeat` timed times."""
+    fn()
+    seconds = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return Measurement(name, nbytes, seconds)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Print rows as an aligned plain-text table."""
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for index, row in enumerate(cells):
+        print(
+            "  ".join(
+                cell.rjust(width) if i else cell.ljust(width)
+                for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    """Write a benchmark result as JSON (dataclasses are converted)."""
+
+    def convert(value: object) -> object:
+        if isinstance(value, Measurement):
+            return {**asdict(value), "median_s": value.median_s, "gb_per_s": value.gb_per_s}
+        raise TypeError(f"cannot serialise {type(value).__name__}")
+
+    Path(path).write_text(json.dumps(payload, indent=2, default=convert) + "\n")

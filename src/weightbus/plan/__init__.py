@@ -1,0 +1,14 @@
+"""Planning and packing: which bytes of which tensor go where in which bucket."""
+
+from weightbus.plan.bucket import ALIGN_BYTES, BucketEntry, FlatBucket, align_up
+from weightbus.plan.planner import BucketPlan, Plan, plan_buckets
+
+__all__ = [
+    "ALIGN_BYTES",
+    "BucketEntry",
+    "BucketPlan",
+    "FlatBucket",
+    "Plan",
+    "align_up",
+    "plan_buckets",
+]

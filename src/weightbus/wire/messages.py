@@ -1,0 +1,137 @@
+"""The messages of the weight-update protocol.
+
+Publisher -> receivers: `UpdateBegin`, one `BucketReady` per bucket, `UpdateEnd`, and
+`UpdateCommit` or `UpdateAbort`. Receivers -> publisher: `SlotAck` per bucket and rank,
+`RankVerdict` after verification. Either side may answer `ErrorReply`.
+"""
+
+from itertools import pairwise
+from typing import Annotated, Literal
+
+import msgspec
+
+from weightbus.meta import DTYPES_BY_NAME
+from weightbus.plan.bucket import BucketEntry
+from weightbus.wire.codec import Message, register
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Version = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Hex128 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+Text = Annotated[str, msgspec.Meta(max_length=64 * 1024)]
+DtypeName = Literal[tuple(DTYPES_BY_NAME)]  # type: ignore[valid-type]
+Shape = Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=64)]
+VerifyLevel = Literal["full", "none"]
+
+
+class WireEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A `BucketEntry` on the wire (a compact array: buckets may hold thousands)."""
+
+    name: TensorName
+    dtype: DtypeName
+    shape: Shape
+    offset: NonNegative
+    nbytes: NonNegative
+    tensor_offset: NonNegative = 0
+
+    @classmethod
+    def of(cls, entry: BucketEntry) -> "WireEntry":
+        return cls(
+            entry.name, entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.tensor_offset
+        )
+
+    def to_entry(self) -> BucketEntry:
+        return BucketEntry(
+            self.name, self.dtype, tuple(self.shape), self.offset, self.nbytes, self.tensor_offset
+        )
+
+
+@register
+class UpdateBegin(Message, kw_only=True):
+    """A push session starts: what will be sent and how it is laid out."""
+
+    session_id: Hex128
+    version: Version
+    step: NonNegative | None = None
+    plan_hash: Hex128
+    bucket_bytes: Annotated[int, msgspec.Meta(gt=0)]
+    num_buckets: NonNegative
+    total_bytes: NonNegative
+    verify: VerifyLevel = "full"
+
+
+@register
+class BucketReady(Message, kw_only=True):
+    """Bucket `bucket_index` is readable in `slot`; `digests` covers the tensors whose last
+    byte is in this bucket."""
+
+    session_id: Hex128
+    bucket_index: NonNegative
+    slot: NonNegative
+    entries: list[WireEntry]
+    digests: dict[TensorName, Hex128] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Entries must not overlap inside the slot: a lying sender could otherwise make one
+        # tensor's bytes double as another's.
+        spans = sorted((e.offset, e.offset + e.nbytes) for e in self.entries if e.nbytes)
+        for (_, end), (start, _) in pairwise(spans):
+            if start < end:
+                raise ValueError(f"bucket {self.bucket_index}: entries overlap at byte {start}")
+
+
+@register
+class SlotAck(Message, kw_only=True):
+    """A receiver rank is done with a slot: the sender may overwrite it."""
+
+    session_id: Hex128
+    bucket_index: NonNegative
+    slot: NonNegative
+    rank: NonNegative
+
+
+@register
+class UpdateEnd(Message, kw_only=True):
+    """Every bucket was sent; `fingerprint` is the publisher's fingerprint of the version."""
+
+    session_id: Hex128
+    version: Version
+    num_buckets: NonNegative
+    fingerprint: Hex128
+
+
+@register
+class RankVerdict(Message, kw_only=True):
+    """One rank's verification result for a session."""
+
+    session_id: Hex128
+    rank: NonNegative
+    ok: bool
+    errors: list[Text] = msgspec.field(default_factory=list)
+    fingerprint: Hex128 | None = None
+
+
+@register
+class UpdateCommit(Message, kw_only=True):
+    """All ranks verified: make `version` the serving version."""
+
+    session_id: Hex128
+    version: Version
+    fingerprint: Hex128
+
+
+@register
+class UpdateAbort(Message, kw_only=True):
+    """Discard what this session delivered; `reason` says why."""
+
+    session_id: Hex128
+    reason: Text
+
+
+@register
+class ErrorReply(Message, kw_only=True):
+    """A request could not be served; `names` lists the offending tensors, if any."""
+
+    code: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    message: Text
+    names: list[TensorName] = msgspec.field(default_factory=list)

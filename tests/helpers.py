@@ -1,0 +1,33 @@
+"""Helpers shared by tests."""
+
+import torch
+
+from weightbus.meta import DTYPES_BY_NAME
+from weightbus.plan.bucket import byte_view
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor of random bit patterns (NaNs and infinities included for float dtypes)."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).reshape(shape)
+
+
+def all_dtype_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """One tensor of every supported dtype, with odd shapes."""
+    return [
+        (f"t.{name}", random_tensor((3, 5 + i), dtype, seed + i))
+        for i, (name, dtype) in enumerate(DTYPES_BY_NAME.items())
+    ]
+
+
+def assert_bit_identical(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same dtype, same shape, same bytes (NaN payloads included)."""
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.equal(byte_view(actual.contiguous()), byte_view(expected.contiguous()))
