@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from weightbus.bench.timing import Measurement, measure, print_table, write_json
+from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
 from weightbus.bench.weights import llama_weights
 from weightbus.digest import fingerprint
 from weightbus.meta import metas_of
@@ -57,31 +57,18 @@ def _measure_all(
     _, bucket_nbytes = layout_entries(metas_of(weights))
     one_bucket = torch.empty(bucket_nbytes, dtype=torch.uint8)
     pack_planned, num_buckets = _planned_packer(weights, bucket_bytes)
-    rows = [
-        measure(
-            "floor: memcpy into preallocated",
-            model_bytes,
-            lambda: floor_buffer.copy_(source),
-            repeat,
-        ),
-        measure(
-            "pack into preallocated (1 bucket)",
-            model_bytes,
-            lambda: FlatBucket.pack(weights, one_bucket),
-            repeat,
-        ),
-        measure(f"pack planned ({num_buckets} x reused buffer)", model_bytes, pack_planned, repeat),
-        measure(
-            "pack into fresh allocation", model_bytes, lambda: FlatBucket.pack(weights), repeat
-        ),
-        measure(
+    operations = [
+        ("floor: memcpy into preallocated", lambda: floor_buffer.copy_(source)),
+        ("pack into preallocated (1 bucket)", lambda: FlatBucket.pack(weights, one_bucket)),
+        (f"pack planned ({num_buckets} x reused buffer)", pack_planned),
+        ("pack into fresh allocation", lambda: FlatBucket.pack(weights)),
+        (
             "torch.cat of byte views (fresh)",
-            model_bytes,
             lambda: torch.cat([t.reshape(-1).view(torch.uint8) for _, t in weights]),
-            repeat,
         ),
-        measure("xxh3-128 fingerprint", model_bytes, lambda: fingerprint(weights), repeat),
+        ("xxh3-128 fingerprint", lambda: fingerprint(weights)),
     ]
+    rows = measure_interleaved([(name, model_bytes, fn) for name, fn in operations], repeat)
     return rows, model_bytes
 
 

@@ -25,15 +25,27 @@ class Measurement:
         return self.nbytes / self.median_s / 1e9
 
 
-def measure(name: str, nbytes: int, fn: Callable[[], object], repeat: int) -> Measurement:
-    """Run `fn` once to warm up (page faults, caches), then `repeat` timed times."""
-    fn()
-    seconds = []
-    for _ in range(repeat):
-        start = time.perf_counter()
+def measure_interleaved(
+    operations: Sequence[tuple[str, int, Callable[[], object]]], repeat: int
+) -> list[Measurement]:
+    """Time `(name, nbytes, fn)` operations in rounds, each round running every operation once.
+
+    Interleaving makes the ratios between rows robust to load that comes and goes on a shared
+    machine: every operation sees the same conditions. One untimed round warms up first (page
+    faults, caches).
+    """
+    for _, _, fn in operations:
         fn()
-        seconds.append(time.perf_counter() - start)
-    return Measurement(name, nbytes, seconds)
+    seconds: list[list[float]] = [[] for _ in operations]
+    for _ in range(repeat):
+        for samples, (_, _, fn) in zip(seconds, operations, strict=True):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return [
+        Measurement(name, nbytes, samples)
+        for samples, (name, nbytes, _) in zip(seconds, operations, strict=True)
+    ]
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
