@@ -26,6 +26,7 @@ from weightbus.wire import (
     UpdateCommit,
     UpdateEnd,
     WireEntry,
+    WireMeta,
     decode,
 )
 
@@ -63,9 +64,17 @@ messages = st.one_of(
         step=st.none() | small,
         plan_hash=hex128,
         bucket_bytes=st.integers(1, 2**40),
-        num_buckets=small,
-        total_bytes=small,
-        verify=st.sampled_from(["full", "none"]),
+        tensors=st.lists(
+            st.builds(
+                WireMeta,
+                names,
+                st.sampled_from(list(DTYPES_BY_NAME)),
+                st.lists(st.integers(0, 9), max_size=4).map(tuple),
+            ),
+            min_size=1,
+            max_size=5,
+            unique_by=lambda meta: meta.name,
+        ),
     ),
     st.builds(
         BucketReady,

@@ -18,6 +18,7 @@ from weightbus.wire.messages import (
     UpdateCommit,
     UpdateEnd,
     WireEntry,
+    WireMeta,
 )
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "UpdateCommit",
     "UpdateEnd",
     "WireEntry",
+    "WireMeta",
     "decode",
     "encode",
 ]

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from weightbus.meta import DTYPES_BY_NAME
+from weightbus.meta import DTYPES_BY_NAME, TensorMeta, dtype_from_name, dtype_name
 from weightbus.plan.bucket import BucketEntry
 from weightbus.wire.codec import Message, register
 
@@ -21,7 +21,6 @@ Hex128 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 Text = Annotated[str, msgspec.Meta(max_length=64 * 1024)]
 DtypeName = Literal[tuple(DTYPES_BY_NAME)]  # type: ignore[valid-type]
 Shape = Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=64)]
-VerifyLevel = Literal["full", "none"]
 
 
 class WireEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -46,18 +45,39 @@ class WireEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fie
         )
 
 
+class WireMeta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A `TensorMeta` on the wire."""
+
+    name: TensorName
+    dtype: DtypeName
+    shape: Shape
+
+    @classmethod
+    def of(cls, meta: TensorMeta) -> "WireMeta":
+        return cls(meta.name, dtype_name(meta.dtype), meta.shape)
+
+    def to_meta(self) -> TensorMeta:
+        return TensorMeta(self.name, dtype_from_name(self.dtype), tuple(self.shape))
+
+
 @register
 class UpdateBegin(Message, kw_only=True):
-    """A push session starts: what will be sent and how it is laid out."""
+    """A push session starts: which tensors, in which order, in buckets of which size.
+
+    The receiver recomputes the plan from `tensors` and `bucket_bytes` and checks `plan_hash`.
+    """
 
     session_id: Hex128
     version: Version
     step: NonNegative | None = None
     plan_hash: Hex128
     bucket_bytes: Annotated[int, msgspec.Meta(gt=0)]
-    num_buckets: NonNegative
-    total_bytes: NonNegative
-    verify: VerifyLevel = "full"
+    tensors: Annotated[list[WireMeta], msgspec.Meta(min_length=1)]
+
+    def __post_init__(self) -> None:
+        names = [meta.name for meta in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError("tensor names repeat")
 
 
 @register

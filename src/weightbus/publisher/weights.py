@@ -1,0 +1,107 @@
+"""Turn what a trainer holds into the ordered `(hf_name, tensor)` list a push sends."""
+
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from weightbus.digest import fingerprint_of_digests, tensor_digest
+from weightbus.meta import dtype_name, metas_of
+from weightbus.plan import Plan, plan_buckets
+from weightbus.transport import PushSession
+
+NameMap = Mapping[str, str | None] | Callable[[str], str | None]
+Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def _rename(name_map: NameMap | None, name: str) -> str | None:
+    if name_map is None:
+        return name
+    if callable(name_map):
+        return name_map(name)
+    return name_map.get(name, name)
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple | None:
+    """Identity of the exact memory a tensor reads (None for empty tensors)."""
+    if tensor.numel() == 0:
+        return None
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+
+
+def normalize_weights(weights: Weights, name_map: NameMap | None = None) -> list[tuple[str, Any]]:
+    """The `(name, tensor)` pairs to send, in order.
+
+    Args:
+        weights: an `nn.Module` (its state dict), a state dict, or `(name, tensor)` pairs.
+        name_map: renames (a dict or a function); a name mapped to None is not sent.
+
+    Returns:
+        Detached tensors under their final names. A tensor that is the very same memory as an
+        earlier one (tied embeddings in a state dict) is sent once, under its first name.
+
+    Raises:
+        TypeError: a value is not a tensor.
+        ValueError: two tensors end up with the same name.
+    """
+    if isinstance(weights, torch.nn.Module):
+        pairs = weights.state_dict().items()
+    elif isinstance(weights, Mapping):
+        pairs = weights.items()
+    else:
+        pairs = weights
+    result: list[tuple[str, torch.Tensor]] = []
+    seen_memory: set[tuple] = set()
+    for name, value in pairs:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(value).__name__}, not a tensor")
+        new_name = _rename(name_map, name)
+        if new_name is None:
+            continue
+        tensor = value.detach()
+        key = _memory_key(tensor)
+        if key is not None and key in seen_memory:
+            continue
+        seen_memory.add(key)
+        result.append((new_name, tensor))
+    metas_of(result)  # raises ValueError naming a duplicate name
+    return result
+
+
+def digests_of(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """xxh3-128 digest of every tensor, by name."""
+    return {name: tensor_digest(tensor) for name, tensor in weights}
+
+
+def fingerprint_from(weights: list[tuple[str, torch.Tensor]], digests: Mapping[str, str]) -> str:
+    return fingerprint_of_digests(
+        (name, dtype_name(t.dtype), tuple(t.shape), digests[name]) for name, t in weights
+    )
+
+
+class SessionFactory:
+    """Builds push sessions, reusing the plan while the layout is unchanged."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self._plan: Plan | None = None
+
+    def plan_for(self, weights: list[tuple[str, torch.Tensor]]) -> Plan:
+        metas = tuple(metas_of(weights))
+        if self._plan is None or self._plan.metas != metas:
+            self._plan = plan_buckets(metas, self.bucket_bytes)
+        return self._plan
+
+    def session(
+        self, weights: list[tuple[str, torch.Tensor]], version: str, step: int | None
+    ) -> PushSession:
+        digests = digests_of(weights)
+        return PushSession(
+            session_id=secrets.token_hex(16),
+            version=version,
+            step=step,
+            plan=self.plan_for(weights),
+            digests=digests,
+            fingerprint=fingerprint_from(weights, digests),
+        )

@@ -1,0 +1,5 @@
+"""Engine side of an update: consume a transport's batches, verify, load."""
+
+from weightbus.receiver.receiver import RankResult, Receiver, UpdateRequest
+
+__all__ = ["RankResult", "Receiver", "UpdateRequest"]

@@ -1,0 +1,267 @@
+"""The Receiver: one per engine rank; consumes a push session and verifies it.
+
+`Receiver.receive` is a short loop over named steps: `_open` (header, version, plan and layout
+checks), `_consume` (batches -> checks -> digests -> `load_weights`), `_close` (completeness and
+fingerprint). Every failure becomes a message in the result: the caller (the engine) combines
+the verdicts of all ranks and commits or aborts.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from weightbus.digest import fingerprint_of_digests, tensor_digest
+from weightbus.meta import TensorMeta, dtype_name
+from weightbus.plan import plan_buckets
+from weightbus.receiver.prefetch import Prefetcher
+from weightbus.transport import BucketSource, ReceivedBatch
+from weightbus.wire import UpdateBegin
+
+logger = logging.getLogger(__name__)
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[str]]
+VerifyLevel = Literal["full", "none"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateRequest:
+    """What one rank is asked to receive."""
+
+    version: str
+    plan_hash: str | None = None
+    verify: VerifyLevel = "full"
+    timeout_s: float = 60.0
+
+
+@dataclass(slots=True, kw_only=True)
+class RankResult:
+    """One rank's verdict on a session."""
+
+    ok: bool = True
+    errors: list[str] = field(default_factory=list)
+    bad_names: list[str] = field(default_factory=list)
+    fingerprint: str | None = None
+    nbytes: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def fail(self, message: str, names: Iterable[str] = ()) -> None:
+        self.ok = False
+        self.errors.append(message)
+        self.bad_names.extend(names)
+
+
+@dataclass(slots=True)
+class _Session:
+    """Per-session state of one `receive` call."""
+
+    header: UpdateBegin
+    metas: dict[str, TensorMeta]
+    order: dict[str, int]
+    digests: dict[str, str] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, header: UpdateBegin) -> "_Session":
+        metas = {meta.name: meta.to_meta() for meta in header.tensors}
+        return cls(header, metas, {name: index for index, name in enumerate(metas)})
+
+
+def _describe(meta: TensorMeta) -> str:
+    return f"{dtype_name(meta.dtype)}{list(meta.shape)}"
+
+
+def _layout_errors(stream: dict[str, TensorMeta], expected: Mapping[str, TensorMeta]) -> list:
+    """(message, names) for every way the stream's tensors differ from the model's."""
+    problems = []
+    unknown = sorted(set(stream) - set(expected))
+    missing = sorted(set(expected) - set(stream))
+    mismatched = sorted(
+        name
+        for name in set(stream) & set(expected)
+        if (stream[name].dtype, stream[name].shape) != (expected[name].dtype, expected[name].shape)
+    )
+    if unknown:
+        problems.append((f"unknown tensors: {unknown}", unknown))
+    if missing:
+        problems.append((f"missing tensors: {missing}", missing))
+    problems.extend(
+        (
+            f"tensor {name!r}: expected {_describe(expected[name])}, got {_describe(stream[name])}",
+            [name],
+        )
+        for name in mismatched
+    )
+    return problems
+
+
+class Receiver:
+    """Receives push sessions on one rank and feeds them to the model's `load_weights`.
+
+    Args:
+        load_weights: the model's loader: takes `(hf_name, tensor)` pairs (views that must be
+            copied, not kept) and returns the names it loaded.
+        expected: the model's tensors by HF name with full (unsharded) dtype and shape; the
+            stream must carry exactly these.
+        rank, tp_size: digests are split across ranks: this rank checks tensors
+            `rank, rank + tp_size, ...` of the stream; the engine combines all verdicts.
+        prefetch_depth: batches received ahead of the one being loaded.
+    """
+
+    def __init__(
+        self,
+        *,
+        load_weights: LoadWeights,
+        expected: Mapping[str, TensorMeta],
+        rank: int = 0,
+        tp_size: int = 1,
+        prefetch_depth: int = 1,
+    ) -> None:
+        self.load_weights = load_weights
+        self.expected = dict(expected)
+        self.rank = rank
+        self.tp_size = tp_size
+        self.prefetch_depth = prefetch_depth
+
+    def receive(self, source: BucketSource, request: UpdateRequest) -> RankResult:
+        """Receive one session from `source`; never raises for bad data, returns the verdict."""
+        result = RankResult()
+        deadline = time.monotonic() + request.timeout_s
+        start = time.perf_counter()
+        try:
+            session = self._open(source, request, result, deadline)
+            if session is not None:
+                self._consume(source, session, request, result, deadline)
+                self._close(source, session, result, deadline)
+        except (TimeoutError, ValueError, OSError) as exc:
+            result.fail(str(exc))
+        finally:
+            source.close()
+        result.phases["total_s"] = time.perf_counter() - start
+        if not result.ok:
+            logger.warning("update %s failed: %s", request.version, "; ".join(result.errors))
+        return result
+
+    # open
+    def _open(
+        self, source: BucketSource, request: UpdateRequest, result: RankResult, deadline: float
+    ) -> _Session | None:
+        header = source.begin(_remaining(deadline))
+        if header.version != request.version:
+            result.fail(f"stream version {header.version!r} != requested {request.version!r}")
+        plan = plan_buckets((m.to_meta() for m in header.tensors), header.bucket_bytes)
+        if plan.plan_hash != header.plan_hash:
+            result.fail(f"stream plan hash {header.plan_hash} does not match its own layout")
+        if request.plan_hash is not None and request.plan_hash != header.plan_hash:
+            result.fail(f"stale plan: stream has {header.plan_hash}, expected {request.plan_hash}")
+        stream = {meta.name: meta for meta in plan.metas}
+        for message, names in _layout_errors(stream, self.expected):
+            result.fail(message, names)
+        return _Session.of(header) if result.ok else None
+
+    # consume
+    def _consume(
+        self,
+        source: BucketSource,
+        session: _Session,
+        request: UpdateRequest,
+        result: RankResult,
+        deadline: float,
+    ) -> None:
+        timings = {"wait_s": 0.0, "verify_s": 0.0, "load_s": 0.0}
+        prefetcher = Prefetcher(source.batches(_remaining(deadline)), self.prefetch_depth)
+        try:
+            while True:
+                tick = time.perf_counter()
+                try:
+                    batch = prefetcher.get(_remaining(deadline))
+                except StopIteration:
+                    break
+                timings["wait_s"] += time.perf_counter() - tick
+                try:
+                    self._check(batch, session, result)
+                    if result.ok and request.verify == "full":
+                        tick = time.perf_counter()
+                        self._verify(batch, session, result)
+                        timings["verify_s"] += time.perf_counter() - tick
+                    if result.ok:
+                        tick = time.perf_counter()
+                        self._load(batch, result)
+                        timings["load_s"] += time.perf_counter() - tick
+                    result.nbytes += batch.nbytes
+                finally:
+                    # After a failure the stream is still drained, so the publisher is never
+                    # left waiting for this rank.
+                    batch.release()
+        finally:
+            prefetcher.close()
+        result.phases.update(timings)
+
+    def _check(self, batch: ReceivedBatch, session: _Session, result: RankResult) -> None:
+        for name, tensor in batch.tensors:
+            meta = session.metas.get(name)
+            if meta is None:
+                result.fail(f"tensor {name!r} is not in the session header", [name])
+            elif name in session.seen:
+                result.fail(f"tensor {name!r} arrived twice", [name])
+            elif (tensor.dtype, tuple(tensor.shape)) != (meta.dtype, meta.shape):
+                got = TensorMeta.of(name, tensor)
+                result.fail(
+                    f"tensor {name!r}: header says {_describe(meta)}, got {_describe(got)}", [name]
+                )
+            session.seen.add(name)
+            if name in batch.digests:
+                session.digests[name] = batch.digests[name]
+
+    def _verify(self, batch: ReceivedBatch, session: _Session, result: RankResult) -> None:
+        for name, tensor in batch.tensors:
+            if session.order[name] % self.tp_size != self.rank:
+                continue
+            expected = batch.digests.get(name)
+            if expected is None:
+                result.fail(f"tensor {name!r} arrived without a digest", [name])
+            elif tensor_digest(tensor) != expected:
+                result.fail(f"digest mismatch for tensor {name!r}: its bytes are corrupted", [name])
+
+    def _load(self, batch: ReceivedBatch, result: RankResult) -> None:
+        names = [name for name, _ in batch.tensors]
+        try:
+            loaded = set(self.load_weights(batch.tensors))
+        except (KeyError, ValueError, RuntimeError) as exc:
+            result.fail(f"load_weights failed: {exc}", names)
+            return
+        not_loaded = sorted(set(names) - loaded)
+        if not_loaded:
+            result.fail(f"the model did not load tensors {not_loaded}", not_loaded)
+
+    # close
+    def _close(
+        self, source: BucketSource, session: _Session, result: RankResult, deadline: float
+    ) -> None:
+        header = session.header
+        end = source.end(_remaining(deadline))
+        missing = sorted(set(session.metas) - session.seen)
+        if missing:
+            result.fail(f"stream ended without tensors {missing}", missing)
+        if end.session_id != header.session_id or end.version != header.version:
+            result.fail("stream end does not match its beginning (session or version)")
+        if not result.ok:
+            return
+        records = [
+            (m.name, m.dtype, m.shape, session.digests.get(m.name, "")) for m in header.tensors
+        ]
+        fingerprint = fingerprint_of_digests(records)
+        if fingerprint != end.fingerprint:
+            result.fail(f"fingerprint mismatch: stream {end.fingerprint}, computed {fingerprint}")
+            return
+        result.fingerprint = fingerprint
+
+
+def _remaining(deadline: float) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("update timed out")
+    return remaining

@@ -1,0 +1,55 @@
+"""Transports: a registry of sinks (publisher side) and sources (engine side) by name.
+
+Implementations are imported only when used, so heavy dependencies (torch.distributed, NIXL)
+load only for the transports a user picks.
+"""
+
+import importlib
+from typing import Any
+
+from weightbus.transport.base import BucketSink, BucketSource, PushSession, ReceivedBatch
+
+# name -> (module, sink class, source class)
+_REGISTRY: dict[str, tuple[str, str, str]] = {
+    "disk": ("weightbus.transport.disk", "DiskSink", "DiskSource"),
+}
+
+
+def transport_names() -> list[str]:
+    """Names of the registered transports (CLI choices come from here)."""
+    return sorted(_REGISTRY)
+
+
+def _lookup(name: str, index: int) -> Any:
+    try:
+        entry = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown transport {name!r}; available: {', '.join(transport_names())}"
+        ) from None
+    return getattr(importlib.import_module(entry[0]), entry[index])
+
+
+def make_sink(name: str, **options: Any) -> BucketSink:
+    """A publisher-side sink of transport `name`."""
+    return _lookup(name, 1)(**options)
+
+
+def open_source(name: str, description: dict) -> BucketSource:
+    """An engine-side source of transport `name` for the session `description` names.
+
+    Raises:
+        ValueError: unknown transport or invalid description.
+    """
+    return _lookup(name, 2)(description)
+
+
+__all__ = [
+    "BucketSink",
+    "BucketSource",
+    "PushSession",
+    "ReceivedBatch",
+    "make_sink",
+    "open_source",
+    "transport_names",
+]

@@ -1,0 +1,118 @@
+"""The transport seam: a `BucketSink` on the publisher side, a `BucketSource` on each rank.
+
+A push session runs in three phases on the publisher:
+
+1. `sink.prepare(session, tensors)` makes the session readable (the disk sink writes every shard
+   and the manifest; streaming sinks set up their buffers) and returns the JSON-able `source`
+   description the engines need to open it;
+2. the publisher asks every engine to update from that description;
+3. `sink.stream(session, tensors)` sends what is not sent yet (nothing for disk).
+
+Each engine rank opens the description with `open_source` and reads, in order: `begin()` (the
+`UpdateBegin` header), `batches()` (tensors with their digests; each batch's views stay valid
+until its `release()`), then `end()` (the publisher's `UpdateEnd` with its fingerprint).
+Transports never parse model names; planning never touches sockets.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from weightbus.plan import Plan
+from weightbus.wire import UpdateBegin, UpdateEnd
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushSession:
+    """What a sink needs to know about one push (publisher side)."""
+
+    session_id: str
+    version: str
+    step: int | None
+    plan: Plan
+    digests: Mapping[str, str]
+    fingerprint: str
+
+    def begin_message(self) -> UpdateBegin:
+        from weightbus.wire import WireMeta
+
+        return UpdateBegin(
+            session_id=self.session_id,
+            version=self.version,
+            step=self.step,
+            plan_hash=self.plan.plan_hash,
+            bucket_bytes=self.plan.bucket_bytes,
+            tensors=[WireMeta.of(meta) for meta in self.plan.metas],
+        )
+
+    def end_message(self) -> UpdateEnd:
+        return UpdateEnd(
+            session_id=self.session_id,
+            version=self.version,
+            num_buckets=self.plan.num_buckets,
+            fingerprint=self.fingerprint,
+        )
+
+
+@dataclass(slots=True, kw_only=True)
+class ReceivedBatch:
+    """Whole tensors delivered together, with the digests the publisher sent for them.
+
+    The tensors may alias transport memory: use them before `release()`.
+    """
+
+    tensors: list[tuple[str, torch.Tensor]]
+    digests: dict[str, str]
+    nbytes: int
+    release: Callable[[], None] = field(default=lambda: None)
+
+
+class BucketSink(ABC):
+    """Publisher side of a transport. One sink serves many pushes; `close()` frees it."""
+
+    name: str
+
+    @abstractmethod
+    def prepare(self, session: PushSession, tensors: Mapping[str, torch.Tensor]) -> dict:
+        """Make the session readable; return the `source` description engines open."""
+
+    @abstractmethod
+    def stream(
+        self, session: PushSession, tensors: Mapping[str, torch.Tensor], timeout_s: float
+    ) -> None:
+        """Send whatever `prepare` did not; return when receivers have everything.
+
+        Raises:
+            TimeoutError: receivers did not take the data within `timeout_s`.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free every resource of the sink (files, shared memory, sockets)."""
+
+
+class BucketSource(ABC):
+    """Receiver side of a transport, for one session on one rank."""
+
+    @abstractmethod
+    def begin(self, timeout_s: float) -> UpdateBegin:
+        """The session header.
+
+        Raises:
+            TimeoutError: nothing arrived within `timeout_s`.
+            ValueError: the session cannot be read (its message names what is wrong).
+        """
+
+    @abstractmethod
+    def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
+        """Batches of whole tensors in stream order; each must be released before the next
+        two are requested (transports may reuse their memory)."""
+
+    @abstractmethod
+    def end(self, timeout_s: float) -> UpdateEnd:
+        """The publisher's closing message, after the last batch."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook: most sources have nothing to free)
+        """Free this rank's resources of the session."""
