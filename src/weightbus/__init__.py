@@ -3,6 +3,7 @@
 from weightbus.digest import fingerprint, tensor_digest
 from weightbus.meta import TensorMeta
 from weightbus.plan import BucketEntry, BucketPlan, FlatBucket, Plan, plan_buckets
+from weightbus.publisher import Publisher, PushError, PushResult
 
 __version__ = "0.1.0"
 
@@ -11,6 +12,9 @@ __all__ = [
     "BucketPlan",
     "FlatBucket",
     "Plan",
+    "Publisher",
+    "PushError",
+    "PushResult",
     "TensorMeta",
     "__version__",
     "fingerprint",

@@ -1,0 +1,269 @@
+"""The Publisher: pushes a model version into every engine and waits for their commits.
+
+`Publisher.push` is a short loop over named steps: `_session` (normalise, plan, digest),
+`sink.prepare` (make the session readable), `_request_all` (ask every engine to update, in
+parallel), `sink.stream` (send what is not sent yet), `_collect` (every engine committed the
+same fingerprint, or one `PushError` naming each engine that did not and why).
+"""
+
+import logging
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from weightbus.publisher.weights import NameMap, SessionFactory, Weights, normalize_weights
+from weightbus.transport import BucketSink, PushSession, make_sink
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["drain", "in_place", "abort"]
+VerifyLevel = Literal["full", "none"]
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+# Margin on top of the update's own timeout for the HTTP answer to travel back.
+_HTTP_MARGIN_S = 10.0
+
+
+class PushError(RuntimeError):
+    """One or more engines did not commit a push.
+
+    Attributes:
+        failures: engine URL -> reason.
+    """
+
+    def __init__(self, version: str, failures: dict[str, str]) -> None:
+        self.version = version
+        self.failures = failures
+        details = "; ".join(f"{url}: {reason}" for url, reason in failures.items())
+        super().__init__(
+            f"push of version {version!r} failed on {len(failures)} engine(s): {details}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """What one engine reported after committing."""
+
+    url: str
+    version: str
+    fingerprint: str
+    nbytes: int
+    seconds: float
+    phases: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    """A committed push: every engine serves `version` with `fingerprint`."""
+
+    version: str
+    fingerprint: str
+    nbytes: int
+    seconds: float
+    engines: list[EngineResult]
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def _default_disk_root() -> Path:
+    # mkdtemp: a fresh 0700 directory with an unguessable name, so /dev/shm is safe here.
+    shm = Path("/dev/shm")  # noqa: S108
+    return Path(tempfile.mkdtemp(prefix="weightbus-disk-", dir=shm if shm.is_dir() else None))
+
+
+def _error_reason(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:500]}"
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else body
+    names = body.get("names") if isinstance(body, dict) else None
+    suffix = f" (tensors: {names})" if names else ""
+    return f"HTTP {response.status_code}: {message}{suffix}"
+
+
+class Publisher:
+    """Trainer-side handle on a set of engines.
+
+    Args:
+        engines: base URLs of the engines' HTTP servers.
+        transport: a registered transport name (`weightbus.transport.transport_names()`).
+        bucket_bytes: bucket size of the plan (and of transport buffers).
+        token: bearer token of the engines' admin routes, if they require one.
+        timeout_s: bound of one push on every engine.
+        transport_options: keyword arguments of the transport's sink (e.g. `root` for disk).
+
+    Raises:
+        ValueError: no engines, an unknown transport, or a non-positive timeout.
+    """
+
+    def __init__(
+        self,
+        engines: list[str],
+        *,
+        transport: str = "disk",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        transport_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("engines: give at least one engine URL")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.engines = [url.rstrip("/") for url in engines]
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self._sessions = SessionFactory(bucket_bytes)
+        options = dict(transport_options or {})
+        self._owned_root: Path | None = None
+        if transport == "disk" and "root" not in options:
+            self._owned_root = options["root"] = _default_disk_root()
+        self._sink: BucketSink = make_sink(transport, **options)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(headers=headers, timeout=timeout_s + _HTTP_MARGIN_S)
+        self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="push")
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the transport (files, shared memory, sockets) and the HTTP connections."""
+        self._pool.shutdown(wait=True)
+        self._sink.close()
+        self._http.close()
+        if self._owned_root is not None:
+            shutil.rmtree(self._owned_root, ignore_errors=True)
+
+    def fingerprint(self, weights: Weights, name_map: NameMap | None = None) -> str:
+        """The fingerprint engines report after a push of `weights` (computed locally)."""
+        normalized = normalize_weights(weights, name_map)
+        return self._sessions.session(normalized, "local", None).fingerprint
+
+    def push(
+        self,
+        weights: Weights,
+        *,
+        version: str,
+        step: int | None = None,
+        pause_mode: PauseMode = "drain",
+        atomic: bool = True,
+        verify: VerifyLevel = "full",
+        force: bool = False,
+        name_map: NameMap | None = None,
+    ) -> PushResult:
+        """Push `weights` as `version` into every engine; block until all committed.
+
+        Args:
+            weights: an `nn.Module`, a state dict, or `(name, tensor)` pairs with HF names.
+            version: the new version's name; engines refuse a version they already serve
+                unless `force`.
+            step: optional increasing training step; engines refuse a step not above theirs.
+            pause_mode: `drain`, `in_place` or `abort` (see the design).
+            atomic: stage the update and swap at a step boundary (old version serves on failure).
+            verify: `full` checks every digest; `none` skips digests only.
+            force: re-push the version an engine already serves.
+            name_map: renames applied before sending (a name mapped to None is dropped).
+
+        Returns:
+            The committed version, its fingerprint and per-engine results.
+
+        Raises:
+            PushError: an engine refused, failed or timed out (each one named with its reason).
+        """
+        start = time.perf_counter()
+        tick = start
+        normalized = normalize_weights(weights, name_map)
+        session = self._sessions.session(normalized, version, step)
+        phases = {"plan_digest_s": time.perf_counter() - tick}
+        tick = time.perf_counter()
+        tensors = dict(normalized)
+        source = self._sink.prepare(session, tensors)
+        phases["prepare_s"] = time.perf_counter() - tick
+        body = {
+            "version": version,
+            "step": step,
+            "force": force,
+            "transport": self.transport,
+            "source": source,
+            "plan_hash": session.plan.plan_hash,
+            "pause_mode": pause_mode,
+            "atomic": atomic,
+            "verify": verify,
+            "timeout_s": self.timeout_s,
+        }
+        futures = self._request_all(body)
+        tick = time.perf_counter()
+        stream_error = self._stream(session, tensors)
+        phases["stream_s"] = time.perf_counter() - tick
+        tick = time.perf_counter()
+        engines = self._collect(session, futures, stream_error)
+        phases["wait_s"] = time.perf_counter() - tick
+        seconds = time.perf_counter() - start
+        logger.info("pushed %s to %d engine(s) in %.3f s", version, len(engines), seconds)
+        return PushResult(
+            version=version,
+            fingerprint=session.fingerprint,
+            nbytes=session.plan.total_bytes,
+            seconds=seconds,
+            engines=engines,
+            phases=phases,
+        )
+
+    def _request_all(self, body: dict) -> dict[str, Future]:
+        return {
+            url: self._pool.submit(self._http.post, f"{url}/v1/update_weights", json=body)
+            for url in self.engines
+        }
+
+    def _stream(self, session: PushSession, tensors: dict) -> str | None:
+        try:
+            self._sink.stream(session, tensors, self.timeout_s)
+        except (TimeoutError, OSError, ValueError) as exc:
+            return f"transport {self.transport}: {exc}"
+        return None
+
+    def _collect(
+        self, session: PushSession, futures: dict[str, Future], stream_error: str | None
+    ) -> list[EngineResult]:
+        failures: dict[str, str] = {}
+        results: list[EngineResult] = []
+        for url, future in futures.items():
+            try:
+                response = future.result()
+            except httpx.HTTPError as exc:
+                failures[url] = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code != 200:
+                failures[url] = _error_reason(response)
+                continue
+            body = response.json()
+            if body.get("fingerprint") != session.fingerprint:
+                failures[url] = (
+                    f"committed fingerprint {body.get('fingerprint')} "
+                    f"!= pushed {session.fingerprint}"
+                )
+                continue
+            results.append(
+                EngineResult(
+                    url=url,
+                    version=body["version"],
+                    fingerprint=body["fingerprint"],
+                    nbytes=body.get("bytes", 0),
+                    seconds=body.get("seconds", 0.0),
+                    phases=body.get("phases", {}),
+                )
+            )
+        if stream_error and not failures:
+            failures = dict.fromkeys(futures, stream_error)
+        if failures:
+            raise PushError(session.version, failures)
+        return results
