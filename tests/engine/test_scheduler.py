@@ -18,7 +18,7 @@ def make_scheduler(**overrides: int) -> Scheduler:
 
 def seq(request_id: str, prompt_len: int = 3, max_tokens: int = 4, **params: object) -> Sequence:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
-    return Sequence(request_id, list(range(1, prompt_len + 1)), sampling)
+    return Sequence(request_id, [1 + i % 8 for i in range(prompt_len)], sampling)
 
 
 def test_new_requests_join_between_decode_steps() -> None:
