@@ -106,18 +106,23 @@ async def _generate(
     return gen
 
 
+def _top_by_text(tokenizer: Tokenizer, ids: list[int], logprobs: list[float]) -> dict[str, float]:
+    by_text: dict[str, float] = {}
+    for token_id, logprob in zip(ids, logprobs, strict=True):
+        by_text.setdefault(tokenizer.decode([token_id]), logprob)  # best first: keep it
+    return by_text
+
+
 def _logprobs(gen: _Generation, tokenizer: Tokenizer, num_logprobs: int) -> LogProbs:
-    top = None
-    if num_logprobs > 0:
-        top = [
-            {tokenizer.decode([t]): lp for t, lp in zip(ids, lps, strict=True)}
-            for ids, lps in gen.top
-        ]
-    return LogProbs(
+    result = LogProbs(
         tokens=[tokenizer.decode([t]) for t in gen.token_ids],
         token_logprobs=gen.logprobs,
-        top_logprobs=top,
     )
+    if num_logprobs > 0:
+        result.top_logprobs = [_top_by_text(tokenizer, ids, lps) for ids, lps in gen.top]
+        result.top_token_ids = [ids for ids, _ in gen.top]
+        result.top_token_logprobs = [lps for _, lps in gen.top]
+    return result
 
 
 async def _all_or_none(coros: list) -> list[_Generation]:

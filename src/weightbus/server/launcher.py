@@ -140,10 +140,12 @@ class Launcher:
 
     def failure(self) -> str | None:
         """Why the engine cannot serve: a worker exited (None while all run)."""
-        for rank, proc in enumerate(self.procs):
-            if proc.poll() is not None:
-                return f"worker rank {rank} exited with code {proc.returncode}"
-        return None
+        exited = [
+            f"worker rank {rank} exited with code {proc.returncode}"
+            for rank, proc in enumerate(self.procs)
+            if proc.poll() is not None
+        ]
+        return "; ".join(exited) or None
 
     def stop_workers(self) -> None:
         """Wait for the workers to exit after Shutdown; terminate, then kill, stragglers."""

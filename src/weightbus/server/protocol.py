@@ -14,7 +14,7 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[int] | list[str | list[int]]
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -60,9 +60,17 @@ class CompletionRequest(BaseModel):
 
 
 class LogProbs(BaseModel):
+    """Per-token logprobs under the model (before temperature and top-p).
+
+    `top_logprobs` is OpenAI's text-keyed form (tokens that decode to the same text keep the
+    best); `top_token_ids`/`top_token_logprobs` give the same alternatives by token id.
+    """
+
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_token_logprobs: list[list[float]] | None = None
 
 
 class CompletionChoice(BaseModel):
