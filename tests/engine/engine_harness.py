@@ -1,5 +1,6 @@
 """Shared helpers of the engine tests: tiny HF checkpoints, greedy decoding, a served engine."""
 
+import json
 import os
 import re
 import select
@@ -124,7 +125,10 @@ def greedy_generate(
 
 
 def tp_rank_main(rank: int, tp_size: int, store_port: int, cases: dict, out_dir: str) -> None:
-    """Body of one spawned rank: run every case and save its logits and greedy tokens."""
+    """Body of one rank process: run every case and save its logits and greedy tokens.
+
+    Started as `python engine_harness.py JSON_ARGS` (plain argv, nothing pickled).
+    """
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     init_tp_group(
@@ -220,3 +224,7 @@ class ServedEngine:
                 os.kill(pid, signal.SIGKILL)
         self._log.close()
         return code
+
+
+if __name__ == "__main__":
+    tp_rank_main(*json.loads(sys.argv[1]))

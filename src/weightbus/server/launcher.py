@@ -218,10 +218,13 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.create_server((host, port), reuse_port=False)
-    sock.set_inheritable(False)
-    return sock
+def _listen(host: str, port: int) -> tuple[socket.socket, str]:
+    # bound here, before any worker starts: a taken port fails fast, and `--port 0` is known
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family)
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+    return sock, f"http://{url_host}:{bound_port}"
 
 
 def serve(config: ServeConfig, on_ready: Callable[[str], None]) -> int:
@@ -248,9 +251,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str], None]) -> int:
             f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
             f"({model_config.max_position_embeddings})"
         )
-    sock = _listen(config.host, config.port)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
+    sock, url = _listen(config.host, config.port)
     launcher = Launcher(config, max_model_len)
     hooks = _Hooks(launcher, url, on_ready)
     try:
