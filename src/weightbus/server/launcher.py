@@ -86,23 +86,25 @@ class Launcher:
     """The worker processes and what they share: the TCPStore and the socket directory."""
 
     def __init__(self, config: ServeConfig, max_model_len: int) -> None:
-        from torch.distributed import TCPStore
-
         self.config = config
         self.max_model_len = max_model_len
+        self.ipc_dir = ""
+        self.store = None
+        self.procs: list[subprocess.Popen] = []
+        self.stop_requested = False
+
+    def start_workers(self) -> None:
+        """Create the socket directory and the rendezvous store; start one process per rank."""
+        from torch.distributed import TCPStore
+
         self.ipc_dir = tempfile.mkdtemp(prefix="weightbus-")  # mode 0700: private
         self.store = TCPStore(
             "127.0.0.1",
             0,  # the OS picks a free port; workers learn it from their config
             is_master=True,
             wait_for_workers=False,
-            timeout=timedelta(seconds=config.dist_timeout_s),
+            timeout=timedelta(seconds=self.config.dist_timeout_s),
         )
-        self.procs: list[subprocess.Popen] = []
-        self.stop_requested = False
-
-    def start_workers(self) -> None:
-        """Start one worker process per rank."""
         env = dict(os.environ)
         env.setdefault("WEIGHTBUS_LOG_LEVEL", logging.getLevelName(logging.getLogger().level))
         if sys.platform.startswith("linux"):
@@ -165,7 +167,8 @@ class Launcher:
     def close(self) -> None:
         """Stop the workers and remove what the launcher created."""
         self.stop_workers()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 class _Hooks:
@@ -194,28 +197,31 @@ class _Hooks:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, with signal handling that records the stop and does not re-raise it later.
+    """uvicorn, leaving signals to `_handle_stop_signals`.
 
-    (uvicorn re-raises a caught SIGTERM after shutdown, which would kill this process before
-    the launcher's cleanup runs.)
+    (uvicorn's own handling re-raises a caught SIGTERM after shutdown, which would kill this
+    process before the launcher's cleanup runs.)
     """
-
-    def __init__(self, config: uvicorn.Config, launcher: Launcher) -> None:
-        super().__init__(config)
-        self.launcher = launcher
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        def handle(sig: int, frame: object) -> None:
-            self.launcher.stop_requested = True
-            self.handle_exit(sig, frame)
+        yield
 
-        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+
+@contextlib.contextmanager
+def _handle_stop_signals(launcher: "Launcher", hooks: _Hooks) -> Iterator[None]:
+    # Installed before anything is created, so a stop at any point runs the cleanup.
+    def handle(sig: int, frame: object) -> None:
+        launcher.stop_requested = True
+        if hooks.server is not None:
+            hooks.server.handle_exit(sig, frame)  # a second Ctrl-C forces the exit
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _listen(host: str, port: int) -> tuple[socket.socket, str]:
@@ -254,30 +260,30 @@ def serve(config: ServeConfig, on_ready: Callable[[str], None]) -> int:
     sock, url = _listen(config.host, config.port)
     launcher = Launcher(config, max_model_len)
     hooks = _Hooks(launcher, url, on_ready)
-    try:
-        launcher.start_workers()
-        app_config = AppConfig(
-            model=config.model,
-            served_model_name=config.served_model_name or Path(config.model).name,
-            ipc_dir=launcher.ipc_dir,
-            bos_token_id=model_config.bos_token_id,
-            ready_timeout_s=config.ready_timeout_s,
-            request_timeout_s=config.request_timeout_s,
-        )
-        uvicorn_config = uvicorn.Config(
-            create_app(app_config, hooks),
-            log_config=None,  # keep weightbus.log's format
-            access_log=False,
-            timeout_graceful_shutdown=int(config.shutdown_timeout_s),
-        )
-        server = _Server(uvicorn_config, launcher)
-        hooks.server = server
+    with _handle_stop_signals(launcher, hooks):
         try:
-            server.run(sockets=[sock])
+            launcher.start_workers()
+            app_config = AppConfig(
+                model=config.model,
+                served_model_name=config.served_model_name or Path(config.model).name,
+                ipc_dir=launcher.ipc_dir,
+                bos_token_id=model_config.bos_token_id,
+                ready_timeout_s=config.ready_timeout_s,
+                request_timeout_s=config.request_timeout_s,
+            )
+            uvicorn_config = uvicorn.Config(
+                create_app(app_config, hooks),
+                log_config=None,  # keep weightbus.log's format
+                access_log=False,
+                timeout_graceful_shutdown=int(config.shutdown_timeout_s),
+            )
+            hooks.server = _Server(uvicorn_config)
+            if not launcher.stop_requested:
+                hooks.server.run(sockets=[sock])
         except SystemExit:  # uvicorn's exit when the app's start-up failed
             hooks.exit_code = 0 if launcher.stop_requested else 1
-    finally:
-        launcher.close()
-        sock.close()
+        finally:
+            launcher.close()
+            sock.close()
     logger.info("stopped")
     return hooks.exit_code
