@@ -6,6 +6,7 @@ import importlib
 # suite name -> (module, one-line help); modules are imported only when their suite runs.
 SUITES = {
     "buckets": ("weightbus.bench.buckets", "flat-bucket packing vs a memcpy floor, same run"),
+    "engine": ("weightbus.bench.engine", "reference engine tokens/s at batch 1 and 16, TP 1 and 2"),
 }
 
 
@@ -13,9 +14,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="run a benchmark suite")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name, (module_name, help_text) in SUITES.items():
+        module = importlib.import_module(module_name)
         suite = suites.add_parser(name, help=help_text)
         suite.set_defaults(handler=_runner(module_name))
-        importlib.import_module(module_name).add_arguments(suite)
+        module.add_arguments(suite)
 
 
 def _runner(module_name: str):

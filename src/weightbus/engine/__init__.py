@@ -1,0 +1,1 @@
+"""The reference engine's runtime: sequences, scheduler, KV cache, sampler, per-rank worker."""

@@ -1,0 +1,68 @@
+"""Next-token choice (greedy, temperature, top-p) and logprobs for a batch of sequences."""
+
+from dataclasses import dataclass
+
+import torch
+
+from weightbus.engine.sequence import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    """Chosen token per sequence and its log-probability under the model (before temperature).
+
+    `top_token_ids`/`top_logprobs` hold the requested number of best alternatives (empty lists
+    when a sequence asked for none).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def _sample_row(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always the top token)
+        outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> SampleResult:
+    """Pick one token per row of `logits`.
+
+    Args:
+        logits: float32 `[num_seqs, vocab_size]`.
+        params: sampling parameters of each row.
+        generators: each row's generator (None for greedy rows).
+
+    Returns:
+        Chosen tokens with their logprobs and the requested top alternatives.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)
+    greedy = logits.argmax(dim=-1)  # first maximum, like transformers' greedy search
+    token_ids = [
+        int(greedy[i]) if p.greedy else _sample_row(logits[i], p, generators[i])
+        for i, p in enumerate(params)
+    ]
+    chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
+    top_ids: list[list[int]] = []
+    top_lps: list[list[float]] = []
+    max_k = max((p.num_logprobs or 0 for p in params), default=0)
+    top = logprobs.topk(max_k, dim=-1) if max_k else None
+    for i, p in enumerate(params):
+        k = p.num_logprobs or 0
+        top_ids.append(top.indices[i, :k].tolist() if top is not None else [])
+        top_lps.append(top.values[i, :k].tolist() if top is not None else [])
+    return SampleResult(token_ids, chosen, top_ids, top_lps)

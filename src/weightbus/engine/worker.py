@@ -1,0 +1,313 @@
+"""The per-rank worker process and its event loop.
+
+Every rank runs the same loop, one iteration per model step:
+
+    _recv_requests -> _schedule -> _broadcast_batch -> _forward -> _sample -> _send_outputs
+
+Rank 0 (the driver) owns the scheduler and talks to the API server over ZMQ `ipc://`; it
+decides the batch and broadcasts it to the other ranks as int64 tensors on the TP gloo group
+(a fixed-size header, then slots/positions/token ids). All ranks run the forward pass; rank 0
+samples and sends the new tokens back. When idle, rank 0 still broadcasts an IDLE header every
+`idle_wait_s`, so other ranks' waits stay bounded and a per-step broadcast (e.g. a weights
+status) always has a carrier. Run as `python -m weightbus.engine.worker CONFIG_JSON`.
+"""
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from weightbus.engine import messages
+from weightbus.engine.model_runner import ModelInput, ModelRunner
+from weightbus.engine.sampler import SampleResult, sample
+from weightbus.engine.scheduler import Scheduler
+from weightbus.engine.sequence import SamplingParams, Sequence
+from weightbus.layers.attention import AttentionMetadata
+from weightbus.layers.parallel import destroy_tp_group, init_tp_group
+from weightbus.log import setup_logging
+from weightbus.meta import dtype_from_name
+from weightbus.models.loader import resolve_config
+
+logger = logging.getLogger(__name__)
+
+# Header of every step, broadcast from rank 0: [command, num_seqs, num_tokens, reserved...].
+# Reserved fields are for per-step control (e.g. a weights status) added later.
+HEADER_SIZE = 8
+CMD, NUM_SEQS, NUM_TOKENS = 0, 1, 2
+IDLE, RUN, STOP = 0, 1, 2
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a worker process needs; passed as JSON on its command line."""
+
+    tp_rank: int
+    tp_size: int
+    model: str
+    dtype: str
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    seed: int
+    store_host: str
+    store_port: int
+    ipc_dir: str
+    dist_timeout_s: float
+    idle_wait_s: float
+    parent_pid: int
+    weight_version: str = "init"
+
+
+def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
+    """ZMQ addresses (requests to rank 0, outputs from rank 0) inside a private directory."""
+    return f"ipc://{Path(ipc_dir) / 'requests'}", f"ipc://{Path(ipc_dir) / 'outputs'}"
+
+
+class Worker:
+    """One rank: its model shard, and for rank 0 the scheduler and the API-server link."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.is_driver = config.tp_rank == 0
+        self.tp_size = config.tp_size
+        init_tp_group(
+            tp_rank=config.tp_rank,
+            tp_size=config.tp_size,
+            store_host=config.store_host,
+            store_port=config.store_port,
+            timeout_s=config.dist_timeout_s,
+        )
+        model_config = resolve_config(config.model)
+        self.runner = ModelRunner(
+            config=model_config,
+            source=config.model,
+            dtype=dtype_from_name(config.dtype),
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+        )
+        self.weight_version = config.weight_version
+        self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        self.batch: list[Sequence] = []
+        self.stopping = False
+        if self.is_driver:
+            self.scheduler = Scheduler(
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                vocab_size=model_config.vocab_size,
+                eos_token_ids=model_config.eos_token_ids,
+            )
+            self._connect()
+        # every rank has loaded its shard before rank 0 reports ready
+        dist.barrier()
+        if self.is_driver:
+            self._send(
+                messages.Ready(
+                    protocol_version=messages.PROTOCOL_VERSION,
+                    tp_size=config.tp_size,
+                    vocab_size=model_config.vocab_size,
+                    max_model_len=config.max_model_len,
+                    eos_token_ids=list(model_config.eos_token_ids),
+                    weight_version=self.weight_version,
+                )
+            )
+
+    def _connect(self) -> None:
+        requests_addr, outputs_addr = ipc_addresses(self.config.ipc_dir)
+        self.zmq_context = zmq.Context()
+        self.requests = self.zmq_context.socket(zmq.PULL)
+        self.requests.connect(requests_addr)
+        self.outputs = self.zmq_context.socket(zmq.PUSH)
+        # a stalled API server must not hang the engine forever
+        self.outputs.setsockopt(zmq.SNDTIMEO, int(self.config.dist_timeout_s * 1000))
+        self.outputs.connect(outputs_addr)
+
+    def close(self) -> None:
+        """Leave the TP group and close sockets."""
+        if self.is_driver:
+            self.requests.close(linger=0)
+            self.outputs.close(linger=1000)
+            self.zmq_context.term()
+        destroy_tp_group()
+
+    def run(self) -> None:
+        """Run steps until rank 0 broadcasts STOP."""
+        while self.step():
+            pass
+        logger.info("worker stopped")
+
+    def step(self) -> bool:
+        """One iteration of the event loop; False once the engine stops."""
+        if self.is_driver:
+            self._recv_requests()
+            self._schedule()
+        command, model_input = self._broadcast_batch()
+        if command == STOP:
+            return False
+        if model_input is None:
+            return True
+        logits = self._forward(model_input)
+        if self.is_driver:
+            result = self._sample(logits)
+            self._send_outputs(result)
+        return True
+
+    # --- steps ---
+
+    def _recv_requests(self) -> None:
+        # wait only when there is nothing to compute; otherwise just drain what arrived
+        busy = self.scheduler.has_work()
+        timeout_ms = 0 if busy else int(self.config.idle_wait_s * 1000)
+        if not self.requests.poll(timeout_ms):
+            if not busy and os.getppid() != self.config.parent_pid:
+                logger.error("launcher is gone; stopping")
+                self.stopping = True
+            return
+        while True:
+            try:
+                data = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(data)
+
+    def _handle(self, data: bytes) -> None:
+        try:
+            message = messages.decode_to_engine(data)
+        except msgspec.DecodeError:
+            logger.exception("dropping a malformed message")
+            return
+        if isinstance(message, messages.Shutdown):
+            self.stopping = True
+        elif isinstance(message, messages.AbortRequest):
+            self.scheduler.abort(message.request_id)
+        else:
+            self._add(message)
+
+    def _add(self, request: messages.AddRequest) -> None:
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            num_logprobs=request.num_logprobs,
+            ignore_eos=request.ignore_eos,
+        )
+        try:
+            self.scheduler.add(Sequence(request.request_id, request.prompt_token_ids, params))
+        except ValueError as exc:
+            self._send(messages.RequestError(request_id=request.request_id, message=str(exc)))
+
+    def _schedule(self) -> None:
+        self.batch = [] if self.stopping else self.scheduler.schedule()
+
+    def _broadcast_batch(self) -> tuple[int, ModelInput | None]:
+        payload = self._pack_batch() if self.is_driver else self.header
+        if self.tp_size > 1:
+            dist.broadcast(self.header, src=0)
+        command = int(self.header[CMD])
+        if command != RUN:
+            return command, None
+        num_seqs, num_tokens = int(self.header[NUM_SEQS]), int(self.header[NUM_TOKENS])
+        if not self.is_driver:
+            payload = torch.empty(3 * num_seqs + num_tokens, dtype=torch.int64)
+        if self.tp_size > 1:
+            dist.broadcast(payload, src=0)
+        return command, _unpack_batch(payload, num_seqs)
+
+    def _pack_batch(self) -> torch.Tensor:
+        self.header.zero_()
+        if self.stopping:
+            self.header[CMD] = STOP
+            return self.header
+        if not self.batch:
+            self.header[CMD] = IDLE
+            return self.header
+        new_tokens = [seq.new_token_ids for seq in self.batch]
+        layout = [
+            [seq.slot for seq in self.batch],
+            [seq.num_cached_tokens for seq in self.batch],
+            [len(tokens) for tokens in new_tokens],
+        ]
+        flat_tokens = [t for tokens in new_tokens for t in tokens]
+        self.header[CMD] = RUN
+        self.header[NUM_SEQS] = len(self.batch)
+        self.header[NUM_TOKENS] = len(flat_tokens)
+        return torch.tensor([*layout[0], *layout[1], *layout[2], *flat_tokens])
+
+    def _forward(self, model_input: ModelInput) -> torch.Tensor:
+        return self.runner.forward(model_input)
+
+    def _sample(self, logits: torch.Tensor) -> SampleResult:
+        result = sample(
+            logits,
+            [seq.params for seq in self.batch],
+            [seq.generator for seq in self.batch],
+        )
+        self.scheduler.postprocess(self.batch, result.token_ids)
+        return result
+
+    def _send_outputs(self, result: SampleResult) -> None:
+        outputs = [
+            messages.TokenOutput(
+                request_id=seq.request_id,
+                token_id=result.token_ids[i],
+                logprob=result.logprobs[i],
+                top_token_ids=result.top_token_ids[i],
+                top_logprobs=result.top_logprobs[i],
+                finish_reason=seq.finish_reason,
+            )
+            for i, seq in enumerate(self.batch)
+        ]
+        self._send(messages.StepOutputs(weight_version=self.weight_version, outputs=outputs))
+
+    def _send(self, message: messages.FromEngine) -> None:
+        self.outputs.send(messages.encode(message))
+
+
+def _unpack_batch(payload: torch.Tensor, num_seqs: int) -> ModelInput:
+    layout = payload[: 3 * num_seqs].view(3, num_seqs).tolist()
+    meta = AttentionMetadata(slots=layout[0], start_positions=layout[1], num_new_tokens=layout[2])
+    return ModelInput(token_ids=payload[3 * num_seqs :], meta=meta)
+
+
+def _die_with_parent() -> None:
+    # Linux: the kernel kills this worker if the launcher dies, even by SIGKILL.
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker process entry point: `python -m weightbus.engine.worker CONFIG_JSON`."""
+    argv = sys.argv[1:] if argv is None else argv
+    config = msgspec.json.decode(argv[0], type=WorkerConfig)
+    setup_logging(rank=config.tp_rank)
+    _die_with_parent()
+    if os.getppid() != config.parent_pid:
+        logger.error("launcher exited before this worker started")
+        return 1
+    # the launcher coordinates shutdown; a terminal's Ctrl-C must not break a collective
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+    worker = None
+    try:
+        worker = Worker(config)
+        worker.run()
+    except Exception:
+        logger.exception("worker failed")
+        return 1
+    finally:
+        if worker is not None:
+            worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Tensor-parallel building blocks of the reference engine, in vLLM's vocabulary."""

@@ -1,0 +1,1 @@
+"""Model definitions of the reference engine: configs, the Llama/Qwen2 decoder, HF loading."""

@@ -1,0 +1,49 @@
+"""`weightbus serve`: the reference engine's command."""
+
+import argparse
+import sys
+
+from weightbus.server.launcher import DTYPES, ServeConfig
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve", help="serve a model over HTTP with the tensor-parallel reference engine"
+    )
+    parser.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face directory")
+    parser.add_argument("--tp", type=int, default=1, dest="tp_size", help="tensor-parallel ranks")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences in a batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
+    parser.add_argument("--served-model-name", default=None)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from weightbus.server.launcher import serve
+
+    try:
+        config = ServeConfig(
+            model=args.model,
+            tp_size=args.tp_size,
+            host=args.host,
+            port=args.port,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+            served_model_name=args.served_model_name,
+        )
+        return serve(config, on_ready=_print_url)
+    except (ValueError, OSError) as exc:
+        print(f"weightbus serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _print_url(url: str) -> None:
+    print(f"weightbus: serving on {url}", flush=True)

@@ -1,0 +1,206 @@
+"""`/v1/completions`: prompts in, one engine request per prompt, choices out."""
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from weightbus.engine import messages
+from weightbus.engine.tokenizer import Tokenizer
+from weightbus.server.engine_client import EngineClient, EngineDeadError
+from weightbus.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    LogProbs,
+    Usage,
+)
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {...}}` with an HTTP status."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+
+
+@dataclass(slots=True)
+class _Generation:
+    """Tokens of one choice as they arrive."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    weight_version: str = ""
+
+
+def tokenize_prompts(
+    body: CompletionRequest, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int
+) -> list[list[int]]:
+    """Token ids of every prompt, checked against the vocabulary and the context length.
+
+    Raises:
+        APIError: 400 naming `prompt` or `max_tokens`.
+    """
+    prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in body.prompts()]
+    for ids in prompts:
+        if not ids:
+            raise APIError(400, "prompt encodes to no tokens", param="prompt")
+        if max(ids) >= vocab_size:
+            raise APIError(400, f"token id {max(ids)} >= vocab_size {vocab_size}", param="prompt")
+        if len(ids) + body.max_tokens > max_model_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {max_model_len} tokens; the request "
+                f"needs {len(ids)} prompt + {body.max_tokens} completion tokens",
+                param="max_tokens" if len(ids) < max_model_len else "prompt",
+            )
+    return prompts
+
+
+def _find_stop(text: str, stops: list[str], search_from: int) -> int:
+    positions = [text.find(s, search_from) for s in stops]
+    found = [p for p in positions if p >= 0]
+    return min(found) if found else -1
+
+
+async def _generate(
+    client: EngineClient,
+    tokenizer: Tokenizer,
+    request: messages.AddRequest,
+    stops: list[str],
+) -> _Generation:
+    gen = _Generation()
+    queue = await client.add(request)
+    longest_stop = max((len(s) for s in stops), default=0)
+    try:
+        while gen.finish_reason is None:
+            item = await queue.get()
+            if isinstance(item, messages.RequestError):
+                raise APIError(400, item.message, param="prompt")
+            if isinstance(item, Exception):
+                raise item
+            gen.weight_version, out = item
+            gen.token_ids.append(out.token_id)
+            gen.logprobs.append(out.logprob)
+            gen.top.append((out.top_token_ids, out.top_logprobs))
+            gen.finish_reason = out.finish_reason
+            if stops:
+                previous_len = len(gen.text)
+                gen.text = tokenizer.decode(gen.token_ids)
+                cut = _find_stop(gen.text, stops, max(0, previous_len - longest_stop))
+                if cut >= 0:
+                    gen.text, gen.finish_reason = gen.text[:cut], "stop"
+                    await client.abort(request.request_id)
+    finally:
+        if gen.finish_reason is None:  # cancelled, timed out or failed: free the engine slot
+            await client.abort(request.request_id)
+        client.release(request.request_id)
+    if not stops:
+        gen.text = tokenizer.decode(gen.token_ids)
+    return gen
+
+
+def _top_by_text(tokenizer: Tokenizer, ids: list[int], logprobs: list[float]) -> dict[str, float]:
+    by_text: dict[str, float] = {}
+    for token_id, logprob in zip(ids, logprobs, strict=True):
+        by_text.setdefault(tokenizer.decode([token_id]), logprob)  # best first: keep it
+    return by_text
+
+
+def _logprobs(gen: _Generation, tokenizer: Tokenizer, num_logprobs: int) -> LogProbs:
+    result = LogProbs(
+        tokens=[tokenizer.decode([t]) for t in gen.token_ids],
+        token_logprobs=gen.logprobs,
+    )
+    if num_logprobs > 0:
+        result.top_logprobs = [_top_by_text(tokenizer, ids, lps) for ids, lps in gen.top]
+        result.top_token_ids = [ids for ids, _ in gen.top]
+        result.top_token_logprobs = [lps for _, lps in gen.top]
+    return result
+
+
+async def _all_or_none(coros: list) -> list[_Generation]:
+    # Like gather, but when one choice fails (or the request is cancelled) the others are
+    # cancelled too, so each frees its engine slot.
+    tasks = [asyncio.create_task(coro) for coro in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_completion(
+    body: CompletionRequest,
+    *,
+    client: EngineClient,
+    tokenizer: Tokenizer,
+    model_name: str,
+    request_timeout_s: float,
+) -> CompletionResponse:
+    """Generate every choice of a completion request concurrently.
+
+    Raises:
+        APIError: 400 for prompts the model cannot take, 503 when the engine is gone,
+            504 when generation outlasts `request_timeout_s`.
+    """
+    ready = client.ready
+    assert ready is not None
+    prompts = tokenize_prompts(
+        body, tokenizer, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len
+    )
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = [
+        messages.AddRequest(
+            request_id=f"{completion_id}-{i}",
+            prompt_token_ids=ids,
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            num_logprobs=body.logprobs,
+            ignore_eos=body.ignore_eos,
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    stops = list(body.stop or [])
+    try:
+        async with asyncio.timeout(request_timeout_s):
+            generations = await _all_or_none(
+                [_generate(client, tokenizer, r, stops) for r in requests]
+            )
+    except EngineDeadError as exc:
+        raise APIError(503, f"engine unavailable: {exc}") from None
+    except TimeoutError:
+        raise APIError(504, f"generation took longer than {request_timeout_s:.0f} s") from None
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=gen.text,
+            token_ids=gen.token_ids,
+            logprobs=None if body.logprobs is None else _logprobs(gen, tokenizer, body.logprobs),
+            finish_reason=gen.finish_reason or "abort",
+            weight_version=gen.weight_version,
+        )
+        for i, gen in enumerate(generations)
+    ]
+    num_prompt = sum(len(ids) for ids in prompts)
+    num_completion = sum(len(gen.token_ids) for gen in generations)
+    return CompletionResponse(
+        id=completion_id,
+        created=int(time.time()),
+        model=model_name,
+        choices=choices,
+        usage=Usage(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_completion,
+            total_tokens=num_prompt + num_completion,
+        ),
+    )

@@ -1,0 +1,289 @@
+"""`serve`: start the worker processes and the API server, supervise them, stop them all.
+
+Process tree: this process runs the API server (uvicorn, main thread) and owns the rendezvous
+TCPStore (on an OS-assigned port) and a private directory for the ZMQ sockets; it starts one
+`python -m weightbus.engine.worker` process per rank. A worker dies with its launcher (Linux
+parent-death signal). SIGINT/SIGTERM make uvicorn stop; then rank 0 is told to shut down (it
+stops all ranks through the TP group), stragglers are terminated, the directory is removed.
+"""
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import msgspec
+import uvicorn
+
+from weightbus.engine.worker import WorkerConfig
+from weightbus.models.loader import TINY, resolve_config
+from weightbus.server.api import AppConfig, create_app
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16")
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(kw_only=True, slots=True)
+class ServeConfig:
+    """Flags of `weightbus serve`; `__post_init__` names the flag to fix.
+
+    Raises:
+        ValueError: a flag is out of range.
+    """
+
+    model: str = TINY
+    tp_size: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    served_model_name: str | None = None
+    ready_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    dist_timeout_s: float = 60.0
+    idle_wait_s: float = 0.05
+    shutdown_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.model != TINY and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(
+                f"--model must be 'tiny' or a directory with config.json: {self.model}"
+            )
+        if self.tp_size < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp_size}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        for name in ("ready_timeout_s", "request_timeout_s", "dist_timeout_s", "idle_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class Launcher:
+    """The worker processes and what they share: the TCPStore and the socket directory."""
+
+    def __init__(self, config: ServeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.ipc_dir = ""
+        self.store = None
+        self.procs: list[subprocess.Popen] = []
+        self.stop_requested = False
+
+    def start_workers(self) -> None:
+        """Create the socket directory and the rendezvous store; start one process per rank."""
+        from torch.distributed import TCPStore
+
+        self.ipc_dir = tempfile.mkdtemp(prefix="weightbus-")  # mode 0700: private
+        self.store = TCPStore(
+            "127.0.0.1",
+            0,  # the OS picks a free port; workers learn it from their config
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.config.dist_timeout_s),
+        )
+        env = dict(os.environ)
+        env.setdefault("WEIGHTBUS_LOG_LEVEL", logging.getLevelName(logging.getLogger().level))
+        if sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks share this host
+        for rank in range(self.config.tp_size):
+            worker_config = self._worker_config(rank)
+            cmd = [sys.executable, "-m", "weightbus.engine.worker", worker_config]
+            # own session: a terminal's Ctrl-C reaches the launcher only, which stops the ranks
+            proc = subprocess.Popen(  # noqa: S603 - argv is this interpreter, our module, our JSON
+                cmd, env=env, start_new_session=True
+            )
+            self.procs.append(proc)
+        logger.info("started %d worker(s): pids %s", len(self.procs), [p.pid for p in self.procs])
+
+    def _worker_config(self, rank: int) -> str:
+        c = self.config
+        return msgspec.json.encode(
+            WorkerConfig(
+                tp_rank=rank,
+                tp_size=c.tp_size,
+                model=c.model,
+                dtype=c.dtype,
+                max_num_seqs=c.max_num_seqs,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                seed=c.seed,
+                store_host="127.0.0.1",
+                store_port=self.store.port,
+                ipc_dir=self.ipc_dir,
+                dist_timeout_s=c.dist_timeout_s,
+                idle_wait_s=c.idle_wait_s,
+                parent_pid=os.getpid(),
+            )
+        ).decode()
+
+    def failure(self) -> str | None:
+        """Why the engine cannot serve: a worker exited (None while all run)."""
+        exited = [
+            f"worker rank {rank} exited with code {proc.returncode}"
+            for rank, proc in enumerate(self.procs)
+            if proc.poll() is not None
+        ]
+        return "; ".join(exited) or None
+
+    def stop_workers(self) -> None:
+        """Wait for the workers to exit after Shutdown; terminate, then kill, stragglers."""
+        timeout_s = self.config.shutdown_timeout_s
+        for stop in (None, subprocess.Popen.terminate, subprocess.Popen.kill):
+            alive = [p for p in self.procs if p.poll() is None]
+            if not alive:
+                break
+            for proc in alive:
+                if stop is not None:
+                    logger.warning("worker pid %d still running: %s", proc.pid, stop.__name__)
+                    stop(proc)
+            for proc in alive:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Stop the workers and remove what the launcher created."""
+        self.stop_workers()
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class _Hooks:
+    """`EngineHooks` of the app: ties engine events to the launcher and the uvicorn server."""
+
+    def __init__(self, launcher: Launcher, url: str, on_ready: Callable[[str], None]) -> None:
+        self.launcher = launcher
+        self.url = url
+        self._on_ready = on_ready
+        self.server: uvicorn.Server | None = None
+        self.exit_code = 0
+
+    def failure(self) -> str | None:
+        return self.launcher.failure()
+
+    def stop_requested(self) -> bool:
+        return self.launcher.stop_requested
+
+    def on_ready(self) -> None:
+        self._on_ready(self.url)
+
+    def on_failure(self, reason: str) -> None:
+        self.exit_code = 1
+        if self.server is not None:
+            self.server.should_exit = True
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, leaving signals to `_handle_stop_signals`.
+
+    (uvicorn's own handling re-raises a caught SIGTERM after shutdown, which would kill this
+    process before the launcher's cleanup runs.)
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.contextmanager
+def _handle_stop_signals(launcher: "Launcher", hooks: _Hooks) -> Iterator[None]:
+    # Installed before anything is created, so a stop at any point runs the cleanup.
+    def handle(sig: int, frame: object) -> None:
+        launcher.stop_requested = True
+        if hooks.server is not None:
+            hooks.server.handle_exit(sig, frame)  # a second Ctrl-C forces the exit
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _listen(host: str, port: int) -> tuple[socket.socket, str]:
+    # bound here, before any worker starts: a taken port fails fast, and `--port 0` is known
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family)
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+    return sock, f"http://{url_host}:{bound_port}"
+
+
+def serve(config: ServeConfig, on_ready: Callable[[str], None]) -> int:
+    """Run the engine until SIGINT/SIGTERM or a worker failure.
+
+    Args:
+        config: flags.
+        on_ready: called with the server's URL once it accepts requests.
+
+    Returns:
+        Process exit code: 0 after a requested stop, 1 after a failure.
+
+    Raises:
+        ValueError: the model cannot be served with these flags (names the flag or field).
+        OSError: the port cannot be bound.
+    """
+    model_config = resolve_config(config.model)
+    model_config.validate_tp(config.tp_size)
+    max_model_len = config.max_model_len or min(
+        model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
+    )
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({model_config.max_position_embeddings})"
+        )
+    sock, url = _listen(config.host, config.port)
+    launcher = Launcher(config, max_model_len)
+    hooks = _Hooks(launcher, url, on_ready)
+    with _handle_stop_signals(launcher, hooks):
+        try:
+            launcher.start_workers()
+            app_config = AppConfig(
+                model=config.model,
+                served_model_name=config.served_model_name or Path(config.model).name,
+                ipc_dir=launcher.ipc_dir,
+                bos_token_id=model_config.bos_token_id,
+                ready_timeout_s=config.ready_timeout_s,
+                request_timeout_s=config.request_timeout_s,
+            )
+            uvicorn_config = uvicorn.Config(
+                create_app(app_config, hooks),
+                log_config=None,  # keep weightbus.log's format
+                access_log=False,
+                timeout_graceful_shutdown=int(config.shutdown_timeout_s),
+            )
+            hooks.server = _Server(uvicorn_config)
+            if not launcher.stop_requested:
+                hooks.server.run(sockets=[sock])
+        except SystemExit:  # uvicorn's exit when the app's start-up failed
+            hooks.exit_code = 0 if launcher.stop_requested else 1
+        finally:
+            launcher.close()
+            sock.close()
+    logger.info("stopped")
+    return hooks.exit_code
