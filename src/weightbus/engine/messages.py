@@ -1,9 +1,14 @@
 """Messages between the API server and rank 0, as msgspec structs over msgpack (never pickle).
 
-API server -> rank 0: `AddRequest`, `AbortRequest`, `Shutdown`.
+API server -> rank 0: `AddRequest`, `AbortRequest`, `Shutdown`, `UpdateWeights`, `Control`.
 Rank 0 -> API server: `Ready` once, then `StepOutputs` after every step, `RequestError` when a
-request cannot run. Decoding checks every field's type; unknown tags are rejected.
+request cannot run, `Aborted` when the engine ends requests itself (pause mode `abort`, memory
+release), `UpdateResult` / `ControlResult` answering `UpdateWeights` / `Control`, and
+`WeightsState` whenever the weights' version, status or memory changes (and once after Ready).
+Decoding checks every field's type; unknown tags are rejected.
 """
+
+from typing import Any, Literal
 
 import msgspec
 
@@ -57,8 +62,97 @@ class RequestError(msgspec.Struct, tag="error", frozen=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequest | Shutdown
-FromEngine = Ready | StepOutputs | RequestError
+PauseMode = Literal["drain", "in_place", "abort"]
+VerifyLevel = Literal["full", "none"]
+MemoryTag = Literal["kv_cache", "weights"]
+WeightsStatus = Literal["NORMAL", "UPDATING", "CLEARING", "CLEARED", "FAILED"]
+
+
+class UpdateWeights(msgspec.Struct, tag="update", frozen=True, kw_only=True):
+    """Receive a new weights version (`POST /v1/update_weights`).
+
+    `update_id` is a 32-hex-digit id the API server draws; ranks use it in their verdicts.
+    """
+
+    update_id: str
+    version: str
+    step: int | None = None
+    force: bool = False
+    transport: str
+    source: dict[str, Any]
+    plan_hash: str | None = None
+    pause_mode: PauseMode = "drain"
+    atomic: bool = True
+    verify: VerifyLevel = "full"
+    timeout_s: float = 60.0
+
+
+class Control(msgspec.Struct, tag="control", frozen=True, kw_only=True):
+    """Pause/continue generation or release/resume memory."""
+
+    request_id: str
+    action: Literal["pause", "continue", "release", "resume"]
+    mode: PauseMode = "drain"
+    tags: list[MemoryTag] = msgspec.field(default_factory=list)
+
+
+class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=True):
+    """Outcome of an `UpdateWeights`; `status_code` is the HTTP status to answer with.
+
+    200: committed. 400: the pushed data was wrong (`names` lists the offending tensors).
+    409: an update is running, or the version/step is not new. 504: the update timed out.
+    503: the engine cannot take updates (memory released).
+    """
+
+    update_id: str
+    status_code: int
+    version: str
+    fingerprint: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+    phases: dict[str, float] = msgspec.field(default_factory=dict)
+    error: str | None = None
+    names: list[str] = msgspec.field(default_factory=list)
+
+
+class ControlResult(msgspec.Struct, tag="control_result", frozen=True, kw_only=True):
+    request_id: str
+    status_code: int
+    message: str = ""
+
+
+class HistoryEntry(msgspec.Struct, frozen=True, kw_only=True):
+    version: str
+    step: int | None
+    fingerprint: str | None
+    committed_at: float
+    seconds: float
+    nbytes: int
+
+
+class WeightsState(msgspec.Struct, tag="weights", frozen=True, kw_only=True):
+    """The engine's weights as `GET /v1/weights` reports them."""
+
+    version: str
+    step: int | None
+    status: WeightsStatus
+    fingerprint: str | None
+    generation: Literal["running", "paused"]
+    released: list[MemoryTag]
+    history: list[HistoryEntry]
+
+
+class Aborted(msgspec.Struct, tag="aborted", frozen=True):
+    """The engine ended these requests itself (finish_reason "abort", with `reason`)."""
+
+    request_ids: list[str]
+    reason: str
+
+
+ToEngine = AddRequest | AbortRequest | Shutdown | UpdateWeights | Control
+FromEngine = (
+    Ready | StepOutputs | RequestError | UpdateResult | ControlResult | WeightsState | Aborted
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)
