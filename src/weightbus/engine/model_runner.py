@@ -57,16 +57,16 @@ class ModelRunner:
         self.config = config
         self.model = create_model(config, dtype)
         load_model(self.model, source, seed)
-        attn = self.model.model.layers[0].self_attn
-        self.kv_cache = KVCache(
-            num_layers=config.num_hidden_layers,
-            num_slots=max_num_seqs,
-            max_model_len=max_model_len,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=dtype,
-        )
-        self.kv_cache.bind(self.model)
+        self._kv_cache_shape = {
+            "num_layers": config.num_hidden_layers,
+            "num_slots": max_num_seqs,
+            "max_model_len": max_model_len,
+            "num_kv_heads": self.model.model.layers[0].self_attn.num_kv_heads,
+            "head_dim": config.head_dim,
+            "dtype": dtype,
+        }
+        self.kv_cache: KVCache | None = None
+        self.resume_kv_cache()
         logger.info(
             "model ready: %d layers, KV cache %d slots x %d tokens (%.1f MiB reserved)",
             config.num_hidden_layers,
@@ -74,6 +74,18 @@ class ModelRunner:
             max_model_len,
             self.kv_cache.nbytes / 2**20,
         )
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache (no sequence may be running)."""
+        self.kv_cache = None
+        for layer in self.model.model.layers:
+            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = torch.empty(0)
+
+    def resume_kv_cache(self) -> None:
+        """Allocate the KV cache (again) and bind it into the model."""
+        if self.kv_cache is None:
+            self.kv_cache = KVCache(**self._kv_cache_shape)
+            self.kv_cache.bind(self.model)
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput, *, all_logits: bool = False) -> torch.Tensor:

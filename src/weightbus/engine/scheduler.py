@@ -72,13 +72,30 @@ class Scheduler:
                 return True
         return False
 
-    def schedule(self) -> list[Sequence]:
-        """Sequences of the next step: the running ones, then newly admitted prompts."""
+    def abort_all(self, *, include_waiting: bool) -> list[Sequence]:
+        """Finish every running (and optionally waiting) sequence with reason "abort"."""
+        aborted = list(self.running)
+        if include_waiting:
+            aborted += self.waiting
+            self.waiting.clear()
+        for seq in aborted:
+            self._finish(seq, "abort")
+        return aborted
+
+    def schedule(self, *, run: bool = True, admit: bool = True) -> list[Sequence]:
+        """Sequences of the next step: the running ones, then newly admitted prompts.
+
+        Args:
+            run: whether running sequences may step at all (False: an empty batch).
+            admit: whether waiting prompts may start (False: running sequences only).
+        """
+        if not run:
+            return []
         # decode: every running sequence brings its last token
         budget = self.max_num_batched_tokens - len(self.running)
         admitted_any = False
         # prefill: admit waiting prompts while slots and budget last
-        while self.waiting and self.free_slots:
+        while admit and self.waiting and self.free_slots:
             seq = self.waiting[0]
             if admitted_any and len(seq) > budget:
                 break

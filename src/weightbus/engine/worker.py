@@ -29,19 +29,27 @@ from weightbus.engine.model_runner import ModelInput, ModelRunner
 from weightbus.engine.sampler import SampleResult, sample
 from weightbus.engine.scheduler import Scheduler
 from weightbus.engine.sequence import SamplingParams, Sequence
+from weightbus.engine.update_control import Action, StepAction, UpdateController, mask_to_tags
+from weightbus.engine.verdicts import all_flags, gather_verdicts
+from weightbus.engine.weights import WeightsManager
 from weightbus.layers.attention import AttentionMetadata
 from weightbus.layers.parallel import destroy_tp_group, init_tp_group
 from weightbus.log import setup_logging
 from weightbus.meta import dtype_from_name
-from weightbus.models.loader import resolve_config
+from weightbus.models.loader import resolve_config, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
-# Header of every step, broadcast from rank 0: [command, num_seqs, num_tokens, reserved...].
-# Reserved fields are for per-step control (e.g. a weights status) added later.
+# Header of every step, broadcast from rank 0:
+# [command, num_seqs, num_tokens, weights action, action payload bytes, memory tags, reserved x2].
+# The weights action rides in the header rank 0 broadcasts anyway, so while the weights status
+# is NORMAL an engine pays nothing for live updates; collectives of an update (flags, verdicts)
+# run only while one is in flight.
 HEADER_SIZE = 8
-CMD, NUM_SEQS, NUM_TOKENS = 0, 1, 2
+CMD, NUM_SEQS, NUM_TOKENS, ACTION, PAYLOAD_BYTES, TAGS = 0, 1, 2, 3, 4, 5
 IDLE, RUN, STOP = 0, 1, 2
+# While an update is in flight and nothing else runs, rank 0 steps this often to poll it.
+UPDATE_POLL_S = 0.002
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,10 +100,14 @@ class Worker:
             max_model_len=config.max_model_len,
             seed=config.seed,
         )
-        self.weight_version = config.weight_version
+        self.weights = WeightsManager(
+            self.runner, dtype_from_name(config.dtype), config.tp_rank, config.tp_size
+        )
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         self.batch: list[Sequence] = []
         self.stopping = False
+        self.step_action = StepAction()
+        self.update_request: messages.UpdateWeights | None = None
         if self.is_driver:
             self.scheduler = Scheduler(
                 max_num_seqs=config.max_num_seqs,
@@ -105,6 +117,14 @@ class Worker:
                 eos_token_ids=model_config.eos_token_ids,
             )
             self._connect()
+            self.control = UpdateController(
+                version=config.weight_version,
+                fingerprint=weights_fingerprint(
+                    config.model, model_config, config.seed, dtype_from_name(config.dtype)
+                ),
+                send=self._send,
+                abort=self._abort_sequences,
+            )
         # every rank has loaded its shard before rank 0 reports ready
         dist.barrier()
         if self.is_driver:
@@ -115,9 +135,10 @@ class Worker:
                     vocab_size=model_config.vocab_size,
                     max_model_len=config.max_model_len,
                     eos_token_ids=list(model_config.eos_token_ids),
-                    weight_version=self.weight_version,
+                    weight_version=config.weight_version,
                 )
             )
+            self.control.publish_state()
 
     def _connect(self) -> None:
         requests_addr, outputs_addr = ipc_addresses(self.config.ipc_dir)
@@ -147,10 +168,12 @@ class Worker:
         """One iteration of the event loop; False once the engine stops."""
         if self.is_driver:
             self._recv_requests()
+            self._plan_weights_action()
             self._schedule()
         command, model_input = self._broadcast_batch()
         if command == STOP:
             return False
+        self._apply_weights_action()
         if model_input is None:
             return True
         logits = self._forward(model_input)
@@ -163,8 +186,9 @@ class Worker:
 
     def _recv_requests(self) -> None:
         # wait only when there is nothing to compute; otherwise just drain what arrived
-        busy = self.scheduler.has_work()
-        timeout_ms = 0 if busy else int(self.config.idle_wait_s * 1000)
+        busy = self.scheduler.has_work() and self.control.may_run()
+        idle_wait_s = UPDATE_POLL_S if self.control.updating else self.config.idle_wait_s
+        timeout_ms = 0 if busy else int(idle_wait_s * 1000)
         if not self.requests.poll(timeout_ms):
             if not busy and os.getppid() != self.config.parent_pid:
                 logger.error("launcher is gone; stopping")
@@ -185,12 +209,20 @@ class Worker:
             return
         if isinstance(message, messages.Shutdown):
             self.stopping = True
+        elif isinstance(message, messages.UpdateWeights):
+            self.control.on_update(message)
+        elif isinstance(message, messages.Control):
+            self.control.on_control(message)
         elif isinstance(message, messages.AbortRequest):
             self.scheduler.abort(message.request_id)
         else:
             self._add(message)
 
     def _add(self, request: messages.AddRequest) -> None:
+        blocked = self.control.blocked_reason()
+        if blocked is not None:
+            self._send(messages.Aborted(request_ids=[request.request_id], reason=blocked))
+            return
         params = SamplingParams(
             max_tokens=request.max_tokens,
             temperature=request.temperature,
@@ -204,13 +236,28 @@ class Worker:
         except ValueError as exc:
             self._send(messages.RequestError(request_id=request.request_id, message=str(exc)))
 
+    def _abort_sequences(self, reason: str, include_waiting: bool) -> None:
+        aborted = self.scheduler.abort_all(include_waiting=include_waiting)
+        if aborted:
+            ids = [seq.request_id for seq in aborted]
+            self._send(messages.Aborted(request_ids=ids, reason=reason))
+
+    def _plan_weights_action(self) -> None:
+        self.step_action = self.control.next_action(len(self.scheduler.running))
+
     def _schedule(self) -> None:
-        self.batch = [] if self.stopping else self.scheduler.schedule()
+        if self.stopping:
+            self.batch = []
+            return
+        self.batch = self.scheduler.schedule(
+            run=self.control.may_run(), admit=self.control.may_admit()
+        )
 
     def _broadcast_batch(self) -> tuple[int, ModelInput | None]:
         payload = self._pack_batch() if self.is_driver else self.header
         if self.tp_size > 1:
             dist.broadcast(self.header, src=0)
+        self._broadcast_action()
         command = int(self.header[CMD])
         if command != RUN:
             return command, None
@@ -221,8 +268,25 @@ class Worker:
             dist.broadcast(payload, src=0)
         return command, _unpack_batch(payload, num_seqs)
 
+    def _broadcast_action(self) -> None:
+        """Every rank learns this step's weights action (and its payload, if any)."""
+        if not self.is_driver:
+            num_bytes = int(self.header[PAYLOAD_BYTES])
+            payload = torch.empty(num_bytes, dtype=torch.uint8)
+            if num_bytes:
+                dist.broadcast(payload, src=0)
+            self.step_action = StepAction(
+                Action(int(self.header[ACTION])), bytes(payload.numpy()), int(self.header[TAGS])
+            )
+        elif self.step_action.payload and self.tp_size > 1:
+            data = torch.frombuffer(bytearray(self.step_action.payload), dtype=torch.uint8)
+            dist.broadcast(data, src=0)
+
     def _pack_batch(self) -> torch.Tensor:
         self.header.zero_()
+        self.header[ACTION] = self.step_action.action
+        self.header[PAYLOAD_BYTES] = len(self.step_action.payload)
+        self.header[TAGS] = self.step_action.tags_mask
         if self.stopping:
             self.header[CMD] = STOP
             return self.header
@@ -240,6 +304,58 @@ class Worker:
         self.header[NUM_SEQS] = len(self.batch)
         self.header[NUM_TOKENS] = len(flat_tokens)
         return torch.tensor([*layout[0], *layout[1], *layout[2], *flat_tokens])
+
+    def _apply_weights_action(self) -> None:
+        """Run this step's weights action on every rank (nothing while the status is NORMAL)."""
+        action = self.step_action
+        if action.action == Action.NONE:
+            return
+        if action.payload:
+            request = messages.decode_to_engine(action.payload)
+            assert isinstance(request, messages.UpdateWeights)
+            self.update_request = request
+        handlers = {
+            Action.BEGIN_STAGED: lambda: self.weights.begin_staged(self.update_request),
+            Action.POLL: self._poll_staged,
+            Action.COMMIT: self._commit_staged,
+            Action.ABORT: self.weights.discard_staged,
+            Action.LOAD: self._load_in_place,
+            Action.RELEASE: lambda: self._release(action.tags_mask),
+            Action.RESUME: lambda: self._resume(action.tags_mask),
+        }
+        handlers[action.action]()
+
+    def _commit_staged(self) -> None:
+        self.weights.commit_staged()
+        if self.is_driver:
+            self.control.on_committed()
+
+    def _load_in_place(self) -> None:
+        result = self.weights.load_in_place(self.update_request)
+        verdicts = gather_verdicts(self.update_request.update_id, result)
+        if self.is_driver:
+            self.control.on_loaded(verdicts, result.nbytes, result.phases)
+
+    def _release(self, tags_mask: int) -> None:
+        self.weights.release(mask_to_tags(tags_mask))
+        if self.is_driver:
+            self.control.on_released(tags_mask)
+
+    def _resume(self, tags_mask: int) -> None:
+        self.weights.resume(mask_to_tags(tags_mask))
+        if self.is_driver:
+            self.control.on_resumed(tags_mask)
+
+    def _poll_staged(self) -> None:
+        result = self.weights.staged_result()
+        (all_done,) = all_flags(result is not None)
+        if not all_done:
+            return
+        verdicts = gather_verdicts(self.update_request.update_id, result)
+        if not all(v.ok for v in verdicts):
+            self.weights.discard_staged()
+        if self.is_driver:
+            self.control.on_staged(verdicts, result.nbytes, result.phases)
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
         return self.runner.forward(model_input)
@@ -265,7 +381,7 @@ class Worker:
             )
             for i, seq in enumerate(self.batch)
         ]
-        self._send(messages.StepOutputs(weight_version=self.weight_version, outputs=outputs))
+        self._send(messages.StepOutputs(weight_version=self.control.version, outputs=outputs))
 
     def _send(self, message: messages.FromEngine) -> None:
         self.outputs.send(messages.encode(message))

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from weightbus.digest import fingerprint
 from weightbus.models.config import ModelConfig, tiny_config
 from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
 
@@ -109,3 +110,13 @@ def load_model(model: LlamaForCausalLM, source: str, seed: int = 0) -> None:
     if missing:
         raise ValueError(f"checkpoint {source} lacks {len(missing)} tensors: {missing[:8]}")
     logger.info("loaded %d tensors from %s", len(loaded), source)
+
+
+def weights_fingerprint(source: str, config: ModelConfig, seed: int, dtype: torch.dtype) -> str:
+    """Fingerprint of the weights `load_model` loads, as served (converted to `dtype`).
+
+    A trainer holding the same weights in the serving dtype computes the same value.
+    """
+    expected = hf_weight_shapes(config)
+    weights = random_hf_weights(config, seed) if source == TINY else iter_safetensors(source)
+    return fingerprint((name, t.to(dtype)) for name, t in weights if name in expected)

@@ -44,6 +44,7 @@ class RankResult:
     ok: bool = True
     errors: list[str] = field(default_factory=list)
     bad_names: list[str] = field(default_factory=list)
+    timed_out: bool = False
     fingerprint: str | None = None
     nbytes: int = 0
     phases: dict[str, float] = field(default_factory=dict)
@@ -136,7 +137,10 @@ class Receiver:
             if session is not None:
                 self._consume(source, session, request, result, deadline)
                 self._close(source, session, result, deadline)
-        except (TimeoutError, ValueError, OSError) as exc:
+        except TimeoutError as exc:
+            result.timed_out = True
+            result.fail(f"timed out after {request.timeout_s:g} s: {exc}")
+        except (ValueError, OSError) as exc:
             result.fail(str(exc))
         finally:
             source.close()

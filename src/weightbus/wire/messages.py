@@ -128,6 +128,8 @@ class RankVerdict(Message, kw_only=True):
     rank: NonNegative
     ok: bool
     errors: list[Text] = msgspec.field(default_factory=list)
+    names: list[TensorName] = msgspec.field(default_factory=list)
+    timed_out: bool = False
     fingerprint: Hex128 | None = None
 
 

@@ -1,0 +1,152 @@
+"""This rank's weights: live parameters, optional staging copy, and the Receiver that fills them.
+
+The worker calls these at step boundaries, on every rank alike:
+- `begin_staged` starts receiving into the staging model in a background thread (atomic
+  updates: generation goes on with the live weights meanwhile); `staged_result` polls it;
+  `commit_staged` swaps staging and live parameters (pointer swaps, no copy); `discard_staged`
+  forgets a failed attempt.
+- `load_in_place` receives straight into the live parameters (generation is paused).
+- `release` / `resume` free and re-allocate memory (`weights`, `kv_cache`).
+"""
+
+import logging
+import threading
+
+import torch
+
+from weightbus.engine import messages
+from weightbus.engine.model_runner import ModelRunner
+from weightbus.meta import TensorMeta
+from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
+from weightbus.models.loader import create_model
+from weightbus.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.transport import open_source
+
+logger = logging.getLogger(__name__)
+
+
+def expected_metas(runner: ModelRunner, dtype: torch.dtype) -> dict[str, TensorMeta]:
+    """The HF tensors a complete update must carry: full shapes, in the serving dtype."""
+    return {
+        name: TensorMeta(name, dtype, shape)
+        for name, shape in hf_weight_shapes(runner.config).items()
+    }
+
+
+def _swap_parameters(live: LlamaForCausalLM, staged: LlamaForCausalLM) -> None:
+    for live_param, staged_param in zip(live.parameters(), staged.parameters(), strict=True):
+        live_param.data, staged_param.data = staged_param.data, live_param.data
+
+
+class _StagedReceive:
+    """A receive running in a background thread; `result` is set when it ends."""
+
+    def __init__(self, receiver: Receiver, request: messages.UpdateWeights) -> None:
+        self.result: RankResult | None = None
+        self._receiver = receiver
+        self._request = request
+        self._thread = threading.Thread(target=self._run, name="staged-receive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.result = receive(self._receiver, self._request)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+def receive(receiver: Receiver, request: messages.UpdateWeights) -> RankResult:
+    """Open the request's transport source and receive one session through `receiver`."""
+    update = UpdateRequest(
+        version=request.version,
+        plan_hash=request.plan_hash,
+        verify=request.verify,
+        timeout_s=request.timeout_s,
+    )
+    try:
+        source = open_source(request.transport, request.source)
+    except ValueError as exc:
+        result = RankResult()
+        result.fail(f"cannot open {request.transport} source: {exc}")
+        return result
+    return receiver.receive(source, update)
+
+
+class WeightsManager:
+    """Live and staged parameters of one rank.
+
+    Args:
+        runner: the rank's model runner (its `model` holds the live parameters).
+        dtype: serving dtype; pushed tensors must have it.
+        tp_rank, tp_size: this rank's place (digests are verified rank-split).
+    """
+
+    def __init__(self, runner: ModelRunner, dtype: torch.dtype, tp_rank: int, tp_size: int) -> None:
+        self.runner = runner
+        self.dtype = dtype
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.expected = expected_metas(runner, dtype)
+        self._staging: LlamaForCausalLM | None = None
+        self._staged: _StagedReceive | None = None
+        self._shapes = {name: p.shape for name, p in runner.model.named_parameters()}
+        self.weights_released = False
+
+    def _receiver(self, model: LlamaForCausalLM) -> Receiver:
+        return Receiver(
+            load_weights=model.load_weights,
+            expected=self.expected,
+            rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
+
+    # atomic: stage, then swap
+    def begin_staged(self, request: messages.UpdateWeights) -> None:
+        """Start receiving into the staging model (allocated on first use, then reused)."""
+        assert self._staged is None, "a staged receive is already running"
+        if self._staging is None:
+            self._staging = create_model(self.runner.config, self.dtype)
+        self._staged = _StagedReceive(self._receiver(self._staging), request)
+
+    def staged_result(self) -> RankResult | None:
+        """The staged receive's verdict once it ended, else None."""
+        return None if self._staged is None else self._staged.result
+
+    def commit_staged(self) -> None:
+        """Make the staged weights live (the previous live ones become the next staging)."""
+        assert self._staging is not None
+        assert self.staged_result() is not None
+        _swap_parameters(self.runner.model, self._staging)
+        self._staged = None
+
+    def discard_staged(self, timeout_s: float = 5.0) -> None:
+        """Forget a staged receive (its thread ends by its own timeout if still running)."""
+        if self._staged is not None:
+            self._staged.join(timeout_s)
+        self._staged = None
+
+    # in place
+    def load_in_place(self, request: messages.UpdateWeights) -> RankResult:
+        """Receive straight into the live parameters (re-allocated first if released)."""
+        self.resume(["weights"])
+        return receive(self._receiver(self.runner.model), request)
+
+    # memory
+    def release(self, tags: list[str]) -> None:
+        """Free the weights (live and staging) and/or the KV cache."""
+        if "weights" in tags and not self.weights_released:
+            for param in self.runner.model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype)
+            self._staging = None
+            self.weights_released = True
+        if "kv_cache" in tags:
+            self.runner.release_kv_cache()
+
+    def resume(self, tags: list[str]) -> None:
+        """Re-allocate what `release` freed; released weights come back uninitialised."""
+        if "weights" in tags and self.weights_released:
+            for name, param in self.runner.model.named_parameters():
+                param.data = torch.empty(self._shapes[name], dtype=param.dtype)
+            self.weights_released = False
+        if "kv_cache" in tags:
+            self.runner.resume_kv_cache()
