@@ -1,0 +1,52 @@
+"""Helpers of the live-update tests: HF training steps, reference decoding, engine checks."""
+
+import copy
+
+import torch
+from engine_harness import NUM_GREEDY_TOKENS, PROMPT, VOCAB_SIZE, ServedEngine
+
+KiB = 1024
+
+
+def trained_copy(model: torch.nn.Module, seed: int, lr: float = 0.05) -> torch.nn.Module:
+    """A copy of `model` after one SGD step on a language-modelling loss over random tokens."""
+    trained = copy.deepcopy(model).train()
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB_SIZE, (2, 16), generator=generator)
+    optimizer = torch.optim.SGD(trained.parameters(), lr=lr)
+    trained(ids, labels=ids).loss.backward()
+    optimizer.step()
+    return trained.eval()
+
+
+def hf_greedy(model: torch.nn.Module) -> tuple[list[int], list[float]]:
+    """Greedy tokens after PROMPT and each token's logprob, from transformers."""
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=NUM_GREEDY_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+        )
+        tokens = out[0, len(PROMPT) :].tolist()
+        logprobs = model(out).logits[0].float().log_softmax(-1)
+    positions = range(len(PROMPT) - 1, len(PROMPT) - 1 + len(tokens))
+    return tokens, [float(logprobs[p, t]) for p, t in zip(positions, tokens, strict=True)]
+
+
+def engine_greedy(engine: ServedEngine) -> dict:
+    """The engine's greedy completion of PROMPT (the first choice)."""
+    response = engine.complete(
+        prompt=PROMPT, max_tokens=NUM_GREEDY_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def weights_state(engine: ServedEngine, token: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    response = engine.client.get("/v1/weights", headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()
