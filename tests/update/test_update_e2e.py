@@ -251,10 +251,11 @@ def test_concurrent_push_is_409_and_drain_finishes_running_requests_on_the_old_v
     )
     pushing.start()
     _wait_for_status(engine, "UPDATING")
-    with Publisher(
-        [engine.url], timeout_s=30, transport_options={"root": tmp_path / "second"}
-    ) as other, pytest.raises(
-        PushError, match="HTTP 409: an update to 'drain-new' is already running"
+    with (
+        Publisher(
+            [engine.url], timeout_s=30, transport_options={"root": tmp_path / "second"}
+        ) as other,
+        pytest.raises(PushError, match="HTTP 409: an update to 'drain-new' is already running"),
     ):
         other.push(model, version="intruder")
     pushing.join(60)
