@@ -7,6 +7,7 @@ import importlib
 SUITES = {
     "buckets": ("weightbus.bench.buckets", "flat-bucket packing vs a memcpy floor, same run"),
     "engine": ("weightbus.bench.engine", "reference engine tokens/s at batch 1 and 16, TP 1 and 2"),
+    "status": ("weightbus.bench.status", "decode step cost of the live-update machinery at rest"),
 }
 
 
