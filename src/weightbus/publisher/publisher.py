@@ -17,8 +17,10 @@ from typing import Any, Literal
 
 import httpx
 
+from weightbus.publisher.progress import PushProgress
 from weightbus.publisher.weights import NameMap, SessionFactory, Weights, normalize_weights
 from weightbus.transport import BucketSink, PushSession, make_sink
+from weightbus.transport.base import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -186,24 +188,17 @@ class Publisher:
         phases = {"plan_digest_s": time.perf_counter() - tick}
         tick = time.perf_counter()
         tensors = dict(normalized)
-        source = self._sink.prepare(session, tensors)
-        phases["prepare_s"] = time.perf_counter() - tick
-        body = {
-            "version": version,
-            "step": step,
-            "force": force,
-            "transport": self.transport,
-            "source": source,
-            "plan_hash": session.plan.plan_hash,
-            "pause_mode": pause_mode,
-            "atomic": atomic,
-            "verify": verify,
-            "timeout_s": self.timeout_s,
-        }
-        futures = self._request_all(body)
-        tick = time.perf_counter()
-        stream_error = self._stream(session, tensors)
-        phases["stream_s"] = time.perf_counter() - tick
+        progress = PushProgress(version, session.plan.total_bytes)
+        try:
+            source = self._sink.prepare(session, tensors, progress.advance)
+            phases["prepare_s"] = time.perf_counter() - tick
+            options = {"pause_mode": pause_mode, "atomic": atomic, "verify": verify, "force": force}
+            futures = self._request_all(self._body(session, source, options))
+            tick = time.perf_counter()
+            stream_error = self._stream(session, tensors, progress.advance)
+            phases["stream_s"] = time.perf_counter() - tick
+        finally:
+            progress.close()
         tick = time.perf_counter()
         engines = self._collect(session, futures, stream_error)
         phases["wait_s"] = time.perf_counter() - tick
@@ -218,15 +213,27 @@ class Publisher:
             phases=phases,
         )
 
+    def _body(self, session: PushSession, source: dict, options: dict) -> dict:
+        """The `/v1/update_weights` request of a session."""
+        return {
+            "version": session.version,
+            "step": session.step,
+            "transport": self.transport,
+            "source": source,
+            "plan_hash": session.plan.plan_hash,
+            "timeout_s": self.timeout_s,
+            **options,
+        }
+
     def _request_all(self, body: dict) -> dict[str, Future]:
         return {
             url: self._pool.submit(self._http.post, f"{url}/v1/update_weights", json=body)
             for url in self.engines
         }
 
-    def _stream(self, session: PushSession, tensors: dict) -> str | None:
+    def _stream(self, session: PushSession, tensors: dict, progress: Progress) -> str | None:
         try:
-            self._sink.stream(session, tensors, self.timeout_s)
+            self._sink.stream(session, tensors, self.timeout_s, progress)
         except (TimeoutError, OSError, ValueError) as exc:
             return f"transport {self.transport}: {exc}"
         return None

@@ -23,6 +23,13 @@ import torch
 from weightbus.plan import Plan
 from weightbus.wire import UpdateBegin, UpdateEnd
 
+# Called with the bytes handed over so far, e.g. to draw a progress bar.
+Progress = Callable[[int], None]
+
+
+def no_progress(nbytes: int) -> None:
+    """Default progress callback: report nothing."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PushSession:
@@ -75,12 +82,24 @@ class BucketSink(ABC):
     name: str
 
     @abstractmethod
-    def prepare(self, session: PushSession, tensors: Mapping[str, torch.Tensor]) -> dict:
-        """Make the session readable; return the `source` description engines open."""
+    def prepare(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        progress: Progress = no_progress,
+    ) -> dict:
+        """Make the session readable; return the `source` description engines open.
+
+        `progress(nbytes)` is called as bytes are handed over (for a progress bar).
+        """
 
     @abstractmethod
     def stream(
-        self, session: PushSession, tensors: Mapping[str, torch.Tensor], timeout_s: float
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        progress: Progress = no_progress,
     ) -> None:
         """Send whatever `prepare` did not; return when receivers have everything.
 

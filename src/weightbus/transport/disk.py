@@ -19,7 +19,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from weightbus.transport.base import BucketSink, BucketSource, PushSession, ReceivedBatch
+from weightbus.transport.base import (
+    BucketSink,
+    BucketSource,
+    Progress,
+    PushSession,
+    ReceivedBatch,
+    no_progress,
+)
 from weightbus.wire import UpdateBegin, UpdateEnd
 
 MANIFEST_NAME = "manifest.json"
@@ -74,7 +81,12 @@ class DiskSink(BucketSink):
         self.root.mkdir(parents=True, exist_ok=True)
         self._sessions: list[Path] = []
 
-    def prepare(self, session: PushSession, tensors: Mapping[str, torch.Tensor]) -> dict:
+    def prepare(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        progress: Progress = no_progress,
+    ) -> dict:
         tmp = self.root / f".tmp-{session.session_id}"
         tmp.mkdir(mode=0o700)
         shards = []
@@ -83,6 +95,7 @@ class DiskSink(BucketSink):
                 file = f"shard-{index:05d}.safetensors"
                 _write_shard(tmp / file, names, tensors)
                 shards.append(ShardRecord(file, names))
+                progress(sum(tensors[name].nbytes for name in names))
         manifest = DiskManifest(
             format=MANIFEST_FORMAT,
             begin=session.begin_message(),
@@ -99,7 +112,11 @@ class DiskSink(BucketSink):
         return {"path": str(final)}
 
     def stream(
-        self, session: PushSession, tensors: Mapping[str, torch.Tensor], timeout_s: float
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        progress: Progress = no_progress,
     ) -> None:
         """Nothing to stream: `prepare` wrote the whole session."""
 
