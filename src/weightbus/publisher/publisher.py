@@ -7,6 +7,7 @@ same fingerprint, or one `PushError` naming each engine that did not and why).
 """
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -71,10 +72,34 @@ class PushResult:
     phases: dict[str, float] = field(default_factory=dict)
 
 
+DISK_ROOT_PREFIX = "weightbus-disk-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_disk_roots(parent: Path) -> None:
+    """Remove session directories left by publishers that died without closing (SIGKILL)."""
+    for path in parent.glob(f"{DISK_ROOT_PREFIX}*-*"):
+        pid = path.name[len(DISK_ROOT_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            logger.info("removing %s, left by dead publisher pid %s", path, pid)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _default_disk_root() -> Path:
     # mkdtemp: a fresh 0700 directory with an unguessable name, so /dev/shm is safe here.
     shm = Path("/dev/shm")  # noqa: S108
-    return Path(tempfile.mkdtemp(prefix="weightbus-disk-", dir=shm if shm.is_dir() else None))
+    parent = shm if shm.is_dir() else Path(tempfile.gettempdir())
+    _remove_stale_disk_roots(parent)
+    return Path(tempfile.mkdtemp(prefix=f"{DISK_ROOT_PREFIX}{os.getpid()}-", dir=parent))
 
 
 def _error_reason(response: httpx.Response) -> str:
