@@ -33,7 +33,12 @@ def tiny_tp2(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_health_and_models(tiny_tp2: ServedEngine) -> None:
-    assert tiny_tp2.client.get("/health").json() == {"status": "ok", "weight_version": "init"}
+    assert tiny_tp2.client.get("/health").json() == {
+        "status": "ok",
+        "weight_version": "init",
+        "weights_status": "NORMAL",
+        "generation": "running",
+    }
     models = tiny_tp2.client.get("/v1/models").json()
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 1024)]
     assert len(tiny_tp2.worker_pids) == 2

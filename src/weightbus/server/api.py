@@ -1,21 +1,32 @@
-"""The FastAPI app: `/v1/completions`, `/v1/models`, `/health`, and JSON errors."""
+"""The FastAPI app: completions, models, health, metrics, the admin routes, JSON errors.
+
+Middleware, outermost first: `TokenAuth` (admin routes need the bearer token when one is set),
+then `BodyLimit` (413 above `max_body_bytes`), then FastAPI's validation (422 naming the field).
+"""
 
 import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from weightbus.engine import messages
 from weightbus.engine.tokenizer import load_tokenizer
-from weightbus.server.completions import APIError, run_completion
+from weightbus.server.admin import AdminConfig, admin_router
+from weightbus.server.auth import TokenAuth
+from weightbus.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from weightbus.server.completions import run_completion
 from weightbus.server.engine_client import EngineClient
+from weightbus.server.errors import APIError, error_response
+from weightbus.server.metrics import CONTENT_TYPE, Metrics
 from weightbus.server.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
 
 logger = logging.getLogger(__name__)
@@ -36,6 +47,9 @@ class AppConfig:
         bos_token_id: prefix of byte-level-tokenized prompts.
         ready_timeout_s: bound of the engine's start-up.
         request_timeout_s: bound of one completion request.
+        api_token: bearer token of the admin routes; None leaves them open.
+        admin: bounds of the admin routes' waits for rank 0.
+        max_body_bytes: largest request body (413 above).
     """
 
     model: str
@@ -44,6 +58,9 @@ class AppConfig:
     bos_token_id: int | None
     ready_timeout_s: float
     request_timeout_s: float
+    api_token: str | None = field(default=None, repr=False)
+    admin: AdminConfig
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 class EngineHooks(Protocol):
@@ -66,28 +83,29 @@ class EngineHooks(Protocol):
         ...
 
 
-def _error(status_code: int, message: str, param: str | None, **extra: object) -> JSONResponse:
-    kind = "invalid_request_error" if status_code < 500 else "server_error"
-    body = {
-        "error": {"message": message, "type": kind, "param": param, "code": status_code},
-        **extra,
-    }
-    return JSONResponse(status_code=status_code, content=body)
-
-
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return _error(exc.status_code, exc.message, exc.param)
+    return error_response(exc.status_code, exc.message, exc.param, **exc.extra)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # routing (404, 405) and body parsing (400) errors, in the same shape as ours
+    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    detail = jsonable_encoder(errors)
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset)
+        position = first["loc"][-1]
+        reason = first.get("ctx", {}).get("error", "")
+        return error_response(422, f"invalid JSON at character {position}: {reason}", None)
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if loc:
         message = f"invalid field '{loc[0]}': {first.get('msg')}"
     else:
         message = f"invalid request body: {first.get('msg')}"
-    return _error(422, message, loc[0] if loc else None, detail=jsonable_encoder(errors))
+    return error_response(422, message, loc[0] if loc else None, detail=detail)
 
 
 def _stop_reason(hooks: EngineHooks) -> str | None:
@@ -105,7 +123,15 @@ async def _watch_engine(client: EngineClient, hooks: EngineHooks) -> None:
 
 
 def create_app(config: AppConfig, hooks: EngineHooks) -> FastAPI:
-    """The HTTP app; its start-up waits for the engine's Ready (see `EngineClient`)."""
+    """The HTTP app; its start-up waits for the engine's Ready (see `EngineClient`).
+
+    Args:
+        config: settings of the server (token, bounds, sockets).
+        hooks: the launcher's view of the engine processes.
+
+    Returns:
+        The app, with its own metrics registry.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -127,15 +153,47 @@ def create_app(config: AppConfig, hooks: EngineHooks) -> FastAPI:
             await client.close()
 
     app = FastAPI(title="weightbus engine", lifespan=lifespan)
+    app.state.metrics = Metrics(lambda: _weights_mirror(app))
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    # added last = outermost: the token is checked before the body is read
+    app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(TokenAuth, token=config.api_token)
+    app.include_router(admin_router(config.admin))
+    _add_public_routes(app, config)
+    return app
 
+
+def _weights_mirror(app: FastAPI) -> messages.WeightsState | None:
+    client: EngineClient | None = getattr(app.state, "client", None)
+    return None if client is None else client.weights
+
+
+def _check_model(body: CompletionRequest, served_model_name: str) -> None:
+    if body.model is not None and body.model != served_model_name:
+        raise APIError(404, f"model {body.model!r} is not served here", param="model")
+
+
+def _add_public_routes(app: FastAPI, config: AppConfig) -> None:
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         client: EngineClient = request.app.state.client
         if client.failure is not None:
-            return _error(503, f"engine unavailable: {client.failure}", None)
-        return JSONResponse({"status": "ok", "weight_version": client.ready.weight_version})
+            return error_response(503, f"engine unavailable: {client.failure}")
+        weights = client.weights
+        return JSONResponse(
+            {
+                "status": "ok",
+                "weight_version": weights.version,
+                "weights_status": weights.status,
+                "generation": weights.generation,
+            }
+        )
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
@@ -149,14 +207,18 @@ def create_app(config: AppConfig, hooks: EngineHooks) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
-        if body.model is not None and body.model != config.served_model_name:
-            raise APIError(404, f"model {body.model!r} is not served here", param="model")
-        return await run_completion(
-            body,
-            client=request.app.state.client,
-            tokenizer=request.app.state.tokenizer,
-            model_name=config.served_model_name,
-            request_timeout_s=config.request_timeout_s,
-        )
-
-    return app
+        metrics: Metrics = request.app.state.metrics
+        try:
+            _check_model(body, config.served_model_name)
+            response = await run_completion(
+                body,
+                client=request.app.state.client,
+                tokenizer=request.app.state.tokenizer,
+                model_name=config.served_model_name,
+                request_timeout_s=config.request_timeout_s,
+            )
+        except APIError as exc:
+            metrics.observe_completion(exc.status_code)
+            raise
+        metrics.observe_completion(200, response.usage.completion_tokens)
+        return response

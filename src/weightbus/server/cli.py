@@ -1,9 +1,12 @@
 """`weightbus serve`: the reference engine's command."""
 
 import argparse
+import os
 import sys
 
 from weightbus.server.launcher import DTYPES, ServeConfig
+
+TOKEN_ENV = "WEIGHTBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a secret
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -20,12 +23,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--api-token",
+        default=None,
+        help=f"bearer token the admin routes require (default: ${TOKEN_ENV}; the variable keeps "
+        "it out of the process list); needed to bind a non-loopback --host",
+    )
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from weightbus.server.launcher import serve
 
+    # an empty --api-token is an error (ServeConfig); an empty variable means "not set"
+    token = args.api_token if args.api_token is not None else os.environ.get(TOKEN_ENV) or None
     try:
         config = ServeConfig(
             model=args.model,
@@ -38,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
             served_model_name=args.served_model_name,
+            api_token=token,
         )
         return serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:

@@ -8,23 +8,15 @@ from dataclasses import dataclass, field
 from weightbus.engine import messages
 from weightbus.engine.tokenizer import Tokenizer
 from weightbus.server.engine_client import EngineClient, EngineDeadError
+from weightbus.server.errors import APIError
 from weightbus.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     LogProbs,
     Usage,
+    WeightSpan,
 )
-
-
-class APIError(Exception):
-    """An error answered as `{"error": {...}}` with an HTTP status."""
-
-    def __init__(self, status_code: int, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.param = param
 
 
 @dataclass(slots=True)
@@ -36,7 +28,47 @@ class _Generation:
     top: list[tuple[list[int], list[float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    weight_version: str = ""
+    abort_reason: str | None = None
+    weight_spans: list[WeightSpan] = field(default_factory=list)
+
+
+def extend_spans(spans: list[WeightSpan], version: str, index: int) -> None:
+    """Count completion token `index`, generated under weights `version`, into `spans`.
+
+    Tokens come in order; a token under the same version as the previous one extends its span,
+    any other version opens a new span (an update in place changed the weights mid-sequence).
+
+    Args:
+        spans: the spans so far (modified).
+        version: weights version of the token.
+        index: the token's position in the completion (the previous one + 1).
+    """
+    if spans and spans[-1].version == version and spans[-1].end == index:
+        spans[-1].end = index + 1
+    else:
+        spans.append(WeightSpan(version=version, start=index, end=index + 1))
+
+
+def check_serving(weights: messages.WeightsState) -> None:
+    """Refuse new completions while the engine cannot generate with valid weights.
+
+    Args:
+        weights: the client's mirror of rank 0's weights state.
+
+    Raises:
+        APIError: 503 saying why (weights failed to update, or memory released).
+    """
+    if weights.status == "FAILED":
+        raise APIError(
+            503,
+            f"weights failed to update (version {weights.version!r} is not valid): "
+            "push a good version with POST /v1/update_weights",
+        )
+    if weights.released or weights.status in ("CLEARING", "CLEARED"):
+        released = ", ".join(weights.released) or "in progress"
+        raise APIError(
+            503, f"memory released ({released}): call POST /v1/resume_memory before generating"
+        )
 
 
 def tokenize_prompts(
@@ -85,7 +117,11 @@ async def _generate(
                 raise APIError(400, item.message, param="prompt")
             if isinstance(item, Exception):
                 raise item
-            gen.weight_version, out = item
+            if isinstance(item, messages.Aborted):  # the engine ended it: nothing to abort
+                gen.finish_reason, gen.abort_reason = "abort", item.reason
+                break
+            version, out = item
+            extend_spans(gen.weight_spans, version, len(gen.token_ids))
             gen.token_ids.append(out.token_id)
             gen.logprobs.append(out.logprob)
             gen.top.append((out.top_token_ids, out.top_logprobs))
@@ -148,14 +184,17 @@ async def run_completion(
     """Generate every choice of a completion request concurrently.
 
     Raises:
-        APIError: 400 for prompts the model cannot take, 503 when the engine is gone,
-            504 when generation outlasts `request_timeout_s`.
+        APIError: 400 for prompts the model cannot take, 503 when the engine is gone or its
+            weights cannot serve (failed update, memory released), 504 when generation
+            outlasts `request_timeout_s`.
     """
     ready = client.ready
     assert ready is not None
+    assert client.weights is not None
     prompts = tokenize_prompts(
         body, tokenizer, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len
     )
+    check_serving(client.weights)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     requests = [
         messages.AddRequest(
@@ -187,7 +226,12 @@ async def run_completion(
             token_ids=gen.token_ids,
             logprobs=None if body.logprobs is None else _logprobs(gen, tokenizer, body.logprobs),
             finish_reason=gen.finish_reason or "abort",
-            weight_version=gen.weight_version,
+            # a choice ended before its first token reports the version serving now
+            weight_version=gen.weight_spans[-1].version
+            if gen.weight_spans
+            else client.weights.version,
+            weight_versions=gen.weight_spans,
+            abort_reason=gen.abort_reason,
         )
         for i, gen in enumerate(generations)
     ]

@@ -1,13 +1,19 @@
 """The API server's link to rank 0: ZMQ `ipc://` sockets carrying `engine.messages` structs.
 
 The API server binds both sockets in a private directory; rank 0 connects. One background task
-reads rank 0's outputs and routes each token to the queue of its request.
+(`_pump`) reads rank 0's outputs and routes them:
+
+- `StepOutputs` tokens, `RequestError` and `Aborted` go to the queue of each named request;
+- `UpdateResult` / `ControlResult` resolve the future that `update` / `control` await, keyed by
+  the `update_id` / `request_id` the API server drew (a late or unknown id is logged, dropped);
+- `WeightsState` replaces the mirror `GET /v1/weights` reads (it starts from `Ready`).
 """
 
 import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -18,8 +24,31 @@ from weightbus.engine.worker import ipc_addresses
 
 logger = logging.getLogger(__name__)
 
-# What a request's queue receives: (weight version, token), a rejection, or the engine's death.
-QueueItem = tuple[str, messages.TokenOutput] | messages.RequestError | Exception
+T = TypeVar("T")
+
+# What a request's queue receives: (weight version, token), a rejection, the engine ending it,
+# or the engine's death.
+QueueItem = tuple[str, messages.TokenOutput] | messages.RequestError | messages.Aborted | Exception
+
+
+def initial_weights_state(ready: messages.Ready) -> messages.WeightsState:
+    """The weights as known from `Ready` alone, until rank 0 sends a `WeightsState`.
+
+    Args:
+        ready: rank 0's first message.
+
+    Returns:
+        `Ready.weight_version`, NORMAL, no fingerprint, generation running, nothing released.
+    """
+    return messages.WeightsState(
+        version=ready.weight_version,
+        step=None,
+        status="NORMAL",
+        fingerprint=None,
+        generation="running",
+        released=[],
+        history=[],
+    )
 
 
 class EngineDeadError(RuntimeError):
@@ -41,8 +70,12 @@ class EngineClient:
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.bind(outputs_addr)
         self._streams: dict[str, asyncio.Queue[QueueItem]] = {}
+        self._updates: dict[str, asyncio.Future[messages.UpdateResult]] = {}
+        self._controls: dict[str, asyncio.Future[messages.ControlResult]] = {}
+        self._weights_changed = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
         self.ready: messages.Ready | None = None
+        self.weights: messages.WeightsState | None = None
         self.failure: str | None = None
 
     async def wait_ready(
@@ -79,6 +112,7 @@ class EngineClient:
                     f"server protocol {messages.PROTOCOL_VERSION}"
                 )
             self.ready = message
+            self.weights = initial_weights_state(message)
             self._pump_task = asyncio.create_task(self._pump())
             return message
 
@@ -90,15 +124,112 @@ class EngineClient:
             except msgspec.DecodeError:
                 logger.exception("dropping a malformed message from rank 0")
                 continue
-            if isinstance(message, messages.StepOutputs):
+            self._route(message)
+
+    def _route(self, message: messages.FromEngine) -> None:
+        match message:
+            case messages.StepOutputs():
                 for out in message.outputs:
-                    queue = self._streams.get(out.request_id)
-                    if queue is not None:  # None: aborted or timed out meanwhile
-                        queue.put_nowait((message.weight_version, out))
-            elif isinstance(message, messages.RequestError):
-                queue = self._streams.get(message.request_id)
-                if queue is not None:
-                    queue.put_nowait(message)
+                    self._to_stream(out.request_id, (message.weight_version, out))
+            case messages.RequestError():
+                self._to_stream(message.request_id, message)
+            case messages.Aborted():
+                for request_id in message.request_ids:
+                    self._to_stream(request_id, message)
+            case messages.UpdateResult():
+                _resolve(self._updates, message.update_id, message)
+            case messages.ControlResult():
+                _resolve(self._controls, message.request_id, message)
+            case messages.WeightsState():
+                self._set_weights(message)
+            case _:
+                logger.warning("ignoring %s after Ready", type(message).__name__)
+
+    def _to_stream(self, request_id: str, item: QueueItem) -> None:
+        queue = self._streams.get(request_id)
+        if queue is not None:  # None: aborted or timed out meanwhile
+            queue.put_nowait(item)
+
+    def _set_weights(self, state: messages.WeightsState) -> None:
+        self.weights = state
+        # wake every waiter of this change; later waiters wait for the next one
+        changed, self._weights_changed = self._weights_changed, asyncio.Event()
+        changed.set()
+
+    async def wait_weights(
+        self, predicate: Callable[[messages.WeightsState], bool], *, timeout_s: float
+    ) -> bool:
+        """Wait until the weights mirror satisfies `predicate`.
+
+        Args:
+            predicate: tested on the current mirror, then after every `WeightsState`.
+            timeout_s: bound of the wait.
+
+        Returns:
+            Whether the mirror satisfied `predicate` within `timeout_s`.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.weights is None or not predicate(self.weights):
+                    await self._weights_changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def update(
+        self, message: messages.UpdateWeights, *, timeout_s: float
+    ) -> messages.UpdateResult:
+        """Send an `UpdateWeights` to rank 0 and wait for the `UpdateResult` of its `update_id`.
+
+        Args:
+            message: the update, with a fresh `update_id`.
+            timeout_s: bound of the wait for the answer.
+
+        Returns:
+            Rank 0's answer (any status code).
+
+        Raises:
+            EngineDeadError: the engine is gone, or died while the update ran.
+            TimeoutError: no answer within `timeout_s`.
+        """
+        return await self._call(self._updates, message.update_id, message, timeout_s)
+
+    async def control(
+        self, message: messages.Control, *, timeout_s: float
+    ) -> messages.ControlResult:
+        """Send a `Control` to rank 0 and wait for the `ControlResult` of its `request_id`.
+
+        Args:
+            message: the action, with a fresh `request_id`.
+            timeout_s: bound of the wait for the answer.
+
+        Returns:
+            Rank 0's answer (any status code).
+
+        Raises:
+            EngineDeadError: the engine is gone, or died while the action ran.
+            TimeoutError: no answer within `timeout_s`.
+        """
+        return await self._call(self._controls, message.request_id, message, timeout_s)
+
+    async def _call(
+        self,
+        pending: dict[str, asyncio.Future[T]],
+        key: str,
+        message: messages.ToEngine,
+        timeout_s: float,
+    ) -> T:
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        assert key not in pending, f"id {key} is already waiting"
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        pending[key] = future
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._requests.send(messages.encode(message))
+                return await future
+        finally:
+            pending.pop(key, None)  # an answer arriving later is logged and dropped
 
     async def add(self, request: messages.AddRequest) -> asyncio.Queue[QueueItem]:
         """Submit a request; its tokens arrive on the returned queue.
@@ -128,6 +259,9 @@ class EngineClient:
         self.failure = reason
         for queue in self._streams.values():
             queue.put_nowait(EngineDeadError(reason))
+        for future in [*self._updates.values(), *self._controls.values()]:
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
 
     async def close(self) -> None:
         """Ask rank 0 to stop (when it is alive) and close the sockets."""
@@ -141,3 +275,11 @@ class EngineClient:
         self._requests.close(linger=1000)
         self._outputs.close(linger=0)
         self._context.term()
+
+
+def _resolve(pending: dict[str, asyncio.Future[T]], key: str, result: T) -> None:
+    future = pending.pop(key, None)
+    if future is None or future.done():  # its waiter timed out, or a stray id
+        logger.warning("dropping %s for unknown or expired id %s", type(result).__name__, key)
+        return
+    future.set_result(result)

@@ -10,6 +10,7 @@ stops all ranks through the TP group), stragglers are terminated, the directory 
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,12 +27,18 @@ import uvicorn
 
 from weightbus.engine.worker import WorkerConfig
 from weightbus.models.loader import TINY, resolve_config
+from weightbus.server.admin import AdminConfig
 from weightbus.server.api import AppConfig, create_app
+from weightbus.server.auth import is_loopback
 
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_MAX_MODEL_LEN = 2048
+# Rank 0 answers a timed-out update 5 s after its `timeout_s`; the Publisher gives up 10 s after.
+UPDATE_MARGIN_S = 8.0
+# A control action may wait for running sequences, which `request_timeout_s` bounds.
+CONTROL_MARGIN_S = 10.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,6 +64,7 @@ class ServeConfig:
     dist_timeout_s: float = 60.0
     idle_wait_s: float = 0.05
     shutdown_timeout_s: float = 10.0
+    api_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.model != TINY and not (Path(self.model) / "config.json").is_file():
@@ -80,6 +88,19 @@ class ServeConfig:
         for name in ("ready_timeout_s", "request_timeout_s", "dist_timeout_s", "idle_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_access()
+
+    def _check_access(self) -> None:
+        token = self.api_token
+        # visible ASCII: what an HTTP header carries unchanged
+        if token is not None and re.fullmatch(r"[\x21-\x7e]+", token) is None:
+            raise ValueError("--api-token must be non-empty visible ASCII without spaces")
+        if token is None and not is_loopback(self.host):
+            raise ValueError(
+                f"--host {self.host} is reachable from other machines, which could then change "
+                "the engine's weights: set --api-token (or WEIGHTBUS_API_TOKEN) to protect the "
+                "admin routes, or bind a loopback address such as 127.0.0.1"
+            )
 
 
 class Launcher:
@@ -270,6 +291,11 @@ def serve(config: ServeConfig, on_ready: Callable[[str], None]) -> int:
                 bos_token_id=model_config.bos_token_id,
                 ready_timeout_s=config.ready_timeout_s,
                 request_timeout_s=config.request_timeout_s,
+                api_token=config.api_token,
+                admin=AdminConfig(
+                    update_margin_s=UPDATE_MARGIN_S,
+                    control_timeout_s=config.request_timeout_s + CONTROL_MARGIN_S,
+                ),
             )
             uvicorn_config = uvicorn.Config(
                 create_app(app_config, hooks),

@@ -1,11 +1,19 @@
 """Request and response schemas of the HTTP API (an OpenAI-style subset), with validation."""
 
-from typing import Literal
+from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from weightbus.engine.messages import MemoryTag, PauseMode, VerifyLevel, WeightsStatus
+from weightbus.transport import transport_names
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
+MAX_VERSION_CHARS = 256
+ControlAction = Literal["pause", "continue", "release", "resume"]
+# An update's own bound; the server waits a little longer for the engine's answer.
+MAX_UPDATE_TIMEOUT_S = 3600.0
 
 
 class CompletionRequest(BaseModel):
@@ -73,13 +81,26 @@ class LogProbs(BaseModel):
     top_token_logprobs: list[list[float]] | None = None
 
 
+class WeightSpan(BaseModel):
+    """Completion tokens `[start, end)` were generated under weights `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
 class CompletionChoice(BaseModel):
+    """One choice; `weight_version` is the version of its last token (the engine's current
+    version when it has none), `weight_versions` the spans of every version it saw."""
+
     index: int
     text: str
     token_ids: list[int]
     logprobs: LogProbs | None = None
     finish_reason: str
     weight_version: str
+    weight_versions: list[WeightSpan]
+    abort_reason: str | None = None
 
 
 class Usage(BaseModel):
@@ -119,3 +140,109 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- admin routes ---
+
+
+class AdminRequest(BaseModel):
+    """Base of admin bodies: unknown fields are rejected and types are not coerced ("yes" is
+    not a boolean, "5" not an integer): a control plane should fail loudly."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class UpdateWeightsRequest(AdminRequest):
+    """`POST /v1/update_weights` body."""
+
+    version: str = Field(min_length=1, max_length=MAX_VERSION_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")
+    step: int | None = Field(None, ge=0, lt=2**63)
+    force: bool = False
+    transport: str
+    source: dict[str, Any]
+    plan_hash: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    pause_mode: PauseMode = "drain"
+    atomic: bool = True
+    verify: VerifyLevel = "full"
+    timeout_s: float = Field(60.0, gt=0, le=MAX_UPDATE_TIMEOUT_S, allow_inf_nan=False)
+
+    @field_validator("transport")
+    @classmethod
+    def _check_transport(cls, transport: str) -> str:
+        names = transport_names()
+        if transport not in names:
+            raise ValueError(f"unknown transport {transport!r}; available: {', '.join(names)}")
+        return transport
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, source: dict[str, Any]) -> dict[str, Any]:
+        # it travels to rank 0 as msgpack: integers must fit in 64 bits
+        try:
+            msgspec.msgpack.encode(source)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"source cannot be sent to the engine: {exc}") from None
+        return source
+
+
+class PauseRequest(AdminRequest):
+    """`POST /v1/pause_generation` body."""
+
+    mode: PauseMode
+
+
+class ContinueRequest(AdminRequest):
+    """`POST /v1/continue_generation` body (empty)."""
+
+
+class MemoryRequest(AdminRequest):
+    """`POST /v1/release_memory` and `/v1/resume_memory` body."""
+
+    tags: list[MemoryTag] = Field(min_length=1)
+
+    @field_validator("tags")
+    @classmethod
+    def _check_unique(cls, tags: list[str]) -> list[str]:
+        if len(set(tags)) != len(tags):
+            raise ValueError("tags must be unique")
+        return tags
+
+
+class UpdateWeightsResponse(BaseModel):
+    """A committed update: what the engine now serves and how long the update took."""
+
+    version: str
+    fingerprint: str | None
+    bytes: int
+    seconds: float
+    phases: dict[str, float]
+
+
+class ControlResponse(BaseModel):
+    """A control action the engine carried out."""
+
+    action: ControlAction
+    message: str
+
+
+class HistoryItem(BaseModel):
+    """One committed version (oldest first in `WeightsInfo.history`)."""
+
+    version: str
+    step: int | None
+    fingerprint: str | None
+    committed_at: float
+    seconds: float
+    bytes: int
+
+
+class WeightsInfo(BaseModel):
+    """`GET /v1/weights`: the engine's weights as rank 0 last reported them."""
+
+    version: str
+    step: int | None
+    status: WeightsStatus
+    fingerprint: str | None
+    generation: Literal["running", "paused"]
+    released: list[MemoryTag]
+    history: list[HistoryItem]

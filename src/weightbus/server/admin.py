@@ -1,0 +1,264 @@
+"""Admin routes: weight updates, the weights' state, pausing generation, releasing memory.
+
+Each action becomes one message to rank 0 with an id drawn here (`UpdateWeights.update_id`,
+`Control.request_id`, 32 hex digits); the route awaits rank 0's result with that id through
+`EngineClient` and answers with the status code rank 0 chose. After a success the route waits
+briefly until the weights mirror shows the change, so a `GET /v1/weights` that follows sees it
+whichever order rank 0 sent the result and the new `WeightsState`.
+"""
+
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Request
+
+from weightbus.engine import messages
+from weightbus.server.engine_client import EngineClient, EngineDeadError
+from weightbus.server.errors import APIError
+from weightbus.server.metrics import Metrics
+from weightbus.server.protocol import (
+    ContinueRequest,
+    ControlAction,
+    ControlResponse,
+    HistoryItem,
+    MemoryRequest,
+    PauseRequest,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+    WeightsInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+# How long a successful action waits for rank 0's WeightsState showing it (it is sent right
+# after the result, so this only covers the messages' order).
+STATE_WAIT_S = 0.5
+
+
+@dataclass(kw_only=True, slots=True)
+class AdminConfig:
+    """Bounds of the admin routes.
+
+    Attributes:
+        update_margin_s: the wait for an update's result is its `timeout_s` plus this (rank 0
+            answers 504 itself a few seconds after `timeout_s`; the Publisher waits 10 s more).
+        control_timeout_s: bound of the wait for a control result (a drain pause waits for the
+            running sequences, which `request_timeout_s` bounds).
+    """
+
+    update_margin_s: float
+    control_timeout_s: float
+
+
+def _client(request: Request) -> EngineClient:
+    return request.app.state.client
+
+
+def _metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+def weights_info(state: messages.WeightsState) -> WeightsInfo:
+    """The JSON form of a `WeightsState`.
+
+    Args:
+        state: rank 0's last report (the client's mirror).
+
+    Returns:
+        The `GET /v1/weights` answer (`nbytes` becomes `bytes`, as in update answers).
+    """
+    return WeightsInfo(
+        version=state.version,
+        step=state.step,
+        status=state.status,
+        fingerprint=state.fingerprint,
+        generation=state.generation,
+        released=list(state.released),
+        history=[
+            HistoryItem(
+                version=entry.version,
+                step=entry.step,
+                fingerprint=entry.fingerprint,
+                committed_at=entry.committed_at,
+                seconds=entry.seconds,
+                bytes=entry.nbytes,
+            )
+            for entry in state.history
+        ],
+    )
+
+
+def _checked_status(status_code: int) -> int:
+    # rank 0 chooses the status; anything but a success or an error would break the answer
+    if status_code == 200 or 400 <= status_code <= 599:
+        return status_code
+    logger.error("rank 0 answered with status %d; reporting 500", status_code)
+    return 500
+
+
+async def _update(
+    client: EngineClient, message: messages.UpdateWeights, wait_s: float
+) -> messages.UpdateResult:
+    try:
+        return await client.update(message, timeout_s=wait_s)
+    except EngineDeadError as exc:
+        raise APIError(503, f"engine unavailable: {exc}", extra={"names": []}) from None
+    except TimeoutError:
+        raise APIError(
+            504,
+            f"no answer from the engine within {wait_s:.1f} s (update {message.update_id})",
+            extra={"names": []},
+        ) from None
+
+
+def _committed(result: messages.UpdateResult) -> Callable[[messages.WeightsState], bool]:
+    return lambda state: state.version == result.version and state.status != "UPDATING"
+
+
+async def _wait_state(
+    client: EngineClient, predicate: Callable[[messages.WeightsState], bool], what: str
+) -> None:
+    if not await client.wait_weights(predicate, timeout_s=STATE_WAIT_S):
+        logger.warning("no WeightsState showing %s within %.1f s", what, STATE_WAIT_S)
+
+
+async def update_weights(
+    body: UpdateWeightsRequest, request: Request, config: AdminConfig
+) -> UpdateWeightsResponse:
+    """`POST /v1/update_weights`: send the update to rank 0 and answer with its result.
+
+    Args:
+        body: the validated request.
+        request: the HTTP request (its app holds the client and the metrics).
+        config: bounds of the wait.
+
+    Returns:
+        The committed version, its fingerprint, bytes, seconds and per-phase timings.
+
+    Raises:
+        APIError: rank 0's error status (400 with `names`, 409, 503, 504), or 503/504 when the
+            engine died or did not answer in time.
+    """
+    client, metrics = _client(request), _metrics(request)
+    message = messages.UpdateWeights(update_id=secrets.token_hex(16), **body.model_dump())
+    logger.info("update %s to %r via %s", message.update_id, body.version, body.transport)
+    try:
+        result = await _update(client, message, body.timeout_s + config.update_margin_s)
+    except APIError as exc:
+        metrics.observe_update(exc.status_code)
+        raise
+    status_code = _checked_status(result.status_code)
+    if status_code != 200:
+        metrics.observe_update(status_code)
+        error = result.error or f"update to {body.version!r} failed"
+        raise APIError(status_code, error, extra={"names": list(result.names)})
+    metrics.observe_update(200, nbytes=result.nbytes, seconds=result.seconds)
+    await _wait_state(client, _committed(result), f"version {result.version!r}")
+    return UpdateWeightsResponse(
+        version=result.version,
+        fingerprint=result.fingerprint,
+        bytes=result.nbytes,
+        seconds=result.seconds,
+        phases=dict(result.phases),
+    )
+
+
+def _control_done(control: messages.Control) -> Callable[[messages.WeightsState], bool]:
+    tags = set(control.tags)
+    return {
+        "pause": lambda state: state.generation == "paused",
+        "continue": lambda state: state.generation == "running",
+        "release": lambda state: tags <= set(state.released) and state.status != "CLEARING",
+        "resume": lambda state: not tags & set(state.released),
+    }[control.action]
+
+
+async def control(
+    request: Request,
+    config: AdminConfig,
+    action: ControlAction,
+    *,
+    mode: messages.PauseMode = "drain",
+    tags: list[messages.MemoryTag] | None = None,
+) -> ControlResponse:
+    """Send one `Control` to rank 0 and answer with its `ControlResult`.
+
+    Args:
+        request: the HTTP request (its app holds the client).
+        config: bounds of the wait.
+        action: what rank 0 should do.
+        mode: how to pause (`pause` only).
+        tags: which memory (`release` / `resume` only).
+
+    Returns:
+        The action and rank 0's message.
+
+    Raises:
+        APIError: rank 0's error status and message, or 503/504 when the engine died or did
+            not answer within `control_timeout_s`.
+    """
+    client = _client(request)
+    message = messages.Control(
+        request_id=secrets.token_hex(16), action=action, mode=mode, tags=tags or []
+    )
+    try:
+        result = await client.control(message, timeout_s=config.control_timeout_s)
+    except EngineDeadError as exc:
+        raise APIError(503, f"engine unavailable: {exc}") from None
+    except TimeoutError:
+        raise APIError(
+            504, f"no answer from the engine within {config.control_timeout_s:.1f} s"
+        ) from None
+    status_code = _checked_status(result.status_code)
+    if status_code != 200:
+        raise APIError(status_code, result.message or f"{message.action} failed")
+    await _wait_state(client, _control_done(message), f"{message.action} done")
+    return ControlResponse(action=message.action, message=result.message)
+
+
+def admin_router(config: AdminConfig) -> APIRouter:
+    """The admin routes (all behind `TokenAuth` when a token is set).
+
+    Args:
+        config: bounds of the waits for rank 0's answers.
+
+    Returns:
+        The router to include in the app.
+    """
+    router = APIRouter()
+
+    @router.post("/v1/update_weights")
+    async def update_weights_route(
+        body: UpdateWeightsRequest, request: Request
+    ) -> UpdateWeightsResponse:
+        return await update_weights(body, request, config)
+
+    @router.get("/v1/weights")
+    async def weights_route(request: Request) -> WeightsInfo:
+        state = _client(request).weights
+        assert state is not None  # set at Ready, before the server accepts
+        return weights_info(state)
+
+    @router.post("/v1/pause_generation")
+    async def pause_route(body: PauseRequest, request: Request) -> ControlResponse:
+        return await control(request, config, "pause", mode=body.mode)
+
+    @router.post("/v1/continue_generation")
+    async def continue_route(
+        request: Request, body: Annotated[ContinueRequest | None, Body()] = None
+    ) -> ControlResponse:
+        del body  # no fields (the body may be left out); validated to refuse unknown ones
+        return await control(request, config, "continue")
+
+    @router.post("/v1/release_memory")
+    async def release_route(body: MemoryRequest, request: Request) -> ControlResponse:
+        return await control(request, config, "release", tags=list(body.tags))
+
+    @router.post("/v1/resume_memory")
+    async def resume_route(body: MemoryRequest, request: Request) -> ControlResponse:
+        return await control(request, config, "resume", tags=list(body.tags))
+
+    return router
