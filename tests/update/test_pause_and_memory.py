@@ -146,5 +146,5 @@ def test_metrics_count_updates(engine, tmp_path):
     families = {f.name: f for f in text_string_to_metric_families(text)}
     updates = families["weightbus_weight_updates"].samples
     assert any(s.name == "weightbus_weight_updates_total" and s.value >= 1 for s in updates)
-    info = families["weightbus_weights"].samples
+    info = families["weightbus_weights_info"].samples
     assert any(s.labels.get("version") == "metrics-1" for s in info)

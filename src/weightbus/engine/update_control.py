@@ -39,6 +39,7 @@ class Action(enum.IntEnum):
 
 # Ranks time out on their own; this margin only catches a rank whose receive never returns.
 STAGED_GRACE_S = 5.0
+_DRAIN_TIMEOUT = "timed out waiting for running requests to drain (pause_mode drain)"
 
 
 TAG_BITS = {"kv_cache": 1, "weights": 2}
@@ -250,6 +251,8 @@ class UpdateController:
         if self._pause_satisfied(update, num_running):
             update.begun = True
             return StepAction(Action.LOAD, payload=messages.encode(update.request))
+        if self._drain_expired(update):
+            self._finish_update(504, _DRAIN_TIMEOUT, [])
         return StepAction()
 
     def _staged_action(self, update: _PendingUpdate, num_running: int) -> StepAction:
@@ -261,7 +264,15 @@ class UpdateController:
             return StepAction(Action.POLL)
         if self._pause_satisfied(update, num_running):
             return StepAction(Action.COMMIT)
+        if self._drain_expired(update):
+            self._finish_update(504, _DRAIN_TIMEOUT, [])
+            return StepAction(Action.ABORT)
         return StepAction()
+
+    @staticmethod
+    def _drain_expired(update: _PendingUpdate) -> bool:
+        """The update's `timeout_s` covers waiting for running requests to drain."""
+        return time.perf_counter() - update.started_at > update.request.timeout_s
 
     def _pause_satisfied(self, update: _PendingUpdate, num_running: int) -> bool:
         mode = update.request.pause_mode
@@ -297,10 +308,12 @@ class UpdateController:
         if all(v.ok for v in verdicts):
             self._commit(update, verdicts)
             return
-        # the live weights are half-written: fail closed until a good update lands
-        self.weights_valid = False
         status, error, names = _failure(verdicts)
-        self._abort(f"weights update to {update.request.version!r} failed", True)
+        if any(v.touched for v in verdicts):
+            # the live weights are half-written: fail closed until a good update lands
+            self.weights_valid = False
+            self._abort(f"weights update to {update.request.version!r} failed", True)
+        # else the checks refused the stream before a byte was written: the old weights serve
         self._finish_update(status, error, names)
 
     def _commit(self, update: _PendingUpdate, verdicts: list[RankVerdict]) -> None:

@@ -45,6 +45,7 @@ def gather_verdicts(update_id: str, result: RankResult) -> list[RankVerdict]:
         errors=result.errors,
         names=result.bad_names,
         timed_out=result.timed_out,
+        touched=result.touched,
         fingerprint=result.fingerprint,
     )
     return [RankVerdict.decode(frame) for frame in _all_gather_bytes(verdict.encode())]

@@ -45,6 +45,7 @@ class RankResult:
     errors: list[str] = field(default_factory=list)
     bad_names: list[str] = field(default_factory=list)
     timed_out: bool = False
+    touched: bool = False  # load_weights was called: the target may be partly overwritten
     fingerprint: str | None = None
     nbytes: int = 0
     phases: dict[str, float] = field(default_factory=dict)
@@ -232,6 +233,7 @@ class Receiver:
 
     def _load(self, batch: ReceivedBatch, result: RankResult) -> None:
         names = [name for name, _ in batch.tensors]
+        result.touched = True
         try:
             loaded = set(self.load_weights(batch.tensors))
         except (KeyError, ValueError, RuntimeError) as exc:

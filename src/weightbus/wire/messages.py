@@ -130,6 +130,7 @@ class RankVerdict(Message, kw_only=True):
     errors: list[Text] = msgspec.field(default_factory=list)
     names: list[TensorName] = msgspec.field(default_factory=list)
     timed_out: bool = False
+    touched: bool = False
     fingerprint: Hex128 | None = None
 
 
