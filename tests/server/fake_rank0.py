@@ -29,6 +29,20 @@ POLL_MS = 10
 WAIT_S = 10.0
 
 
+def weights_state(**changes: object) -> messages.WeightsState:
+    """A `WeightsState` at rest (version "init"), with `changes` applied."""
+    fields = {
+        "version": "init",
+        "step": None,
+        "status": "NORMAL",
+        "fingerprint": None,
+        "generation": "running",
+        "released": [],
+        "history": [],
+    }
+    return messages.WeightsState(**(fields | changes))
+
+
 def wait_until(predicate: Callable[[], object], timeout_s: float = WAIT_S) -> None:
     """Poll `predicate` until it is true; fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from fake_rank0 import InProcessServer, wait_until
+from fake_rank0 import InProcessServer, wait_until, weights_state
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightbus.engine import messages
@@ -28,19 +28,6 @@ def rig() -> Iterator[InProcessServer]:
     server = InProcessServer()
     yield server
     server.close()
-
-
-def state(**changes: object) -> messages.WeightsState:
-    fields = {
-        "version": "init",
-        "step": None,
-        "status": "NORMAL",
-        "fingerprint": None,
-        "generation": "running",
-        "released": [],
-        "history": [],
-    }
-    return messages.WeightsState(**(fields | changes))
 
 
 def samples(rig: InProcessServer) -> dict[tuple[str, tuple], float]:
@@ -97,7 +84,10 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
             phases={"load_s": 0.125},
         )
         # the result first, the state after: the route still answers once the state is in
-        return [result, state(version="step-1", step=1, fingerprint=FINGERPRINT, history=[history])]
+        return [
+            result,
+            weights_state(version="step-1", step=1, fingerprint=FINGERPRINT, history=[history]),
+        ]
 
     rig.rank0.handler = commit
     response = rig.client.post("/v1/update_weights", json={**UPDATE, "plan_hash": "a" * 32})
@@ -193,7 +183,9 @@ def test_silent_engine_is_504_and_a_late_answer_is_dropped(rig: InProcessServer)
     rig.rank0.send(
         messages.UpdateResult(update_id=sent.update_id, status_code=200, version="step-1")
     )
-    rig.rank0.send(state(version="late"))  # sent after the late result: the pump survived it
+    rig.rank0.send(
+        weights_state(version="late")
+    )  # sent after the late result: the pump survived it
     wait_until(lambda: rig.client.get("/v1/weights").json()["version"] == "late")
     assert samples(rig)[("weightbus_weight_update_failures_total", (("reason", "timeout"),))] == 1
 
@@ -250,7 +242,7 @@ def test_control_round_trip(
         done = messages.ControlResult(
             request_id=message.request_id, status_code=200, message=f"{message.action} done"
         )
-        return [done, state(**after)]
+        return [done, weights_state(**after)]
 
     rig.rank0.handler = answer
     response = rig.client.post(path, json=body)
@@ -362,7 +354,7 @@ def test_engine_aborted_choices_report_the_reason(rig: InProcessServer) -> None:
 def test_completions_refused_while_weights_cannot_serve(
     rig: InProcessServer, weights: dict, message: str
 ) -> None:
-    rig.rank0.send(state(**weights))
+    rig.rank0.send(weights_state(**weights))
     wait_until(lambda: rig.client.get("/v1/weights").json()["status"] == weights["status"])
     response = rig.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert response.status_code == 503

@@ -5,7 +5,7 @@ import shutil
 import tempfile
 
 import pytest
-from fake_rank0 import FakeRank0
+from fake_rank0 import FakeRank0, weights_state
 
 from weightbus.engine import messages
 from weightbus.server.completions import check_serving, extend_spans
@@ -38,16 +38,7 @@ def test_spans_follow_token_versions(versions: list[str], spans: list[tuple]) ->
 
 
 def weights(**changes: object) -> messages.WeightsState:
-    fields = {
-        "version": "v",
-        "step": None,
-        "status": "NORMAL",
-        "fingerprint": None,
-        "generation": "running",
-        "released": [],
-        "history": [],
-    }
-    return messages.WeightsState(**(fields | changes))
+    return weights_state(**{"version": "v", **changes})
 
 
 @pytest.mark.parametrize(
