@@ -64,7 +64,9 @@ def receive(receiver: Receiver, request: messages.UpdateWeights) -> RankResult:
         timeout_s=request.timeout_s,
     )
     try:
-        source = open_source(request.transport, request.source)
+        source = open_source(
+            request.transport, request.source, rank=receiver.rank, tp_size=receiver.tp_size
+        )
     except ValueError as exc:
         result = RankResult()
         result.fail(f"cannot open {request.transport} source: {exc}")

@@ -209,7 +209,7 @@ class Publisher:
         start = time.perf_counter()
         tick = start
         normalized = normalize_weights(weights, name_map)
-        session = self._sessions.session(normalized, version, step)
+        session = self._sessions.session(normalized, version, step, receivers=len(self.engines))
         phases = {"plan_digest_s": time.perf_counter() - tick}
         tick = time.perf_counter()
         tensors = dict(normalized)
@@ -251,9 +251,14 @@ class Publisher:
         }
 
     def _request_all(self, body: dict) -> dict[str, Future]:
+        # each engine learns its index ("group"): streaming sinks wait for every engine's ranks
         return {
-            url: self._pool.submit(self._http.post, f"{url}/v1/update_weights", json=body)
-            for url in self.engines
+            url: self._pool.submit(
+                self._http.post,
+                f"{url}/v1/update_weights",
+                json={**body, "source": {**body["source"], "group": group}},
+            )
+            for group, url in enumerate(self.engines)
         }
 
     def _stream(self, session: PushSession, tensors: dict, progress: Progress) -> str | None:

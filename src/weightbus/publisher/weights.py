@@ -94,7 +94,11 @@ class SessionFactory:
         return self._plan
 
     def session(
-        self, weights: list[tuple[str, torch.Tensor]], version: str, step: int | None
+        self,
+        weights: list[tuple[str, torch.Tensor]],
+        version: str,
+        step: int | None,
+        receivers: int = 1,
     ) -> PushSession:
         digests = digests_of(weights)
         return PushSession(
@@ -104,4 +108,5 @@ class SessionFactory:
             plan=self.plan_for(weights),
             digests=digests,
             fingerprint=fingerprint_from(weights, digests),
+            receivers=receivers,
         )

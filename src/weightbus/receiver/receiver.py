@@ -135,9 +135,10 @@ class Receiver:
         start = time.perf_counter()
         try:
             session = self._open(source, request, result, deadline)
-            if session is not None:
-                self._consume(source, session, request, result, deadline)
-                self._close(source, session, result, deadline)
+            # even a refused session is consumed to its end (nothing is loaded after a
+            # failure): a streaming publisher must never be left waiting on this rank
+            self._consume(source, session, request, result, deadline)
+            self._close(source, session, result, deadline)
         except TimeoutError as exc:
             result.timed_out = True
             result.fail(f"timed out after {request.timeout_s:g} s: {exc}")
@@ -153,7 +154,7 @@ class Receiver:
     # open
     def _open(
         self, source: BucketSource, request: UpdateRequest, result: RankResult, deadline: float
-    ) -> _Session | None:
+    ) -> _Session:
         header = source.begin(_remaining(deadline))
         if header.version != request.version:
             result.fail(f"stream version {header.version!r} != requested {request.version!r}")
@@ -165,7 +166,7 @@ class Receiver:
         stream = {meta.name: meta for meta in plan.metas}
         for message, names in _layout_errors(stream, self.expected):
             result.fail(message, names)
-        return _Session.of(header) if result.ok else None
+        return _Session.of(header)
 
     # consume
     def _consume(

@@ -12,6 +12,7 @@ from weightbus.transport.base import BucketSink, BucketSource, PushSession, Rece
 # name -> (module, sink class, source class)
 _REGISTRY: dict[str, tuple[str, str, str]] = {
     "disk": ("weightbus.transport.disk", "DiskSink", "DiskSource"),
+    "shm": ("weightbus.transport.shm", "ShmSink", "ShmSource"),
 }
 
 
@@ -35,13 +36,13 @@ def make_sink(name: str, **options: Any) -> BucketSink:
     return _lookup(name, 1)(**options)
 
 
-def open_source(name: str, description: dict) -> BucketSource:
+def open_source(name: str, description: dict, *, rank: int = 0, tp_size: int = 1) -> BucketSource:
     """An engine-side source of transport `name` for the session `description` names.
 
     Raises:
         ValueError: unknown transport or invalid description.
     """
-    return _lookup(name, 2)(description)
+    return _lookup(name, 2)(description, rank=rank, tp_size=tp_size)
 
 
 __all__ = [

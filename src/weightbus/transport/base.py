@@ -41,6 +41,7 @@ class PushSession:
     plan: Plan
     digests: Mapping[str, str]
     fingerprint: str
+    receivers: int = 1  # engines asked to receive this session (each with all its ranks)
 
     def begin_message(self) -> UpdateBegin:
         from weightbus.wire import WireMeta
@@ -113,7 +114,12 @@ class BucketSink(ABC):
 
 
 class BucketSource(ABC):
-    """Receiver side of a transport, for one session on one rank."""
+    """Receiver side of a transport, for one session on one rank.
+
+    Implementations are built as `Source(description, rank=..., tp_size=...)`, where the
+    description is the dict the publisher's sink returned, plus `"group"`: the index of this
+    engine among the engines of the push.
+    """
 
     @abstractmethod
     def begin(self, timeout_s: float) -> UpdateBegin:

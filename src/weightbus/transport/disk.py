@@ -154,7 +154,7 @@ def read_manifest(directory: Path) -> DiskManifest:
 class DiskSource(BucketSource):
     """Reads a session directory written by `DiskSink`."""
 
-    def __init__(self, description: dict) -> None:
+    def __init__(self, description: dict, *, rank: int = 0, tp_size: int = 1) -> None:
         path = description.get("path") if isinstance(description, dict) else None
         if not isinstance(path, str) or not path:
             raise ValueError("disk source needs {'path': <session directory>}")

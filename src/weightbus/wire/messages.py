@@ -101,6 +101,20 @@ class BucketReady(Message, kw_only=True):
 
 
 @register
+class ReceiverHello(Message, kw_only=True):
+    """A receiver rank joins a push session (streaming transports).
+
+    `group` tells the engines apart (the publisher numbers them); `tp_size` says how many ranks
+    of that engine will join.
+    """
+
+    session_id: Hex128
+    group: NonNegative
+    rank: NonNegative
+    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+
+
+@register
 class SlotAck(Message, kw_only=True):
     """A receiver rank is done with a slot: the sender may overwrite it."""
 
@@ -108,6 +122,7 @@ class SlotAck(Message, kw_only=True):
     bucket_index: NonNegative
     slot: NonNegative
     rank: NonNegative
+    group: NonNegative = 0
 
 
 @register

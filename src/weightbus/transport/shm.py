@@ -1,0 +1,329 @@
+"""`shm`: co-located engines read buckets straight from shared-memory slots.
+
+The publisher owns `num_slots` slots (ping-pong) created once and reused by every push, and a
+ZMQ ROUTER socket in a private `ipc://` directory. Each engine rank maps the slots once, joins a
+session with `ReceiverHello`, and then per bucket only a small `BucketReady` message travels;
+the rank copies its TP slices from the slot into its parameters (through `load_weights`, which
+narrows the full-tensor views) and answers `SlotAck`. The publisher packs bucket k+1 into the
+other slot meanwhile, and writes each bucket once whatever the number of engines and ranks.
+"""
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+import zmq
+
+from weightbus.plan import BucketPlan, Plan, plan_buckets
+from weightbus.plan.assemble import ChunkAssembler, unpack_bucket
+from weightbus.plan.bucket import pack_entries
+from weightbus.transport.base import (
+    BucketSink,
+    BucketSource,
+    Progress,
+    PushSession,
+    ReceivedBatch,
+    no_progress,
+)
+from weightbus.transport.shm_slots import Slot, remove_stale_slots
+from weightbus.wire import (
+    BucketReady,
+    Message,
+    ProtocolError,
+    ReceiverHello,
+    SlotAck,
+    UpdateBegin,
+    UpdateEnd,
+    WireEntry,
+    decode,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_SLOTS = 2
+
+
+def _remaining_ms(deadline: float, what: str) -> int:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"timed out waiting for {what}")
+    return max(1, int(remaining * 1000))
+
+
+class _Receivers:
+    """The ranks that joined the current session, by ZMQ identity, and their pending acks."""
+
+    def __init__(self, session_id: str, num_groups: int) -> None:
+        self.session_id = session_id
+        self.num_groups = num_groups
+        self.identities: dict[bytes, tuple[int, int]] = {}  # -> (group, rank)
+        self.tp_sizes: dict[int, int] = {}
+        self.unacked: dict[int, set[tuple[int, int]]] = {}  # slot -> (group, rank) holding it
+
+    def complete(self) -> bool:
+        joined = dict.fromkeys(self.tp_sizes, 0)
+        for group, _ in self.identities.values():
+            joined[group] += 1
+        return len(self.tp_sizes) == self.num_groups and all(
+            joined[group] == size for group, size in self.tp_sizes.items()
+        )
+
+    def on_message(self, identity: bytes, message: Message) -> None:
+        if getattr(message, "session_id", None) != self.session_id:
+            return  # a late message of an earlier session
+        if isinstance(message, ReceiverHello) and message.group < self.num_groups:
+            self.identities[identity] = (message.group, message.rank)
+            self.tp_sizes[message.group] = message.tp_size
+        elif isinstance(message, SlotAck):
+            # acks come from another socket of the rank than its hello: match by (group, rank)
+            self.unacked.get(message.slot, set()).discard((message.group, message.rank))
+
+
+class ShmSink(BucketSink):
+    """Publisher side of `shm`.
+
+    Args:
+        num_slots: shared-memory slots (>= 2: one is filled while receivers read another).
+    """
+
+    name = "shm"
+
+    def __init__(self, num_slots: int = DEFAULT_NUM_SLOTS) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots must be >= 2, got {num_slots}")
+        remove_stale_slots()
+        self.num_slots = num_slots
+        self.slots: list[Slot] = []
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix="weightbus-shm-"))  # 0700
+        self.endpoint = f"ipc://{self._ipc_dir / 'sock'}"
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.bind(self.endpoint)
+
+    def _ensure_slots(self, slot_bytes: int) -> None:
+        if self.slots and self.slots[0].nbytes >= slot_bytes:
+            return
+        self._free_slots()
+        self.slots = [Slot.create(slot_bytes, index) for index in range(self.num_slots)]
+        logger.info("created %d shared-memory slots of %d bytes", self.num_slots, slot_bytes)
+
+    def prepare(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        progress: Progress = no_progress,
+    ) -> dict:
+        self._ensure_slots(session.plan.bucket_bytes)
+        return {
+            "endpoint": self.endpoint,
+            "session_id": session.session_id,
+            "slots": [slot.name for slot in self.slots],
+            "slot_bytes": self.slots[0].nbytes,
+        }
+
+    def stream(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        progress: Progress = no_progress,
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        receivers = _Receivers(session.session_id, session.receivers)
+        while not receivers.complete():
+            self._receive(receivers, deadline, "every engine rank to join")
+        self._send_all(receivers, session.begin_message())
+        for bucket in session.plan.buckets:
+            slot = bucket.index % self.num_slots
+            while receivers.unacked.get(slot):
+                self._receive(receivers, deadline, f"receivers to release slot {slot}")
+            pack_entries(self.slots[slot].tensor, bucket.entries, tensors)
+            receivers.unacked[slot] = set(receivers.identities.values())
+            self._send_all(receivers, _bucket_message(session, bucket, slot))
+            progress(sum(entry.nbytes for entry in bucket.entries))
+        while any(receivers.unacked.values()):
+            self._receive(receivers, deadline, "receivers to release the last slots")
+        self._send_all(receivers, session.end_message())
+
+    def _receive(self, receivers: _Receivers, deadline: float, what: str) -> None:
+        if not self._socket.poll(_remaining_ms(deadline, what)):
+            return
+        identity, data = self._socket.recv_multipart()
+        try:
+            receivers.on_message(identity, decode(data))
+        except ProtocolError as exc:
+            logger.warning("dropping a malformed message from a receiver: %s", exc)
+
+    def _send_all(self, receivers: _Receivers, message: Message) -> None:
+        frame = message.encode()
+        for identity in receivers.identities:
+            self._socket.send_multipart([identity, frame])
+
+    def _free_slots(self) -> None:
+        for slot in self.slots:
+            slot.unlink()
+            slot.close()
+        self.slots = []
+
+    def close(self) -> None:
+        self._free_slots()
+        self._socket.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _bucket_message(session: PushSession, bucket: BucketPlan, slot: int) -> BucketReady:
+    # digests of the tensors whose last byte is in this bucket
+    digests = {
+        e.name: session.digests[e.name]
+        for e in bucket.entries
+        if e.tensor_offset + e.nbytes == e.tensor_nbytes
+    }
+    return BucketReady(
+        session_id=session.session_id,
+        bucket_index=bucket.index,
+        slot=slot,
+        entries=[WireEntry.of(entry) for entry in bucket.entries],
+        digests=digests,
+    )
+
+
+# Slots mapped by this process, by name: each rank maps a publisher's slots once and reuses
+# the mapping while the same file stands under that name.
+_mapped: dict[str, Slot] = {}
+_mapped_lock = threading.Lock()
+
+
+def _map_slots(names: list[str], slot_bytes: int) -> list[Slot]:
+    with _mapped_lock:
+        return _map_slots_locked(names, slot_bytes)
+
+
+def _map_slots_locked(names: list[str], slot_bytes: int) -> list[Slot]:
+    slots = []
+    for name in names:
+        slot = _mapped.get(name)
+        if slot is not None and slot.current_identity() != slot.identity:
+            raise ValueError(f"stale mapping: shared-memory slot {name} was replaced")
+        if slot is None or slot.nbytes < slot_bytes:
+            slot = _mapped[name] = Slot.open(name, slot_bytes)
+        slots.append(slot)
+    for name in set(_mapped) - set(names):  # a new publisher session: forget the old slots
+        _mapped.pop(name).close()
+    return slots
+
+
+def _description_fields(description: dict) -> tuple[str, str, list[str], int, int]:
+    try:
+        endpoint = description["endpoint"]
+        session_id = description["session_id"]
+        names = description["slots"]
+        slot_bytes = description["slot_bytes"]
+        group = description.get("group", 0)
+    except (KeyError, TypeError):
+        raise ValueError(
+            "shm source needs {'endpoint', 'session_id', 'slots', 'slot_bytes', 'group'}"
+        ) from None
+    if not (isinstance(endpoint, str) and endpoint.startswith("ipc://")):
+        raise ValueError(f"shm endpoint must be an ipc:// address, got {endpoint!r}")
+    if not (isinstance(names, list) and len(names) >= 2 and all(isinstance(n, str) for n in names)):
+        raise ValueError("shm source needs a list of at least two slot names")
+    if not (isinstance(slot_bytes, int) and slot_bytes > 0 and isinstance(group, int)):
+        raise ValueError("shm slot_bytes must be a positive integer and group an integer")
+    return endpoint, str(session_id), names, slot_bytes, group
+
+
+class ShmSource(BucketSource):
+    """Engine-rank side of `shm` for one session."""
+
+    def __init__(self, description: dict, *, rank: int = 0, tp_size: int = 1) -> None:
+        endpoint, self.session_id, names, slot_bytes, self.group = _description_fields(description)
+        self.rank = rank
+        self.tp_size = tp_size
+        self.slots = _map_slots(names, slot_bytes)
+        self._context = zmq.Context.instance()
+        self._endpoint = endpoint
+        # Messages are read by the Receiver's prefetch thread, acks are sent by the thread that
+        # loads: ZMQ sockets are single-threaded, so each direction has its own socket.
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.connect(endpoint)
+        self._ack_socket: zmq.Socket | None = None
+        self._plan: Plan | None = None
+
+    def _recv(self, expected: type[Message], timeout_s: float) -> Message:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self._socket.poll(_remaining_ms(deadline, f"a {expected.__name__}")):
+                continue
+            message = decode(self._socket.recv())
+            if getattr(message, "session_id", None) != self.session_id:
+                continue  # a message of an earlier session: never read its slots
+            if not isinstance(message, expected):
+                # a peer breaking the protocol, not a caller passing a wrong type
+                raise ProtocolError(f"expected {expected.__name__}, got {type(message).__name__}")
+            return message
+
+    def begin(self, timeout_s: float) -> UpdateBegin:
+        hello = ReceiverHello(
+            session_id=self.session_id, group=self.group, rank=self.rank, tp_size=self.tp_size
+        )
+        self._socket.send(hello.encode())
+        header = self._recv(UpdateBegin, timeout_s)
+        metas = [meta.to_meta() for meta in header.tensors]
+        self._plan = plan_buckets(metas, header.bucket_bytes)
+        return header
+
+    def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
+        assert self._plan is not None, "begin() first"
+        deadline = time.monotonic() + timeout_s
+        assembler = ChunkAssembler()
+        for bucket in self._plan.buckets:
+            ready = self._recv(BucketReady, deadline - time.monotonic())
+            slot = self._check(ready, bucket)
+            tensors = list(unpack_bucket(bucket, self.slots[slot].tensor, assembler))
+            yield ReceivedBatch(
+                tensors=tensors,
+                digests=dict(ready.digests),
+                nbytes=sum(entry.nbytes for entry in bucket.entries),
+                release=self._acker(ready),
+            )
+
+    def _check(self, ready: BucketReady, bucket: BucketPlan) -> int:
+        if ready.bucket_index != bucket.index:
+            raise ValueError(f"bucket {ready.bucket_index} arrived, expected {bucket.index}")
+        if ready.slot >= len(self.slots):
+            raise ValueError(f"bucket {bucket.index} names slot {ready.slot} of {len(self.slots)}")
+        if [e.to_entry() for e in ready.entries] != list(bucket.entries):
+            raise ValueError(f"bucket {bucket.index} does not match the plan of the session")
+        if bucket.nbytes > self.slots[ready.slot].nbytes:
+            raise ValueError(f"bucket {bucket.index} exceeds its slot")
+        return ready.slot
+
+    def _acker(self, ready: BucketReady):
+        ack = SlotAck(
+            session_id=self.session_id,
+            bucket_index=ready.bucket_index,
+            slot=ready.slot,
+            rank=self.rank,
+            group=self.group,
+        ).encode()
+        return lambda: self._send_ack(ack)
+
+    def _send_ack(self, frame: bytes) -> None:
+        if self._ack_socket is None:
+            self._ack_socket = self._context.socket(zmq.DEALER)
+            self._ack_socket.connect(self._endpoint)
+        self._ack_socket.send(frame)
+
+    def end(self, timeout_s: float) -> UpdateEnd:
+        return self._recv(UpdateEnd, timeout_s)
+
+    def close(self) -> None:
+        self._socket.close(linger=1000)
+        if self._ack_socket is not None:
+            self._ack_socket.close(linger=1000)

@@ -1,0 +1,106 @@
+"""POSIX shared-memory slots: files under /dev/shm, created 0600, mapped once, reused.
+
+Names are `weightbus-shm-<pid>-<random>-<index>`: unguessable, and they tell which process owns
+them, so slots of a publisher that died without closing (SIGKILL) are found and removed by the
+next publisher on the host (`remove_stale_slots`).
+"""
+
+import logging
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
+SLOT_PREFIX = "weightbus-shm-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_slots() -> list[str]:
+    """Unlink slots whose owning process is gone; returns their names."""
+    removed = []
+    for path in SHM_DIR.glob(f"{SLOT_PREFIX}*"):
+        pid = path.name[len(SLOT_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if removed:
+        logger.info("removed %d shared-memory slots of dead publishers", len(removed))
+    return removed
+
+
+class Slot:
+    """One mapped shared-memory file, viewed as a flat `uint8` tensor (no copy)."""
+
+    def __init__(self, name: str, nbytes: int, fd: int) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        stat = os.fstat(fd)
+        self.identity = (stat.st_dev, stat.st_ino)
+        self._mmap = mmap.mmap(fd, nbytes)
+        os.close(fd)
+        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, nbytes: int, index: int) -> "Slot":
+        """A new slot, its pages touched once so later writes never fault."""
+        name = f"{SLOT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}-{index}"
+        fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, nbytes)
+        slot = cls(name, nbytes, fd)
+        slot.tensor.zero_()
+        return slot
+
+    @classmethod
+    def open(cls, name: str, nbytes: int) -> "Slot":
+        """Map an existing slot.
+
+        Raises:
+            ValueError: the name is not a weightbus slot, it does not exist, or it is smaller
+                than `nbytes`.
+        """
+        if not name.startswith(SLOT_PREFIX) or "/" in name:
+            raise ValueError(f"{name!r} is not a weightbus shared-memory slot")
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR)
+        except FileNotFoundError:
+            raise ValueError(
+                f"shared-memory slot {name} does not exist (publisher gone?)"
+            ) from None
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            os.close(fd)
+            raise ValueError(f"shared-memory slot {name} has {size} bytes, expected {nbytes}")
+        return cls(name, nbytes, fd)
+
+    def current_identity(self) -> tuple[int, int] | None:
+        """(device, inode) of the file now under this name, or None when it is gone."""
+        try:
+            stat = (SHM_DIR / self.name).stat()
+        except FileNotFoundError:
+            return None
+        return (stat.st_dev, stat.st_ino)
+
+    def close(self) -> None:
+        """Unmap; while views into the slot live on, the mapping stays until they are gone."""
+        del self.tensor
+        try:
+            self._mmap.close()
+        except BufferError:
+            logger.debug("slot %s still has views; it is unmapped when they are freed", self.name)
+
+    def unlink(self) -> None:
+        (SHM_DIR / self.name).unlink(missing_ok=True)

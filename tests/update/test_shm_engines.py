@@ -1,0 +1,130 @@
+"""`shm` into real co-located engines: one copy, two engines, bit-exact; a killed publisher."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from engine_harness import ServedEngine
+from update_harness import weights_state
+
+from weightbus import Publisher
+from weightbus.models.config import tiny_config
+from weightbus.models.loader import random_hf_weights
+from weightbus.transport.shm_slots import SHM_DIR, SLOT_PREFIX
+
+PROMPT = [4, 2, 42]
+SEED = 5  # the reference engine starts with these weights; the others receive them
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory):
+    log_dir = tmp_path_factory.mktemp("log")
+    started = {
+        "tp2": ServedEngine("--tp", "2", log_path=log_dir / "tp2.log"),
+        "tp1": ServedEngine("--tp", "1", log_path=log_dir / "tp1.log"),
+        "reference_tp2": ServedEngine(
+            "--tp", "2", "--seed", str(SEED), log_path=log_dir / "ref.log"
+        ),
+    }
+    yield started
+    for engine in started.values():
+        engine.stop()
+
+
+def _greedy(engine: ServedEngine) -> dict:
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "logprobs": 2,
+        "ignore_eos": True,
+    }
+    response = engine.client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def _slot_files() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(f"{SLOT_PREFIX}*")}
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in_place"])
+def test_one_push_updates_two_engines_bit_exactly(engines, atomic):
+    targets = [engines["tp2"], engines["tp1"]]
+    reference = engines["reference_tp2"]
+    weights = list(random_hf_weights(tiny_config(), SEED))
+    # 64 KiB buckets: the 512 KiB embedding travels in chunks
+    with Publisher(
+        [e.url for e in targets], transport="shm", bucket_bytes=64 * 1024, timeout_s=60
+    ) as pub:
+        slots_before = None
+        for round_index in range(3):
+            result = pub.push(weights, version=f"seed{SEED}-{atomic}-{round_index}", atomic=atomic)
+            slots_before = slots_before or _slot_files()
+            assert _slot_files() == slots_before  # the same slots serve every push
+    expected = weights_state(reference)["fingerprint"]
+    assert result.fingerprint == expected
+    assert [e.fingerprint for e in result.engines] == [expected, expected]
+    for engine in targets:
+        assert weights_state(engine)["fingerprint"] == expected
+    # same weights, same TP: bit-identical logprobs; another TP size: the same tokens
+    want = _greedy(reference)
+    got_tp2, got_tp1 = _greedy(engines["tp2"]), _greedy(engines["tp1"])
+    assert got_tp2["token_ids"] == want["token_ids"]
+    assert got_tp2["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
+    assert got_tp1["token_ids"] == want["token_ids"]
+    assert got_tp1["logprobs"]["token_logprobs"] == pytest.approx(
+        want["logprobs"]["token_logprobs"], abs=1e-4
+    )
+    assert not slots_before & _slot_files()  # closed publisher: its slots are gone
+
+
+_PUBLISHER = textwrap.dedent(
+    """
+    import sys
+    from weightbus import Publisher
+    from weightbus.models.config import tiny_config
+    from weightbus.models.loader import random_hf_weights
+
+    with Publisher([sys.argv[1]], transport="shm", timeout_s=3) as pub:
+        pub.push(list(random_hf_weights(tiny_config(), 11)), version="doomed", atomic=False)
+    """
+)
+
+
+def test_killed_publisher_engine_times_out_keeps_serving_and_next_push_works(engines):
+    engine = engines["tp2"]
+    before = weights_state(engine)
+    expected = _greedy(engine)
+    running = threading.Thread(
+        target=lambda: engine.complete(prompt=PROMPT, max_tokens=200, ignore_eos=True)
+    )
+    running.start()
+    assert engine.complete(prompt=[1], max_tokens=1).status_code == 200  # the long one runs
+    publisher = subprocess.Popen([sys.executable, "-c", _PUBLISHER, engine.url])
+    deadline = time.monotonic() + 60
+    while weights_state(engine)["status"] != "UPDATING":
+        assert time.monotonic() < deadline, "the push never reached the engine"
+    os.kill(publisher.pid, signal.SIGKILL)  # mid-push: slots made, nothing streamed
+    publisher.wait(10)
+    stale = {name for name in _slot_files() if name.startswith(f"{SLOT_PREFIX}{publisher.pid}-")}
+    assert len(stale) == 2
+    running.join(60)
+    deadline = time.monotonic() + 30
+    while (state := weights_state(engine))["status"] == "UPDATING":
+        assert time.monotonic() < deadline, "the engine never gave up on the dead publisher"
+    assert (state["status"], state["version"], state["fingerprint"]) == (
+        "NORMAL",
+        before["version"],
+        before["fingerprint"],
+    )
+    assert _greedy(engine)["logprobs"] == expected["logprobs"]
+    with Publisher([engine.url], transport="shm", timeout_s=30) as pub:
+        assert not stale & _slot_files()  # the dead publisher's slots were removed
+        result = pub.push(list(random_hf_weights(tiny_config(), 12)), version="after-kill")
+    assert weights_state(engine)["fingerprint"] == result.fingerprint
