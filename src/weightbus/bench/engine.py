@@ -28,10 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds; the best is kept")
 
 
-def _start(model: str, tp: int, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+def _start(
+    model: str, tp: int, timeout_s: float = 300.0, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "weightbus", "--log-level", "WARNING", "serve", "--port", "0"]
     proc = subprocess.Popen(  # noqa: S603 - argv is this interpreter and our own command
-        [*cmd, "--model", model, "--tp", str(tp)], stdout=subprocess.PIPE
+        [*cmd, "--model", model, "--tp", str(tp), *extra], stdout=subprocess.PIPE
     )
     deadline = time.monotonic() + timeout_s
     while (remaining := deadline - time.monotonic()) > 0:

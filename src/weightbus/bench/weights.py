@@ -71,3 +71,24 @@ def llama_weights(
         (name, torch.randn(dims, generator=generator, dtype=torch.float32).to(dtype))
         for name, dims in shape.tensor_shapes()
     ]
+
+
+def hf_config(shape: LlamaShape) -> dict:
+    """A Hugging Face `config.json` for a Llama of `shape` (head_dim 64)."""
+    head_dim = 64
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.hidden_size // head_dim,
+        "num_key_value_heads": shape.num_kv_dims // head_dim,
+        "head_dim": head_dim,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }

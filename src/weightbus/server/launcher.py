@@ -249,6 +249,9 @@ def _listen(host: str, port: int) -> tuple[socket.socket, str]:
     # bound here, before any worker starts: a taken port fails fast, and `--port 0` is known
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
+    # Accepted connections inherit TCP_NODELAY (Linux): without it a response written as
+    # headers then body waits ~40 ms for the client's delayed ACK on every keep-alive request.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
     return sock, f"http://{url_host}:{bound_port}"

@@ -1,0 +1,149 @@
+"""`weightbus bench update`: push Llama-shaped weights into real engines, every path in one run.
+
+For each size: write a Hugging Face checkpoint of Llama-shaped bf16 weights, start
+`weightbus serve --model DIR --tp N --dtype bfloat16` engine(s), then time on the same weights:
+the floor (one memcpy of the model's bytes into a preallocated buffer, all cores) and a push
+over each transport with verification on and off. Reports median push seconds, GB/s, the ratio
+to the floor, the speed-up of `shm` over `disk`, and the engines' extra peak RSS.
+"""
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from weightbus.bench.engine import _start, _stop
+from weightbus.bench.timing import Measurement, measure_interleaved, print_table
+from weightbus.bench.weights import hf_config, llama_shape, llama_weights
+from weightbus.publisher import Publisher
+from weightbus.units import byte_size_arg, format_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="1GiB", help="comma-separated model sizes")
+    parser.add_argument("--tp", type=int, default=2, help="TP size of each engine")
+    parser.add_argument("--engines", type=int, nargs="+", default=[1], help="engine counts")
+    parser.add_argument("--transports", nargs="+", default=["shm", "disk"])
+    parser.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
+    parser.add_argument("--repeat", type=int, default=3, help="timed pushes per row (median)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def _rss_bytes(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _worker_pids(launcher_pid: int) -> list[int]:
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children")
+    return [int(pid) for pid in children.read_text().split()]
+
+
+class _Pusher:
+    """Pushes one configuration repeatedly, each push a new version."""
+
+    def __init__(self, urls: list[str], transport: str, verify: str, bucket_bytes: int) -> None:
+        self.publisher = Publisher(
+            urls, transport=transport, bucket_bytes=bucket_bytes, timeout_s=600
+        )
+        self.verify = verify
+        self.count = 0
+
+    def __call__(self, weights: list) -> None:
+        self.count += 1
+        version = f"{self.publisher.transport}-{self.verify}-{self.count}-{time.monotonic_ns()}"
+        self.publisher.push(
+            weights, version=version, atomic=False, pause_mode="in_place", verify=self.verify
+        )
+
+
+def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: Path) -> dict:
+    weights = llama_weights(size, torch.bfloat16)
+    model_bytes = sum(t.nbytes for _, t in weights)
+    model_dir = workdir / f"model-{size}"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(hf_config(llama_shape(size, 2))))
+    save_file(dict(weights), str(model_dir / "model.safetensors"))
+    engines = [
+        _start(str(model_dir), args.tp, extra=["--dtype", "bfloat16"]) for _ in range(num_engines)
+    ]
+    try:
+        pids = [pid for proc, _ in engines for pid in _worker_pids(proc.pid)]
+        rss_before = {pid: _rss_bytes(pid, "VmRSS") for pid in pids}
+        source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
+        floor_buffer = torch.empty(model_bytes, dtype=torch.uint8)
+        urls = [url for _, url in engines]
+        pushers = {
+            f"{transport} verify={verify}": _Pusher(urls, transport, verify, args.bucket_bytes)
+            for transport in args.transports
+            for verify in ("full", "none")
+        }
+        operations = [
+            ("floor: memcpy into preallocated", model_bytes, lambda: floor_buffer.copy_(source))
+        ]
+        operations += [(name, model_bytes, lambda p=p: p(weights)) for name, p in pushers.items()]
+        rows = measure_interleaved(operations, args.repeat)
+        # per rank; shared pages (slots, mapped shards) count in every rank that touches them
+        peak_extra = max(_rss_bytes(pid, "VmHWM") - rss_before[pid] for pid in pids)
+        for pusher in pushers.values():
+            pusher.publisher.close()
+    finally:
+        for proc, _ in engines:
+            _stop(proc)
+    return {"size": model_bytes, "engines": num_engines, "rows": rows, "peak_extra_rss": peak_extra}
+
+
+def _print(result: dict, args: argparse.Namespace) -> None:
+    rows: list[Measurement] = result["rows"]
+    floor = rows[0]
+    by_name = {m.name: m for m in rows}
+    print(
+        f"\n{format_bytes(result['size'])} Llama-shaped bf16, {result['engines']} engine(s) of "
+        f"TP {args.tp}, median of {args.repeat}; extra peak RSS of a rank (all paths) "
+        f"{format_bytes(result['peak_extra_rss'])}"
+    )
+    table = []
+    for m in rows:
+        transport_verify = m.name.split(" ", 1)
+        vs_disk = ""
+        if m.name.startswith("shm") and f"disk {transport_verify[-1]}" in by_name:
+            vs_disk = f"{by_name[f'disk {transport_verify[-1]}'].median_s / m.median_s:.1f}x"
+        table.append(
+            [
+                m.name,
+                f"{m.median_s:.3f}",
+                f"{m.gb_per_s:.2f}",
+                f"{m.median_s / floor.median_s:.2f}",
+                vs_disk,
+            ]
+        )
+    print_table(["path", "median s", "GB/s", "x floor time", "speed-up vs disk"], table)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    torch.set_num_threads(os.cpu_count() or 1)
+    results = []
+    shm = Path("/dev/shm")  # noqa: S108 - the benchmark's checkpoints live in RAM
+    with tempfile.TemporaryDirectory(
+        prefix="weightbus-bench-", dir=shm if shm.is_dir() else None
+    ) as tmp:
+        for size_text in args.sizes.split(","):
+            for num_engines in args.engines:
+                size = byte_size_arg(size_text)
+                result = _bench_size(size, num_engines, args, Path(tmp))
+                results.append(result)
+                _print(result, args)
+    if args.json:
+        from weightbus.bench.timing import write_json
+
+        write_json(args.json, {"suite": "update", "results": results})
+    return 0
