@@ -32,11 +32,30 @@ class ChunkAssembler:
 
     Chunks are copied into a tensor allocated on the first chunk; the tensor is handed out when
     its last byte has arrived. Each chunk must arrive exactly once.
+
+    Args:
+        device: where assembled tensors live.
+        buffers: optional cache of assembly tensors by `(name, dtype, shape)`, reused across
+            sessions so repeated pushes never fault in fresh memory. A reused tensor is
+            overwritten by the next session: consume it before then.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", buffers: dict[tuple, torch.Tensor] | None = None
+    ) -> None:
         self.device = torch.device(device)
+        self._buffers = buffers
         self._pending: dict[str, _Pending] = {}
+
+    def _allocate(self, entry: BucketEntry) -> torch.Tensor:
+        if self._buffers is None:
+            return torch.empty(entry.shape, dtype=entry.torch_dtype, device=self.device)
+        key = (entry.name, entry.dtype, entry.shape)
+        tensor = self._buffers.get(key)
+        if tensor is None:
+            tensor = torch.empty(entry.shape, dtype=entry.torch_dtype, device=self.device)
+            self._buffers[key] = tensor
+        return tensor
 
     @property
     def pending_names(self) -> list[str]:
@@ -59,8 +78,7 @@ class ChunkAssembler:
             )
         pending = self._pending.get(entry.name)
         if pending is None:
-            tensor = torch.empty(entry.shape, dtype=entry.torch_dtype, device=self.device)
-            pending = self._pending[entry.name] = _Pending(tensor)
+            pending = self._pending[entry.name] = _Pending(self._allocate(entry))
         start, stop = entry.tensor_offset, entry.tensor_offset + entry.nbytes
         pending.claim(entry.name, start, stop)
         byte_view(pending.tensor)[start:stop].copy_(chunk)
