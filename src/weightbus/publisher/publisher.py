@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import httpx
 
+from weightbus.owners import owner_is_dead
 from weightbus.publisher.progress import PushProgress
 from weightbus.publisher.weights import NameMap, SessionFactory, Weights, normalize_weights
 from weightbus.transport import BucketSink, PushSession, make_sink
@@ -75,22 +76,11 @@ class PushResult:
 DISK_ROOT_PREFIX = "weightbus-disk-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_disk_roots(parent: Path) -> None:
     """Remove session directories left by publishers that died without closing (SIGKILL)."""
     for path in parent.glob(f"{DISK_ROOT_PREFIX}*-*"):
-        pid = path.name[len(DISK_ROOT_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            logger.info("removing %s, left by dead publisher pid %s", path, pid)
+        if owner_is_dead(path.name, DISK_ROOT_PREFIX):
+            logger.info("removing %s, left by a dead publisher", path)
             shutil.rmtree(path, ignore_errors=True)
 
 

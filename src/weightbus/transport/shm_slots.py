@@ -13,28 +13,19 @@ from pathlib import Path
 
 import torch
 
+from weightbus.owners import owner_is_dead
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
 SLOT_PREFIX = "weightbus-shm-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_slots() -> list[str]:
     """Unlink slots whose owning process is gone; returns their names."""
     removed = []
     for path in SHM_DIR.glob(f"{SLOT_PREFIX}*"):
-        pid = path.name[len(SLOT_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if owner_is_dead(path.name, SLOT_PREFIX):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     if removed:
