@@ -1,10 +1,11 @@
 """The shm transport with real shared memory and real ZMQ sockets; receivers are threads."""
 
-import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,7 +196,9 @@ def test_slots_of_a_killed_publisher_are_removed_by_the_next_one():
     assert all((SHM_DIR / name).exists() for name in names)
     for name in names:
         assert oct((SHM_DIR / name).stat().st_mode & 0o777) == oct(0o600)
+    dead_dirs = list(Path(tempfile.gettempdir()).glob(f"{SLOT_PREFIX}{names[0].split('-')[2]}-*"))
+    assert len(dead_dirs) == 1  # the dead publisher's socket directory
     sink = make_sink("shm")
     sink.close()
     assert not any((SHM_DIR / name).exists() for name in names)
-    assert os.getpid()  # this process's own slots were never touched
+    assert not dead_dirs[0].exists()

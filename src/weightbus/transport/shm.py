@@ -10,11 +10,9 @@ other slot meanwhile, and writes each bucket once whatever the number of engines
 
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 
 import torch
 import zmq
@@ -30,7 +28,7 @@ from weightbus.transport.base import (
     ReceivedBatch,
     no_progress,
 )
-from weightbus.transport.shm_slots import Slot, remove_stale_slots
+from weightbus.transport.shm_slots import Slot, private_ipc_dir, remove_stale_slots
 from weightbus.wire import (
     BucketReady,
     Message,
@@ -99,7 +97,7 @@ class ShmSink(BucketSink):
         remove_stale_slots()
         self.num_slots = num_slots
         self.slots: list[Slot] = []
-        self._ipc_dir = Path(tempfile.mkdtemp(prefix="weightbus-shm-"))  # 0700
+        self._ipc_dir = private_ipc_dir()
         self.endpoint = f"ipc://{self._ipc_dir / 'sock'}"
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)

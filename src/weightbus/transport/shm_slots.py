@@ -9,6 +9,8 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,13 +23,21 @@ SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Lin
 SLOT_PREFIX = "weightbus-shm-"
 
 
+def private_ipc_dir() -> Path:
+    """A new 0700 directory for a publisher's sockets, named after its owner like the slots."""
+    return Path(tempfile.mkdtemp(prefix=f"{SLOT_PREFIX}{os.getpid()}-"))
+
+
 def remove_stale_slots() -> list[str]:
-    """Unlink slots whose owning process is gone; returns their names."""
+    """Unlink slots (and socket directories) whose owning process is gone; returns their names."""
     removed = []
     for path in SHM_DIR.glob(f"{SLOT_PREFIX}*"):
         if owner_is_dead(path.name, SLOT_PREFIX):
             path.unlink(missing_ok=True)
             removed.append(path.name)
+    for path in Path(tempfile.gettempdir()).glob(f"{SLOT_PREFIX}*"):
+        if path.is_dir() and owner_is_dead(path.name, SLOT_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
     if removed:
         logger.info("removed %d shared-memory slots of dead publishers", len(removed))
     return removed
