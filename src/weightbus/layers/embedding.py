@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.functional import embedding, linear
 
 from weightbus.layers.parallel import all_gather_last_dim, all_reduce, get_tp
+from weightbus.layers.shard import ShardCopy, check_full_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,13 +32,18 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        expected = (self.num_embeddings, param.shape[1])
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"shape mismatch: expected {expected}, got {tuple(loaded.shape)}")
+    def shard_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: None = None
+    ) -> ShardCopy:
+        """This rank's vocabulary range; the padding rows after it stay zero."""
+        check_full_shape(full_shape, (self.num_embeddings, param.shape[1]))
         num_rows = self.vocab_end_index - self.vocab_start_index
-        param.data[:num_rows].copy_(loaded[self.vocab_start_index : self.vocab_end_index])
-        param.data[num_rows:].zero_()
+        return ShardCopy(0, self.vocab_start_index, 0, 0, num_rows)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        copy = self.shard_copy(param, tuple(loaded.shape))
+        copy.apply(param.data, loaded)
+        param.data[copy.length :].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

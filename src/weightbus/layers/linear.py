@@ -3,9 +3,9 @@
 Column-parallel layers split the output features over ranks, row-parallel layers split the input
 features and sum the partial products. Fused layers (`QKVParallelLinear`,
 `MergedColumnParallelLinear`) hold several Hugging Face matrices stacked along the output
-dimension; their loader takes a `loaded_shard_id` that says which one arrives. Every loader
-checks the full (unsharded) shape, then copies its rank's slice into the existing parameter
-storage: parameters are never reallocated and never alias the loaded tensor.
+dimension; their loader takes a `shard_id` that says which one arrives. Every loader checks the
+full (unsharded) shape, then applies its `shard_copy` (`layers/shard.py`): its rank's slice is
+copied into the existing parameter storage, never reallocated and never aliased.
 """
 
 import torch
@@ -13,11 +13,7 @@ from torch import nn
 from torch.nn.functional import linear
 
 from weightbus.layers.parallel import all_reduce, divide, get_tp
-
-
-def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(loaded.shape) != expected:
-        raise ValueError(f"shape mismatch: expected {expected}, got {tuple(loaded.shape)}")
+from weightbus.layers.shard import ShardCopy, check_full_shape
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -39,8 +35,21 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def shard_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
+    ) -> ShardCopy:
+        """Where this rank's slice of a full tensor of `full_shape` goes in `param`.
+
+        Raises:
+            ValueError: `full_shape` is not what this parameter is a slice of.
+        """
         raise NotImplementedError
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        """Copy this rank's slice of the full tensor `loaded` into `param`, in place."""
+        self.shard_copy(param, tuple(loaded.shape), shard_id).apply(param.data, loaded)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -50,10 +59,12 @@ class ColumnParallelLinear(LinearBase):
         tp_size = get_tp().tp_size
         super().__init__(input_size, divide(output_size, tp_size, "output features"), bias=bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def shard_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
+    ) -> ShardCopy:
         shard_size = param.shape[0]
-        _check_shape(loaded, (shard_size * self.tp_size, *param.shape[1:]))
-        param.data.copy_(loaded.narrow(0, self.tp_rank * shard_size, shard_size))
+        check_full_shape(full_shape, (shard_size * self.tp_size, *param.shape[1:]))
+        return ShardCopy(0, self.tp_rank * shard_size, 0, 0, shard_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -72,15 +83,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias=bias)
 
-    def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded: torch.Tensor, loaded_shard_id: int
-    ) -> None:
-        full_size = self.output_sizes[loaded_shard_id]
+    def shard_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
+    ) -> ShardCopy:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"unknown merged shard id {shard_id!r}")
+        full_size = self.output_sizes[shard_id]
         shard_size = full_size // self.tp_size
-        offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
-        _check_shape(loaded, (full_size, *param.shape[1:]))
-        source = loaded.narrow(0, self.tp_rank * shard_size, shard_size)
-        param.data.narrow(0, offset, shard_size).copy_(source)
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        check_full_shape(full_shape, (full_size, *param.shape[1:]))
+        return ShardCopy(0, self.tp_rank * shard_size, 0, offset, shard_size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -129,21 +141,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Key (or value) features on this rank."""
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded: torch.Tensor, loaded_shard_id: str
-    ) -> None:
-        if loaded_shard_id == "q":
+    def shard_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
+    ) -> ShardCopy:
+        if shard_id == "q":
             offset, shard_size, total_heads = 0, self.q_size, self.total_num_heads
             source_rank = self.tp_rank
-        elif loaded_shard_id in ("k", "v"):
-            offset = self.q_size if loaded_shard_id == "k" else self.q_size + self.kv_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             shard_size, total_heads = self.kv_size, self.total_num_kv_heads
             source_rank = self.tp_rank // self.num_kv_head_replicas
         else:
-            raise ValueError(f"unknown qkv shard id {loaded_shard_id!r}")
-        _check_shape(loaded, (total_heads * self.head_dim, *param.shape[1:]))
-        source = loaded.narrow(0, source_rank * shard_size, shard_size)
-        param.data.narrow(0, offset, shard_size).copy_(source)
+            raise ValueError(f"unknown qkv shard id {shard_id!r}")
+        check_full_shape(full_shape, (total_heads * self.head_dim, *param.shape[1:]))
+        return ShardCopy(0, source_rank * shard_size, 0, offset, shard_size)
 
 
 class RowParallelLinear(LinearBase):
@@ -157,14 +168,15 @@ class RowParallelLinear(LinearBase):
         tp_size = get_tp().tp_size
         super().__init__(divide(input_size, tp_size, "input features"), output_size, bias=bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def shard_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
+    ) -> ShardCopy:
         if param.dim() == 1:  # bias: replicated
-            _check_shape(loaded, tuple(param.shape))
-            param.data.copy_(loaded)
-            return
+            check_full_shape(full_shape, tuple(param.shape))
+            return ShardCopy.whole(tuple(param.shape))
         shard_size = param.shape[1]
-        _check_shape(loaded, (param.shape[0], shard_size * self.tp_size))
-        param.data.copy_(loaded.narrow(1, self.tp_rank * shard_size, shard_size))
+        check_full_shape(full_shape, (param.shape[0], shard_size * self.tp_size))
+        return ShardCopy(1, self.tp_rank * shard_size, 1, 0, shard_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from weightbus.layers.shard import ShardCopy, check_full_shape
+
 
 class RMSNorm(nn.Module):
     """`weight * x / sqrt(mean(x^2) + eps)`, replicated on every rank."""
@@ -13,12 +15,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
+    def shard_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: None = None
+    ) -> ShardCopy:
+        """Replicated: the whole tensor."""
+        check_full_shape(full_shape, tuple(param.shape))
+        return ShardCopy.whole(tuple(param.shape))
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if loaded.shape != param.shape:
-            raise ValueError(
-                f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}"
-            )
-        param.data.copy_(loaded)
+        self.shard_copy(param, tuple(loaded.shape)).apply(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same op order as transformers' LlamaRMSNorm, so float32 results agree bit for bit.

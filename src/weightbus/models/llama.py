@@ -20,6 +20,7 @@ from weightbus.layers.linear import (
 )
 from weightbus.layers.norm import RMSNorm
 from weightbus.layers.rotary import RotaryEmbedding
+from weightbus.layers.shard import ShardCopy
 from weightbus.models.config import ModelConfig
 
 
@@ -182,6 +183,22 @@ class LlamaForCausalLM(nn.Module):
     def expected_weight_names(self) -> list[str]:
         """Hugging Face names that a complete `load_weights` must receive, in checkpoint order."""
         return list(hf_weight_shapes(self.config))
+
+    def shard_copies(self) -> list[tuple[str, str, ShardCopy]]:
+        """This rank's slice map: `(hf_name, parameter name, ShardCopy)` for every HF tensor.
+
+        It is what `load_weights` does, as data: applying each copy from the full HF tensors
+        fills this rank's parameters exactly as `load_weights` would (padding rows aside, which
+        stay as allocated).
+        """
+        params = dict(self.named_parameters())
+        copies = []
+        for hf_name, full_shape in hf_weight_shapes(self.config).items():
+            param_name, shard_id = self._param_name(hf_name)
+            param = params[param_name]
+            layer = param.weight_loader.__self__
+            copies.append((hf_name, param_name, layer.shard_copy(param, full_shape, shard_id)))
+        return copies
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face tensors into this rank's (fused, sharded) parameters, in place.
