@@ -28,9 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds; the best is kept")
 
 
-def _start(
+def start_engine(
     model: str, tp: int, timeout_s: float = 300.0, extra: Sequence[str] = ()
 ) -> tuple[subprocess.Popen, str]:
+    """Start `weightbus serve --port 0` (quiet) and return the process and its URL.
+
+    Raises:
+        RuntimeError: the server did not print its URL within `timeout_s`.
+    """
     cmd = [sys.executable, "-m", "weightbus", "--log-level", "WARNING", "serve", "--port", "0"]
     proc = subprocess.Popen(  # noqa: S603 - argv is this interpreter and our own command
         [*cmd, "--model", model, "--tp", str(tp), *extra], stdout=subprocess.PIPE
@@ -44,11 +49,12 @@ def _start(
             break
         if "serving on " in line:
             return proc, line.split("serving on ", 1)[1].strip()
-    _stop(proc)
+    stop_engine(proc)
     raise RuntimeError(f"weightbus serve --tp {tp} did not start")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_engine(proc: subprocess.Popen) -> None:
+    """SIGTERM the server, then kill it if it has not exited within 30 s."""
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=30)
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(0)
     rows = []
     for tp in args.tp:
-        proc, url = _start(args.model, tp)
+        proc, url = start_engine(args.model, tp)
         try:
             _round(url, [[1, 2, 3]], 4)  # warm-up
             for batch in args.batch:
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
                 )
                 rows.append((tp, batch, *best))
         finally:
-            _stop(proc)
+            stop_engine(proc)
     print(
         f"weightbus bench engine: model={args.model} prompt={args.prompt_tokens} tokens, "
         f"{args.max_tokens} generated per request, greedy, best of {args.rounds}"

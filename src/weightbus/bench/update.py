@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from weightbus.bench.engine import _start, _stop
-from weightbus.bench.timing import Measurement, measure_interleaved, print_table
+from weightbus.bench.engine import start_engine, stop_engine
+from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
 from weightbus.bench.weights import hf_config, llama_shape, llama_weights
 from weightbus.publisher import Publisher
 from weightbus.units import byte_size_arg, format_bytes
@@ -73,7 +73,8 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
     (model_dir / "config.json").write_text(json.dumps(hf_config(llama_shape(size, 2))))
     save_file(dict(weights), str(model_dir / "model.safetensors"))
     engines = [
-        _start(str(model_dir), args.tp, extra=["--dtype", "bfloat16"]) for _ in range(num_engines)
+        start_engine(str(model_dir), args.tp, extra=["--dtype", "bfloat16"])
+        for _ in range(num_engines)
     ]
     try:
         pids = [pid for proc, _ in engines for pid in _worker_pids(proc.pid)]
@@ -97,7 +98,7 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
             pusher.publisher.close()
     finally:
         for proc, _ in engines:
-            _stop(proc)
+            stop_engine(proc)
     return {"size": model_bytes, "engines": num_engines, "rows": rows, "peak_extra_rss": peak_extra}
 
 
@@ -143,7 +144,5 @@ def run(args: argparse.Namespace) -> int:
                 results.append(result)
                 _print(result, args)
     if args.json:
-        from weightbus.bench.timing import write_json
-
         write_json(args.json, {"suite": "update", "results": results})
     return 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightbus.plan import Plan
-from weightbus.wire import UpdateBegin, UpdateEnd
+from weightbus.wire import UpdateBegin, UpdateEnd, WireMeta
 
 # Called with the bytes handed over so far, e.g. to draw a progress bar.
 Progress = Callable[[int], None]
@@ -44,8 +44,6 @@ class PushSession:
     receivers: int = 1  # engines asked to receive this session (each with all its ranks)
 
     def begin_message(self) -> UpdateBegin:
-        from weightbus.wire import WireMeta
-
         return UpdateBegin(
             session_id=self.session_id,
             version=self.version,
