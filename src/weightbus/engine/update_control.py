@@ -195,16 +195,16 @@ class UpdateController:
             self._pause_drain = control.request_id
             return
         self.paused = True
-        self._reply_control(control.request_id, 200, f"generation paused ({control.mode})")
         self.publish_state()
+        self._reply_control(control.request_id, 200, f"generation paused ({control.mode})")
 
     def _on_continue(self, control: messages.Control) -> None:
         self.paused = False
+        self.publish_state()
         if self._pause_drain is not None:
             self._reply_control(self._pause_drain, 409, "pause cancelled by continue_generation")
             self._pause_drain = None
         self._reply_control(control.request_id, 200, "generation continues")
-        self.publish_state()
 
     def _on_release(self, control: messages.Control) -> None:
         if self._update is not None or self._release is not None:
@@ -226,9 +226,9 @@ class UpdateController:
         """Decide what every rank does at this step boundary (rank 0 calls this once a step)."""
         if self._pause_drain is not None and num_running == 0:
             self.paused = True
+            self.publish_state()
             self._reply_control(self._pause_drain, 200, "generation paused (drain)")
             self._pause_drain = None
-            self.publish_state()
         if self._resume is not None:
             mask = tags_to_mask(self._resume.tags)
             return StepAction(Action.RESUME, tags_mask=mask)
@@ -335,6 +335,7 @@ class UpdateController:
         logger.info("committed version %s in %.3f s", self.version, seconds)
         self._update = None
         self.status = self._resting_status()
+        self.publish_state()
         self._send(
             messages.UpdateResult(
                 update_id=request.update_id,
@@ -346,7 +347,6 @@ class UpdateController:
                 phases={**update.phases, "total_s": seconds},
             )
         )
-        self.publish_state()
 
     def _finish_update(self, status_code: int, error: str, names: list[str]) -> None:
         update = self._update
@@ -354,8 +354,8 @@ class UpdateController:
         self._update = None
         self.status = self._resting_status()
         logger.warning("update to %s failed (%d): %s", update.request.version, status_code, error)
-        self._reply_update(update.request, status_code, error, names)
         self.publish_state()
+        self._reply_update(update.request, status_code, error, names)
 
     def on_released(self, mask: int) -> None:
         assert self._release is not None
@@ -364,18 +364,18 @@ class UpdateController:
         if "weights" in tags:
             self.weights_valid = False
         self.status = self._resting_status()
+        self.publish_state()
         self._reply_control(self._release.request_id, 200, f"released {sorted(tags)}")
         self._release = None
-        self.publish_state()
 
     def on_resumed(self, mask: int) -> None:
         assert self._resume is not None
         self.released.difference_update(mask_to_tags(mask))
         self.status = self._resting_status()
         message = "resumed" if self.weights_valid else "resumed; push weights before generating"
+        self.publish_state()
         self._reply_control(self._resume.request_id, 200, message)
         self._resume = None
-        self.publish_state()
 
     def _resting_status(self) -> messages.WeightsStatus:
         if self.released:

@@ -2,14 +2,13 @@
 
 Each action becomes one message to rank 0 with an id drawn here (`UpdateWeights.update_id`,
 `Control.request_id`, 32 hex digits); the route awaits rank 0's result with that id through
-`EngineClient` and answers with the status code rank 0 chose. After a success the route waits
-briefly until the weights mirror shows the change, so a `GET /v1/weights` that follows sees it
-whichever order rank 0 sent the result and the new `WeightsState`.
+`EngineClient` and answers with the status code rank 0 chose. Rank 0 sends the new
+`WeightsState` before the result on the same ordered socket, so a `GET /v1/weights` that follows
+an answer sees its change.
 """
 
 import logging
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -32,10 +31,6 @@ from weightbus.server.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-# How long a successful action waits for rank 0's WeightsState showing it (it is sent right
-# after the result, so this only covers the messages' order).
-STATE_WAIT_S = 0.5
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,17 +109,6 @@ async def _update(
         ) from None
 
 
-def _committed(result: messages.UpdateResult) -> Callable[[messages.WeightsState], bool]:
-    return lambda state: state.version == result.version and state.status != "UPDATING"
-
-
-async def _wait_state(
-    client: EngineClient, predicate: Callable[[messages.WeightsState], bool], what: str
-) -> None:
-    if not await client.wait_weights(predicate, timeout_s=STATE_WAIT_S):
-        logger.warning("no WeightsState showing %s within %.1f s", what, STATE_WAIT_S)
-
-
 async def update_weights(
     body: UpdateWeightsRequest, request: Request, config: AdminConfig
 ) -> UpdateWeightsResponse:
@@ -156,7 +140,6 @@ async def update_weights(
         error = result.error or f"update to {body.version!r} failed"
         raise APIError(status_code, error, extra={"names": list(result.names)})
     metrics.observe_update(200, nbytes=result.nbytes, seconds=result.seconds)
-    await _wait_state(client, _committed(result), f"version {result.version!r}")
     return UpdateWeightsResponse(
         version=result.version,
         fingerprint=result.fingerprint,
@@ -164,16 +147,6 @@ async def update_weights(
         seconds=result.seconds,
         phases=dict(result.phases),
     )
-
-
-def _control_done(control: messages.Control) -> Callable[[messages.WeightsState], bool]:
-    tags = set(control.tags)
-    return {
-        "pause": lambda state: state.generation == "paused",
-        "continue": lambda state: state.generation == "running",
-        "release": lambda state: tags <= set(state.released) and state.status != "CLEARING",
-        "resume": lambda state: not tags & set(state.released),
-    }[control.action]
 
 
 async def control(
@@ -215,7 +188,6 @@ async def control(
     status_code = _checked_status(result.status_code)
     if status_code != 200:
         raise APIError(status_code, result.message or f"{message.action} failed")
-    await _wait_state(client, _control_done(message), f"{message.action} done")
     return ControlResponse(action=message.action, message=result.message)
 
 
