@@ -152,7 +152,7 @@ def test_receiver_times_out_when_the_publisher_never_streams():
     [
         ({"endpoint": "tcp://10.0.0.1:5"}, "shm endpoint must be an ipc:// address"),
         ({"slots": ["weightbus-shm-1-x-0"]}, "at least two slot names"),
-        ({"slots": ["/etc/passwd", "x"]}, "is not a weightbus shared-memory slot"),
+        ({"slots": ["/etc/passwd", "x"]}, "is not a weightbus shared-memory file"),
         ({"slots": [f"{SLOT_PREFIX}1-gone-0", f"{SLOT_PREFIX}1-gone-1"]}, "does not exist"),
     ],
     ids=["endpoint", "one slot", "not a slot", "gone"],

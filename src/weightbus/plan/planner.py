@@ -31,6 +31,16 @@ class BucketPlan:
         """Bytes of the buffer in use (end of the last entry)."""
         return max((entry.end for entry in self.entries), default=0)
 
+    @property
+    def payload_bytes(self) -> int:
+        """Tensor bytes carried (alignment padding excluded)."""
+        return sum(entry.nbytes for entry in self.entries)
+
+    def finished_names(self) -> list[str]:
+        """The tensors whose last byte is in this bucket (a tensor split into chunks
+        finishes in the bucket of its last chunk)."""
+        return [e.name for e in self.entries if e.tensor_offset + e.nbytes == e.tensor_nbytes]
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:

@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 
-from weightbus.digest import fingerprint_of_digests, tensor_digest
-from weightbus.meta import dtype_name, metas_of
+from weightbus.meta import metas_of
 from weightbus.plan import Plan, plan_buckets
 from weightbus.transport import PushSession
 
@@ -69,17 +68,6 @@ def normalize_weights(weights: Weights, name_map: NameMap | None = None) -> list
     return result
 
 
-def digests_of(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """xxh3-128 digest of every tensor, by name."""
-    return {name: tensor_digest(tensor) for name, tensor in weights}
-
-
-def fingerprint_from(weights: list[tuple[str, torch.Tensor]], digests: Mapping[str, str]) -> str:
-    return fingerprint_of_digests(
-        (name, dtype_name(t.dtype), tuple(t.shape), digests[name]) for name, t in weights
-    )
-
-
 class SessionFactory:
     """Builds push sessions, reusing the plan while the layout is unchanged."""
 
@@ -100,13 +88,10 @@ class SessionFactory:
         step: int | None,
         receivers: int = 1,
     ) -> PushSession:
-        digests = digests_of(weights)
         return PushSession(
             session_id=secrets.token_hex(16),
             version=version,
             step=step,
             plan=self.plan_for(weights),
-            digests=digests,
-            fingerprint=fingerprint_from(weights, digests),
             receivers=receivers,
         )

@@ -166,6 +166,8 @@ class Receiver:
         stream = {meta.name: meta for meta in plan.metas}
         for message, names in _layout_errors(stream, self.expected):
             result.fail(message, names)
+        # direct mode: the publisher writes into the parameters from now on
+        result.touched = result.touched or header.direct
         return _Session.of(header)
 
     # consume
@@ -193,7 +195,7 @@ class Receiver:
                         tick = time.perf_counter()
                         self._verify(batch, session, result)
                         timings["verify_s"] += time.perf_counter() - tick
-                    if result.ok:
+                    if result.ok and batch.tensors:
                         tick = time.perf_counter()
                         self._load(batch, result)
                         timings["load_s"] += time.perf_counter() - tick
@@ -209,15 +211,16 @@ class Receiver:
     def _check(self, batch: ReceivedBatch, session: _Session, result: RankResult) -> None:
         for name, tensor in batch.tensors:
             meta = session.metas.get(name)
-            if meta is None:
-                result.fail(f"tensor {name!r} is not in the session header", [name])
-            elif name in session.seen:
-                result.fail(f"tensor {name!r} arrived twice", [name])
-            elif (tensor.dtype, tuple(tensor.shape)) != (meta.dtype, meta.shape):
+            if meta is not None and (tensor.dtype, tuple(tensor.shape)) != (meta.dtype, meta.shape):
                 got = TensorMeta.of(name, tensor)
                 result.fail(
                     f"tensor {name!r}: header says {_describe(meta)}, got {_describe(got)}", [name]
                 )
+        for name in [name for name, _ in batch.tensors] + [name for name, _ in batch.placed]:
+            if name not in session.metas:
+                result.fail(f"tensor {name!r} is not in the session header", [name])
+            elif name in session.seen:
+                result.fail(f"tensor {name!r} arrived twice", [name])
             session.seen.add(name)
             if name in batch.digests:
                 session.digests[name] = batch.digests[name]
@@ -231,6 +234,18 @@ class Receiver:
                 result.fail(f"tensor {name!r} arrived without a digest", [name])
             elif tensor_digest(tensor) != expected:
                 result.fail(f"digest mismatch for tensor {name!r}: its bytes are corrupted", [name])
+        for name, region in batch.placed:
+            if region is None:
+                continue  # this rank holds no slice of it
+            expected = batch.placed_digests.get(name)
+            if expected is None:
+                result.fail(f"tensor {name!r} was written without a slice digest", [name])
+            elif tensor_digest(region) != expected:
+                result.fail(
+                    f"digest mismatch for tensor {name!r}: the slice written into this rank's "
+                    "parameters is corrupted",
+                    [name],
+                )
 
     def _load(self, batch: ReceivedBatch, result: RankResult) -> None:
         names = [name for name, _ in batch.tensors]

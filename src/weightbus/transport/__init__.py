@@ -14,6 +14,8 @@ _REGISTRY: dict[str, tuple[str, str, str]] = {
     "disk": ("weightbus.transport.disk", "DiskSink", "DiskSource"),
     "shm": ("weightbus.transport.shm", "ShmSink", "ShmSource"),
 }
+# transports whose sources take a `direct` placement (see `transport/shm_arena.py`)
+_DIRECT = {"shm"}
 
 
 def transport_names() -> list[str]:
@@ -36,13 +38,27 @@ def make_sink(name: str, **options: Any) -> BucketSink:
     return _lookup(name, 1)(**options)
 
 
-def open_source(name: str, description: dict, *, rank: int = 0, tp_size: int = 1) -> BucketSource:
+def accepts_direct(name: str) -> bool:
+    """Whether transport `name` can write straight into parameters in shared memory."""
+    return name in _DIRECT
+
+
+def open_source(
+    name: str, description: dict, *, rank: int = 0, tp_size: int = 1, direct: Any = None
+) -> BucketSource:
     """An engine-side source of transport `name` for the session `description` names.
+
+    Args:
+        direct: this rank's `DirectPlacement` (parameters in shared memory) to offer;
+            ignored by transports that cannot use it.
 
     Raises:
         ValueError: unknown transport or invalid description.
     """
-    return _lookup(name, 2)(description, rank=rank, tp_size=tp_size)
+    source_class = _lookup(name, 2)
+    if direct is not None and accepts_direct(name):
+        return source_class(description, rank=rank, tp_size=tp_size, direct=direct)
+    return source_class(description, rank=rank, tp_size=tp_size)
 
 
 __all__ = [
@@ -50,6 +66,7 @@ __all__ = [
     "BucketSource",
     "PushSession",
     "ReceivedBatch",
+    "accepts_direct",
     "make_sink",
     "open_source",
     "transport_names",

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightbus.digest import fingerprint_of_digests, tensor_digest
+from weightbus.meta import dtype_name
 from weightbus.plan import Plan
 from weightbus.wire import UpdateBegin, UpdateEnd, WireMeta
 
@@ -33,15 +35,40 @@ def no_progress(nbytes: int) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PushSession:
-    """What a sink needs to know about one push (publisher side)."""
+    """What a sink needs to know about one push (publisher side).
+
+    `digests` fills while the session runs: a sink that reads every byte anyway (direct
+    writes) digests as it copies; others call `ensure_digests` first. `fingerprint` needs them
+    all.
+    """
 
     session_id: str
     version: str
     step: int | None
     plan: Plan
-    digests: Mapping[str, str]
-    fingerprint: str
+    digests: dict[str, str] = field(default_factory=dict)
     receivers: int = 1  # engines asked to receive this session (each with all its ranks)
+
+    def ensure_digests(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Digest every tensor not digested yet."""
+        for meta in self.plan.metas:
+            if meta.name not in self.digests:
+                self.digests[meta.name] = tensor_digest(tensors[meta.name])
+
+    @property
+    def fingerprint(self) -> str:
+        """The version's fingerprint (every tensor must be digested).
+
+        Raises:
+            RuntimeError: some tensor has no digest yet.
+        """
+        missing = [meta.name for meta in self.plan.metas if meta.name not in self.digests]
+        if missing:
+            raise RuntimeError(f"no digest yet for {len(missing)} tensors, e.g. {missing[0]!r}")
+        return fingerprint_of_digests(
+            (meta.name, dtype_name(meta.dtype), meta.shape, self.digests[meta.name])
+            for meta in self.plan.metas
+        )
 
     def begin_message(self) -> UpdateBegin:
         return UpdateBegin(
@@ -66,13 +93,18 @@ class PushSession:
 class ReceivedBatch:
     """Whole tensors delivered together, with the digests the publisher sent for them.
 
-    The tensors may alias transport memory: use them before `release()`.
+    The tensors may alias transport memory: use them before `release()`. `placed` lists
+    tensors the publisher already wrote into this rank's parameters (direct mode) with the
+    parameter region each one filled (None where this rank holds no slice of it), and
+    `placed_digests` the digests of the bytes written into those regions.
     """
 
     tensors: list[tuple[str, torch.Tensor]]
     digests: dict[str, str]
     nbytes: int
     release: Callable[[], None] = field(default=lambda: None)
+    placed: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)
+    placed_digests: dict[str, str] = field(default_factory=dict)
 
 
 class BucketSink(ABC):

@@ -87,6 +87,7 @@ class DiskSink(BucketSink):
         tensors: Mapping[str, torch.Tensor],
         progress: Progress = no_progress,
     ) -> dict:
+        session.ensure_digests(tensors)
         tmp = self.root / f".tmp-{session.session_id}"
         tmp.mkdir(mode=0o700)
         shards = []

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 
+import msgspec
 import torch
 import zmq
 
@@ -28,13 +29,17 @@ from weightbus.transport.base import (
     ReceivedBatch,
     no_progress,
 )
+from weightbus.transport.shm_arena import DirectPlacement
+from weightbus.transport.shm_direct import DirectWriter, MappedTarget
 from weightbus.transport.shm_slots import Slot, private_ipc_dir, remove_stale_slots
 from weightbus.wire import (
     BucketReady,
+    DirectTarget,
     Message,
     ProtocolError,
     ReceiverHello,
     SlotAck,
+    TensorsWritten,
     UpdateBegin,
     UpdateEnd,
     WireEntry,
@@ -60,6 +65,7 @@ class _Receivers:
         self.session_id = session_id
         self.num_groups = num_groups
         self.identities: dict[bytes, tuple[int, int]] = {}  # -> (group, rank)
+        self.direct: dict[bytes, DirectTarget | None] = {}  # -> the rank's direct offer
         self.tp_sizes: dict[int, int] = {}
         self.unacked: dict[int, set[tuple[int, int]]] = {}  # slot -> (group, rank) holding it
 
@@ -76,6 +82,7 @@ class _Receivers:
             return  # a late message of an earlier session
         if isinstance(message, ReceiverHello) and message.group < self.num_groups:
             self.identities[identity] = (message.group, message.rank)
+            self.direct[identity] = message.direct
             self.tp_sizes[message.group] = message.tp_size
         elif isinstance(message, SlotAck):
             # acks come from another socket of the rank than its hello: match by (group, rank)
@@ -87,11 +94,13 @@ class ShmSink(BucketSink):
 
     Args:
         num_slots: shared-memory slots (>= 2: one is filled while receivers read another).
+        direct: write straight into the ranks' parameters when every rank offers them
+            (False: always use the slots).
     """
 
     name = "shm"
 
-    def __init__(self, num_slots: int = DEFAULT_NUM_SLOTS) -> None:
+    def __init__(self, num_slots: int = DEFAULT_NUM_SLOTS, direct: bool = True) -> None:
         if num_slots < 2:
             raise ValueError(f"num_slots must be >= 2, got {num_slots}")
         remove_stale_slots()
@@ -102,6 +111,9 @@ class ShmSink(BucketSink):
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.bind(self.endpoint)
+        self.direct = direct
+        self._writer = DirectWriter() if direct else None
+        self._targets: dict[str, MappedTarget] = {}  # ranks' parameter files, by name
 
     def _ensure_slots(self, slot_bytes: int) -> None:
         if self.slots and self.slots[0].nbytes >= slot_bytes:
@@ -135,7 +147,26 @@ class ShmSink(BucketSink):
         receivers = _Receivers(session.session_id, session.receivers)
         while not receivers.complete():
             self._receive(receivers, deadline, "every engine rank to join")
-        self._send_all(receivers, session.begin_message())
+        targets = self._direct_targets(receivers, session)
+        if targets is None:
+            session.ensure_digests(tensors)
+            self._send_all(receivers, session.begin_message())
+            self._stream_slots(session, tensors, receivers, deadline, progress)
+        else:
+            self._send_all(receivers, msgspec.structs.replace(session.begin_message(), direct=True))
+            self._stream_direct(
+                session, tensors, receivers, targets, deadline=deadline, progress=progress
+            )
+        self._send_all(receivers, session.end_message())
+
+    def _stream_slots(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        receivers: _Receivers,
+        deadline: float,
+        progress: Progress,
+    ) -> None:
         for bucket in session.plan.buckets:
             slot = bucket.index % self.num_slots
             while receivers.unacked.get(slot):
@@ -143,10 +174,66 @@ class ShmSink(BucketSink):
             pack_entries(self.slots[slot].tensor, bucket.entries, tensors)
             receivers.unacked[slot] = set(receivers.identities.values())
             self._send_all(receivers, _bucket_message(session, bucket, slot))
-            progress(sum(entry.nbytes for entry in bucket.entries))
+            progress(bucket.payload_bytes)
         while any(receivers.unacked.values()):
             self._receive(receivers, deadline, "receivers to release the last slots")
-        self._send_all(receivers, session.end_message())
+
+    def _direct_targets(
+        self, receivers: _Receivers, session: PushSession
+    ) -> list[MappedTarget] | None:
+        """Every rank's mapped parameter file, in `receivers.identities` order; None for
+        slot mode (direct mode off, a rank offered nothing, or an offer is unusable)."""
+        offers = [receivers.direct[identity] for identity in receivers.identities]
+        if self._writer is None or any(offer is None for offer in offers):
+            return None
+        try:
+            targets = [self._mapped_target(offer, session) for offer in offers]
+        except ValueError as exc:
+            logger.warning("direct mode refused, streaming through slots: %s", exc)
+            return None
+        finally:
+            for name in set(self._targets) - {offer.file for offer in offers}:
+                self._targets.pop(name).close()  # an engine went away or re-allocated
+        return targets
+
+    def _mapped_target(self, offer: DirectTarget, session: PushSession) -> MappedTarget:
+        target = self._targets.get(offer.file)
+        key = (offer.file, offer.layout_hash, session.plan.plan_hash)
+        if target is None or target.key != key or not target.is_current():
+            if target is not None:
+                target.close()
+            target = self._targets[offer.file] = MappedTarget(offer, session.plan)
+        return target
+
+    def _stream_direct(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        receivers: _Receivers,
+        targets: list[MappedTarget],
+        *,
+        deadline: float,
+        progress: Progress,
+    ) -> None:
+        assert self._writer is not None
+        identities = list(receivers.identities)
+        nbytes = {bucket.index: bucket.payload_bytes for bucket in session.plan.buckets}
+        for bucket_index, written in self._writer.write(session.plan, tensors, targets, deadline):
+            digests = {name: digest for name, (digest, _) in written.items()}
+            session.digests.update(digests)
+            for rank_index, identity in enumerate(identities):
+                message = TensorsWritten(
+                    session_id=session.session_id,
+                    bucket_index=bucket_index,
+                    digests=digests,
+                    slice_digests={
+                        name: slices[rank_index]
+                        for name, (_, slices) in written.items()
+                        if rank_index in slices
+                    },
+                )
+                self._socket.send_multipart([identity, message.encode()])
+            progress(nbytes[bucket_index])
 
     def _receive(self, receivers: _Receivers, deadline: float, what: str) -> None:
         if not self._socket.poll(_remaining_ms(deadline, what)):
@@ -170,6 +257,11 @@ class ShmSink(BucketSink):
 
     def close(self) -> None:
         self._free_slots()
+        if self._writer is not None:
+            self._writer.close()
+        for target in self._targets.values():
+            target.close()
+        self._targets.clear()
         self._socket.close(linger=0)
         self._context.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
@@ -177,11 +269,7 @@ class ShmSink(BucketSink):
 
 def _bucket_message(session: PushSession, bucket: BucketPlan, slot: int) -> BucketReady:
     # digests of the tensors whose last byte is in this bucket
-    digests = {
-        e.name: session.digests[e.name]
-        for e in bucket.entries
-        if e.tensor_offset + e.nbytes == e.tensor_nbytes
-    }
+    digests = {name: session.digests[name] for name in bucket.finished_names()}
     return BucketReady(
         session_id=session.session_id,
         bucket_index=bucket.index,
@@ -240,12 +328,26 @@ def _description_fields(description: dict) -> tuple[str, str, list[str], int, in
 
 
 class ShmSource(BucketSource):
-    """Engine-rank side of `shm` for one session."""
+    """Engine-rank side of `shm` for one session.
 
-    def __init__(self, description: dict, *, rank: int = 0, tp_size: int = 1) -> None:
+    Args:
+        direct: this rank's parameters in shared memory, offered for direct writes; the
+            publisher decides (`UpdateBegin.direct`).
+    """
+
+    def __init__(
+        self,
+        description: dict,
+        *,
+        rank: int = 0,
+        tp_size: int = 1,
+        direct: DirectPlacement | None = None,
+    ) -> None:
         endpoint, self.session_id, names, slot_bytes, self.group = _description_fields(description)
         self.rank = rank
         self.tp_size = tp_size
+        self._placement = direct
+        self._direct = False
         self.slots = _map_slots(names, slot_bytes)
         self._context = zmq.Context.instance()
         self._endpoint = endpoint
@@ -271,16 +373,26 @@ class ShmSource(BucketSource):
 
     def begin(self, timeout_s: float) -> UpdateBegin:
         hello = ReceiverHello(
-            session_id=self.session_id, group=self.group, rank=self.rank, tp_size=self.tp_size
+            session_id=self.session_id,
+            group=self.group,
+            rank=self.rank,
+            tp_size=self.tp_size,
+            direct=None if self._placement is None else self._placement.target,
         )
         self._socket.send(hello.encode())
         header = self._recv(UpdateBegin, timeout_s)
+        if header.direct and self._placement is None:
+            raise ProtocolError("the publisher chose direct mode, which this rank did not offer")
+        self._direct = header.direct
         metas = [meta.to_meta() for meta in header.tensors]
         self._plan = plan_buckets(metas, header.bucket_bytes)
         return header
 
     def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
         assert self._plan is not None, "begin() first"
+        if self._direct:
+            yield from self._written(timeout_s)
+            return
         deadline = time.monotonic() + timeout_s
         assembler = ChunkAssembler(buffers=_assembly_buffers)
         for bucket in self._plan.buckets:
@@ -290,8 +402,27 @@ class ShmSource(BucketSource):
             yield ReceivedBatch(
                 tensors=tensors,
                 digests=dict(ready.digests),
-                nbytes=sum(entry.nbytes for entry in bucket.entries),
+                nbytes=bucket.payload_bytes,
                 release=self._acker(ready),
+            )
+
+    def _written(self, timeout_s: float) -> Iterator[ReceivedBatch]:
+        """Direct mode: the publisher's notices of what it wrote into this rank's parameters."""
+        assert self._plan is not None
+        assert self._placement is not None
+        deadline = time.monotonic() + timeout_s
+        regions = self._placement.regions
+        for bucket in self._plan.buckets:
+            written = self._recv(TensorsWritten, deadline - time.monotonic())
+            names = bucket.finished_names()
+            if written.bucket_index != bucket.index or set(written.digests) != set(names):
+                raise ValueError(f"written tensors of bucket {bucket.index} do not match the plan")
+            yield ReceivedBatch(
+                tensors=[],
+                digests=dict(written.digests),
+                nbytes=bucket.payload_bytes,
+                placed=[(name, regions.get(name)) for name in names],
+                placed_digests=dict(written.slice_digests),
             )
 
     def _check(self, ready: BucketReady, bucket: BucketPlan) -> int:

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
 SLOT_PREFIX = "weightbus-shm-"
+ARENA_PREFIX = "weightbus-params-"  # a rank's parameters offered for direct writes
 
 
 def private_ipc_dir() -> Path:
@@ -29,12 +30,14 @@ def private_ipc_dir() -> Path:
 
 
 def remove_stale_slots() -> list[str]:
-    """Unlink slots (and socket directories) whose owning process is gone; returns their names."""
+    """Unlink slots, parameter arenas and socket directories whose owning process is gone;
+    returns the names of the files removed."""
     removed = []
-    for path in SHM_DIR.glob(f"{SLOT_PREFIX}*"):
-        if owner_is_dead(path.name, SLOT_PREFIX):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+    for prefix in (SLOT_PREFIX, ARENA_PREFIX):
+        for path in SHM_DIR.glob(f"{prefix}*"):
+            if owner_is_dead(path.name, prefix):
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
     for path in Path(tempfile.gettempdir()).glob(f"{SLOT_PREFIX}*"):
         if path.is_dir() and owner_is_dead(path.name, SLOT_PREFIX):
             shutil.rmtree(path, ignore_errors=True)
@@ -66,21 +69,19 @@ class Slot:
         return slot
 
     @classmethod
-    def open(cls, name: str, nbytes: int) -> "Slot":
-        """Map an existing slot.
+    def open(cls, name: str, nbytes: int, prefix: str = SLOT_PREFIX) -> "Slot":
+        """Map an existing slot (or another weightbus file under /dev/shm named `prefix...`).
 
         Raises:
             ValueError: the name is not a weightbus slot, it does not exist, or it is smaller
                 than `nbytes`.
         """
-        if not name.startswith(SLOT_PREFIX) or "/" in name:
-            raise ValueError(f"{name!r} is not a weightbus shared-memory slot")
+        if not name.startswith(prefix) or "/" in name:
+            raise ValueError(f"{name!r} is not a weightbus shared-memory file")
         try:
             fd = os.open(SHM_DIR / name, os.O_RDWR)
         except FileNotFoundError:
-            raise ValueError(
-                f"shared-memory slot {name} does not exist (publisher gone?)"
-            ) from None
+            raise ValueError(f"shared-memory file {name} does not exist (owner gone?)") from None
         size = os.fstat(fd).st_size
         if size < nbytes:
             os.close(fd)

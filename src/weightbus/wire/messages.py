@@ -73,6 +73,7 @@ class UpdateBegin(Message, kw_only=True):
     plan_hash: Hex128
     bucket_bytes: Annotated[int, msgspec.Meta(gt=0)]
     tensors: Annotated[list[WireMeta], msgspec.Meta(min_length=1)]
+    direct: bool = False  # shm: the publisher writes into the ranks' parameters itself
 
     def __post_init__(self) -> None:
         names = [meta.name for meta in self.tensors]
@@ -100,18 +101,71 @@ class BucketReady(Message, kw_only=True):
                 raise ValueError(f"bucket {self.bucket_index}: entries overlap at byte {start}")
 
 
+class ParamRegion(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One parameter of a rank, at `offset` bytes into the rank's shared-memory file."""
+
+    name: TensorName
+    dtype: DtypeName
+    shape: Shape
+    offset: NonNegative
+
+
+class WireShardCopy(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Where a rank's slice of a full tensor goes: `param.narrow(dim, dst_start, length) <-
+    full.narrow(dim, src_start, length)` (a `ShardCopy` on the wire; 0-d tensors are copied
+    whole)."""
+
+    hf_name: TensorName
+    param: TensorName
+    dim: Annotated[int, msgspec.Meta(ge=0, le=63)]
+    src_start: NonNegative
+    dst_start: NonNegative
+    length: NonNegative
+
+
+class DirectTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A rank's parameters in a shared-memory file the publisher may write into (direct mode).
+
+    `layout_hash` identifies `params` + `copies`: the publisher validates and compiles a layout
+    once and reuses it while the hash and the file stay the same.
+    """
+
+    file: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    nbytes: Annotated[int, msgspec.Meta(gt=0)]
+    layout_hash: Hex128
+    params: list[ParamRegion]
+    copies: list[WireShardCopy]
+
+
 @register
 class ReceiverHello(Message, kw_only=True):
     """A receiver rank joins a push session (streaming transports).
 
     `group` tells the engines apart (the publisher numbers them); `tp_size` says how many ranks
-    of that engine will join.
+    of that engine will join. `direct`, when set, offers the rank's parameters for direct
+    writes; the publisher uses direct mode only when every rank of the session offers it.
     """
 
     session_id: Hex128
     group: NonNegative
     rank: NonNegative
     tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    direct: DirectTarget | None = None
+
+
+@register
+class TensorsWritten(Message, kw_only=True):
+    """Direct mode: the publisher wrote these tensors' slices into the rank's parameters.
+
+    `digests` are the full tensors' digests (they make the fingerprint); `slice_digests` the
+    digests of the bytes written into this rank's parameter regions, which the rank re-reads
+    to verify.
+    """
+
+    session_id: Hex128
+    bucket_index: NonNegative
+    digests: dict[TensorName, Hex128]
+    slice_digests: dict[TensorName, Hex128]
 
 
 @register

@@ -1,0 +1,200 @@
+"""Direct mode, publisher side: write each rank's slices straight into its parameters.
+
+Every rank of the session offered a `DirectTarget` (its parameters in a shared-memory file and
+its slice map). The publisher maps each file once, validates the layout once per
+`layout_hash`, and then copies every tensor's slices into every rank's parameters: each byte is
+copied exactly once per engine and never staged in between. While it copies, it digests the
+full tensor (for the fingerprint) and each slice it wrote (for the rank to verify), chunk by
+chunk, so the digests read bytes that are still in cache. Copies go through numpy (one thread
+each, GIL released) on a pool as wide as torch's thread count, largest tensors first.
+"""
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import pairwise
+
+import numpy as np
+import torch
+import xxhash
+
+from weightbus.layers.shard import ShardCopy
+from weightbus.meta import TensorMeta, dtype_from_name, dtype_name
+from weightbus.plan import Plan
+from weightbus.transport.shm_slots import ARENA_PREFIX, Slot
+from weightbus.wire import DirectTarget
+
+logger = logging.getLogger(__name__)
+
+# Rows copied and digested together: small enough that the digests read from cache.
+CHUNK_BYTES = 4 << 20
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as a numpy array of same-sized integers (bf16/fp8 included)."""
+    return tensor.view(_INT_OF_SIZE[tensor.element_size()]).numpy()
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    return _numpy(tensor if tensor.is_contiguous() else tensor.contiguous())
+
+
+@dataclass(frozen=True, slots=True)
+class _Dest:
+    """One rank's slice of one tensor: where it goes in that rank's mapped file."""
+
+    rank_index: int
+    copy: ShardCopy
+    param: torch.Tensor  # the whole parameter, a view into the rank's mapped file
+
+    def chunk(self, full: torch.Tensor, start: int, stop: int):
+        """(source, destination) views for the full tensor's rows [start, stop), or None."""
+        copy, dim = self.copy, self.copy.src_dim
+        if full.dim() == 0:
+            return full, self.param
+        if dim > 0:  # columns of every row: the rows map one to one
+            source = full[start:stop].narrow(dim, copy.src_start, copy.length)
+            return source, copy.destination(self.param)[start:stop]
+        low, high = max(start, copy.src_start), min(stop, copy.src_start + copy.length)
+        if low >= high:
+            return None
+        destination = self.param.narrow(0, copy.dst_start + low - copy.src_start, high - low)
+        return full[low:high], destination
+
+
+def _check_regions(target: DirectTarget, file_bytes: int) -> None:
+    spans = []
+    for region in target.params:
+        meta = TensorMeta(region.name, dtype_from_name(region.dtype), tuple(region.shape))
+        if region.offset % meta.dtype.itemsize:
+            raise ValueError(f"parameter {region.name!r} is misaligned in {target.file}")
+        spans.append((region.offset, region.offset + meta.nbytes, region.name))
+    spans.sort()
+    for (_, end, name), (start, _, other) in pairwise(spans):
+        if start < end:
+            raise ValueError(f"parameters {name!r} and {other!r} overlap in {target.file}")
+    if spans and spans[-1][1] > file_bytes:
+        raise ValueError(f"parameter {spans[-1][2]!r} lies beyond the end of {target.file}")
+
+
+def _check_copy(meta: TensorMeta, param: torch.Tensor, dim: int, copy: ShardCopy) -> None:
+    where = f"slice of {meta.name!r} into {tuple(param.shape)}"
+    if dtype_name(param.dtype) != dtype_name(meta.dtype):
+        raise ValueError(f"{where}: parameter dtype {param.dtype} != tensor dtype {meta.dtype}")
+    if len(meta.shape) == 0:
+        if tuple(param.shape) != ():
+            raise ValueError(f"{where}: a 0-d tensor needs a 0-d parameter")
+        return
+    if dim >= len(meta.shape) or len(param.shape) != len(meta.shape):
+        raise ValueError(f"{where}: dimension {dim} does not exist on both sides")
+    outside = [i for i in range(len(meta.shape)) if i != dim and meta.shape[i] != param.shape[i]]
+    if outside:
+        raise ValueError(f"{where}: shapes differ outside dimension {dim}")
+    if copy.src_start + copy.length > meta.shape[dim]:
+        raise ValueError(f"{where}: source range ends beyond {meta.shape[dim]}")
+    if copy.dst_start + copy.length > param.shape[dim]:
+        raise ValueError(f"{where}: destination range ends beyond {param.shape[dim]}")
+
+
+class MappedTarget:
+    """One rank's parameter file, mapped by the publisher, its layout checked against a plan.
+
+    Raises:
+        ValueError: the file is not a weightbus arena or the layout is inconsistent (the
+            message names the tensor or parameter).
+    """
+
+    def __init__(self, target: DirectTarget, plan: Plan) -> None:
+        self.key = (target.file, target.layout_hash, plan.plan_hash)
+        self._file = Slot.open(target.file, target.nbytes, prefix=ARENA_PREFIX)
+        _check_regions(target, target.nbytes)
+        params = {}
+        for region in target.params:
+            dtype = dtype_from_name(region.dtype)
+            nbytes = TensorMeta(region.name, dtype, tuple(region.shape)).nbytes
+            flat = self._file.tensor[region.offset : region.offset + nbytes]
+            params[region.name] = flat.view(dtype).view(tuple(region.shape))
+        metas = {meta.name: meta for meta in plan.metas}
+        self.copies: dict[str, list[tuple[ShardCopy, torch.Tensor]]] = {}
+        for wire in target.copies:
+            if wire.hf_name not in metas or wire.param not in params:
+                raise ValueError(f"slice map names unknown {wire.hf_name!r} or {wire.param!r}")
+            copy = ShardCopy(wire.dim, wire.src_start, wire.dim, wire.dst_start, wire.length)
+            _check_copy(metas[wire.hf_name], params[wire.param], wire.dim, copy)
+            self.copies.setdefault(wire.hf_name, []).append((copy, params[wire.param]))
+
+    def is_current(self) -> bool:
+        """Whether the file under the mapped name is still the one mapped."""
+        return self._file.current_identity() == self._file.identity
+
+    def close(self) -> None:
+        self.copies.clear()
+        self._file.close()
+
+
+def _write_tensor(full: torch.Tensor, dests: list[_Dest]) -> tuple[str, dict[int, str]]:
+    """Copy every rank's slice of `full`; return its digest and each slice's digest."""
+    full = full if full.is_contiguous() else full.contiguous()
+    digest = xxhash.xxh3_128()
+    slices = {dest.rank_index: xxhash.xxh3_128() for dest in dests}
+    row_bytes = full[0].nbytes if full.dim() and full.shape[0] else full.nbytes
+    rows = max(1, CHUNK_BYTES // max(1, row_bytes))
+    num_rows = full.shape[0] if full.dim() else 1
+    for start in range(0, num_rows, rows):
+        stop = min(start + rows, num_rows)
+        for dest in dests:
+            views = dest.chunk(full, start, stop)
+            if views is not None:
+                np.copyto(_numpy(views[1]), _numpy(views[0]))
+                slices[dest.rank_index].update(_bytes(views[1]))
+        digest.update(_bytes(full[start:stop] if full.dim() else full))
+    return digest.hexdigest(), {rank: hasher.hexdigest() for rank, hasher in slices.items()}
+
+
+class DirectWriter:
+    """Writes sessions straight into ranks' parameters with a pool of copy threads."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers or torch.get_num_threads(), thread_name_prefix="shm-direct"
+        )
+
+    def write(
+        self,
+        plan: Plan,
+        tensors: Mapping[str, torch.Tensor],
+        targets: list[MappedTarget],
+        deadline: float,
+    ) -> Iterator[tuple[int, dict[str, tuple[str, dict[int, str]]]]]:
+        """Write every tensor; yield `(bucket index, {name: (digest, slice digests by rank)})`
+        in bucket order, each bucket as soon as its tensors are written.
+
+        Raises:
+            TimeoutError: the copies did not finish by `deadline` (`time.monotonic()`).
+        """
+        futures: dict[str, Future] = {}
+        for meta in sorted(plan.metas, key=lambda meta: -meta.nbytes):
+            dests = [
+                _Dest(index, copy, param)
+                for index, target in enumerate(targets)
+                for copy, param in target.copies.get(meta.name, [])
+            ]
+            futures[meta.name] = self._pool.submit(_write_tensor, tensors[meta.name], dests)
+        try:
+            for bucket in plan.buckets:
+                yield (
+                    bucket.index,
+                    {
+                        name: futures[name].result(max(0.0, deadline - time.monotonic()))
+                        for name in bucket.finished_names()
+                    },
+                )
+        finally:
+            for future in futures.values():
+                future.cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,208 @@
+"""shm direct mode: the publisher writes each rank's slices straight into its parameters.
+
+Real TP-sharded models (ranks as threads) hold their parameters in shared-memory arenas; real
+ZMQ sockets carry the messages. After a push each rank's parameters equal what `load_weights`
+of the same weights gives, bit for bit.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from weightbus.layers.parallel import TPContext, tp_context
+from weightbus.meta import TensorMeta
+from weightbus.models.config import tiny_config
+from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
+from weightbus.models.loader import create_model, random_hf_weights
+from weightbus.publisher import SessionFactory, normalize_weights
+from weightbus.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.transport import make_sink, open_source
+from weightbus.transport.shm_arena import ParamArena, direct_placement
+from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR, remove_stale_slots
+
+KiB = 1024
+TIMEOUT_S = 30.0
+
+
+class _Rank:
+    """One engine rank: a sharded model whose parameters live in a shared-memory arena."""
+
+    def __init__(self, config, tp_rank: int, tp_size: int, group: int, *, arena: bool) -> None:
+        with tp_context(TPContext(tp_rank=tp_rank, tp_size=tp_size)):
+            self.model: LlamaForCausalLM = create_model(config)
+        self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
+        self.arena = ParamArena(self.model.named_parameters()) if arena else None
+        self.placement = None
+        if self.arena is not None:
+            self.arena.adopt(self.model)
+            self.placement = direct_placement(self.arena, self.model.shard_copies())
+
+    def expected(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's parameters after `load_weights` of `weights`."""
+        with tp_context(TPContext(tp_rank=self.tp_rank, tp_size=self.tp_size)):
+            reference = create_model(self.model.config)
+        reference.load_weights(weights.items())
+        return dict(reference.named_parameters())
+
+    def receive(self, description: dict, version: str, verify: str = "full") -> RankResult:
+        receiver = Receiver(
+            load_weights=self.model.load_weights,
+            expected={meta.name: meta for meta in _metas(self.model)},
+            rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
+        source = open_source(
+            "shm",
+            {**description, "group": self.group},
+            rank=self.tp_rank,
+            tp_size=self.tp_size,
+            direct=self.placement,
+        )
+        return receiver.receive(source, UpdateRequest(version=version, verify=verify))
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+
+
+def _metas(model: LlamaForCausalLM):
+    dtype = next(model.parameters()).dtype
+    return [TensorMeta(n, dtype, s) for n, s in hf_weight_shapes(model.config).items()]
+
+
+def _push(sink, ranks: list[_Rank], weights: dict, version: str, verify: str = "full"):
+    session = SessionFactory(64 * KiB).session(
+        normalize_weights(weights), version, None, receivers=len({r.group for r in ranks})
+    )
+    description = sink.prepare(session, weights)
+    results: dict[int, RankResult] = {}
+
+    def run(index: int) -> None:
+        results[index] = ranks[index].receive(description, version, verify)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
+    for thread in threads:
+        thread.start()
+    sink.stream(session, weights, TIMEOUT_S)
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    return session, [results[i] for i in range(len(ranks))]
+
+
+@pytest.fixture
+def config():
+    config = tiny_config()
+    config.num_key_value_heads = 1  # replicated KV heads at TP 2
+    config.__post_init__()
+    return config
+
+
+def _ranks(config, layout: list[tuple[int, int]], *, arena: bool = True) -> list[_Rank]:
+    """Ranks for engines given as `(group, tp_size)`."""
+    return [
+        _Rank(config, rank, tp_size, group, arena=arena)
+        for group, tp_size in layout
+        for rank in range(tp_size)
+    ]
+
+
+@pytest.mark.parametrize("verify", ["full", "none"])
+def test_direct_push_fills_every_rank_of_two_engines_bit_exactly(config, verify):
+    ranks = _ranks(config, [(0, 2), (1, 1)])
+    sink = make_sink("shm")
+    try:
+        for seed in (1, 2):  # twice: the second push reuses the mapped layouts
+            weights = dict(random_hf_weights(config, seed=seed))
+            session, results = _push(sink, ranks, weights, f"v{seed}", verify)
+            for rank, result in zip(ranks, results, strict=True):
+                assert result.ok, result.errors
+                assert result.touched
+                assert result.fingerprint == session.fingerprint
+                want = rank.expected(weights)
+                for name, param in rank.model.named_parameters():
+                    assert torch.equal(param.data, want[name]), name
+                    assert param.data.data_ptr() == rank.arena.views[name].data_ptr()
+        # the fallback slots were never written: every byte went straight to the parameters
+        assert all(int(slot.tensor.count_nonzero()) == 0 for slot in sink.slots)
+    finally:
+        sink.close()
+        for rank in ranks:
+            rank.close()
+
+
+def test_a_rank_without_an_arena_makes_the_session_use_slots(config):
+    ranks = [*_ranks(config, [(0, 1)]), *_ranks(config, [(1, 1)], arena=False)]
+    sink = make_sink("shm")
+    try:
+        weights = dict(random_hf_weights(config, seed=5))
+        _, results = _push(sink, ranks, weights, "v5")
+        assert all(result.ok for result in results), [r.errors for r in results]
+        assert any(int(slot.tensor.count_nonzero()) for slot in sink.slots)
+        for rank in ranks:
+            want = rank.expected(weights)
+            for name, param in rank.model.named_parameters():
+                assert torch.equal(param.data, want[name]), name
+    finally:
+        sink.close()
+        for rank in ranks:
+            rank.close()
+
+
+def test_a_corrupted_slice_is_caught_by_the_rank(config, monkeypatch):
+    from weightbus.transport import shm_direct
+
+    original = shm_direct._write_tensor
+
+    def corrupting(full, dests):
+        digest, slices = original(full, dests)
+        if full.dim() == 2 and dests:
+            dests[0].param.view(-1)[0:1].view(torch.uint8)[0] ^= 0x10
+        return digest, slices
+
+    monkeypatch.setattr(shm_direct, "_write_tensor", corrupting)
+    ranks = _ranks(config, [(0, 1)])
+    sink = make_sink("shm")
+    try:
+        _, (result,) = _push(sink, ranks, dict(random_hf_weights(config, seed=6)), "v6")
+        assert not result.ok
+        assert result.touched
+        assert any(
+            "slice written into this rank's parameters is corrupted" in e for e in result.errors
+        )
+    finally:
+        sink.close()
+        for rank in ranks:
+            rank.close()
+
+
+def test_an_inconsistent_offer_falls_back_to_slots(config):
+    from msgspec.structs import replace
+
+    ranks = _ranks(config, [(0, 1)])
+    target = ranks[0].placement.target
+    # the first parameter claims to lie past the end of the file
+    bad_region = replace(target.params[0], offset=target.nbytes)
+    ranks[0].placement = type(ranks[0].placement)(
+        replace(target, params=[bad_region, *target.params[1:]]), ranks[0].placement.regions
+    )
+    sink = make_sink("shm")
+    try:
+        weights = dict(random_hf_weights(config, seed=7))
+        _, (result,) = _push(sink, ranks, weights, "v7")
+        assert result.ok, result.errors
+        assert any(int(slot.tensor.count_nonzero()) for slot in sink.slots)
+    finally:
+        sink.close()
+        for rank in ranks:
+            rank.close()
+
+
+def test_arenas_are_private_and_removed(config):
+    (rank,) = _ranks(config, [(0, 1)])
+    path = SHM_DIR / rank.arena.name
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert rank.arena.name.startswith(ARENA_PREFIX)
+    rank.close()
+    assert not path.exists()
+    assert rank.arena.name not in remove_stale_slots()
