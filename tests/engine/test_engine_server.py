@@ -19,6 +19,8 @@ from engine_harness import (
     make_hf_model,
 )
 
+from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR
+
 
 def weightbus_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("weightbus-*")}
@@ -230,9 +232,12 @@ def test_signal_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
     workers = engine.worker_pids
     assert len(workers) == 2
     assert all(is_alive(pid) for pid in workers)
+    arenas = [path for pid in workers for path in SHM_DIR.glob(f"{ARENA_PREFIX}{pid}-*")]
+    assert len(arenas) == 2, "each rank keeps its parameters in a shared-memory arena"
     assert engine.stop(sig) == 0
     assert not [pid for pid in workers if is_alive(pid)], "orphan worker"
     assert weightbus_dirs() <= before, "socket directory left behind"
+    assert not [path for path in arenas if path.exists()], "parameter arena left behind"
 
 
 def test_worker_death_stops_the_server(tmp_path: Path) -> None:

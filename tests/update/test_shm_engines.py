@@ -53,18 +53,26 @@ def _slot_files() -> set[str]:
     return {p.name for p in SHM_DIR.glob(f"{SLOT_PREFIX}*")}
 
 
+@pytest.mark.parametrize("mode", ["direct", "slots"])
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in_place"])
-def test_one_push_updates_two_engines_bit_exactly(engines, atomic):
+def test_one_push_updates_two_engines_bit_exactly(engines, atomic, mode):
     targets = [engines["tp2"], engines["tp1"]]
     reference = engines["reference_tp2"]
     weights = list(random_hf_weights(tiny_config(), SEED))
-    # 64 KiB buckets: the 512 KiB embedding travels in chunks
+    # 64 KiB buckets: the 512 KiB embedding travels in chunks (slot mode)
     with Publisher(
-        [e.url for e in targets], transport="shm", bucket_bytes=64 * 1024, timeout_s=60
+        [e.url for e in targets],
+        transport="shm",
+        bucket_bytes=64 * 1024,
+        timeout_s=60,
+        transport_options={"direct": mode == "direct"},
     ) as pub:
         slots_before = None
+        # three rounds: atomic pushes alternate between two parameter arenas
         for round_index in range(3):
-            result = pub.push(weights, version=f"seed{SEED}-{atomic}-{round_index}", atomic=atomic)
+            version = f"seed{SEED}-{atomic}-{mode}-{round_index}"
+            result = pub.push(weights, version=version, atomic=atomic)
+            assert result.mode == f"shm {mode}"
             slots_before = slots_before or _slot_files()
             assert _slot_files() == slots_before  # the same slots serve every push
     expected = weights_state(reference)["fingerprint"]

@@ -7,6 +7,10 @@ The worker calls these at step boundaries, on every rank alike:
   forgets a failed attempt.
 - `load_in_place` receives straight into the live parameters (generation is paused).
 - `release` / `resume` free and re-allocate memory (`weights`, `kv_cache`).
+
+With `shm_weights` (the default) live and staging parameters live in shared-memory arenas, so a
+co-located `shm` publisher can write updates straight into them (direct mode); where /dev/shm
+cannot hold them they stay in private memory and updates stream through the slots.
 """
 
 import logging
@@ -21,6 +25,8 @@ from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
 from weightbus.models.loader import create_model
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
 from weightbus.transport import open_source
+from weightbus.transport.shm_arena import DirectPlacement, ParamArena, direct_placement
+from weightbus.transport.shm_slots import remove_stale_slots
 
 logger = logging.getLogger(__name__)
 
@@ -41,22 +47,31 @@ def _swap_parameters(live: LlamaForCausalLM, staged: LlamaForCausalLM) -> None:
 class _StagedReceive:
     """A receive running in a background thread; `result` is set when it ends."""
 
-    def __init__(self, receiver: Receiver, request: messages.UpdateWeights) -> None:
+    def __init__(
+        self,
+        receiver: Receiver,
+        request: messages.UpdateWeights,
+        direct: DirectPlacement | None,
+    ) -> None:
         self.result: RankResult | None = None
         self._receiver = receiver
         self._request = request
+        self._direct = direct
         self._thread = threading.Thread(target=self._run, name="staged-receive", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        self.result = receive(self._receiver, self._request)
+        self.result = receive(self._receiver, self._request, self._direct)
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
 
 
-def receive(receiver: Receiver, request: messages.UpdateWeights) -> RankResult:
-    """Open the request's transport source and receive one session through `receiver`."""
+def receive(
+    receiver: Receiver, request: messages.UpdateWeights, direct: DirectPlacement | None = None
+) -> RankResult:
+    """Open the request's transport source and receive one session through `receiver`
+    (offering `direct`, the target's parameters in shared memory, to transports that take it)."""
     update = UpdateRequest(
         version=request.version,
         plan_hash=request.plan_hash,
@@ -65,7 +80,11 @@ def receive(receiver: Receiver, request: messages.UpdateWeights) -> RankResult:
     )
     try:
         source = open_source(
-            request.transport, request.source, rank=receiver.rank, tp_size=receiver.tp_size
+            request.transport,
+            request.source,
+            rank=receiver.rank,
+            tp_size=receiver.tp_size,
+            direct=direct,
         )
     except ValueError as exc:
         result = RankResult()
@@ -81,18 +100,56 @@ class WeightsManager:
         runner: the rank's model runner (its `model` holds the live parameters).
         dtype: serving dtype; pushed tensors must have it.
         tp_rank, tp_size: this rank's place (digests are verified rank-split).
+        shm_weights: keep parameters in shared-memory arenas (direct mode) where they fit.
     """
 
-    def __init__(self, runner: ModelRunner, dtype: torch.dtype, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        dtype: torch.dtype,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        shm_weights: bool = True,
+    ) -> None:
         self.runner = runner
         self.dtype = dtype
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.shm_weights = shm_weights
         self.expected = expected_metas(runner, dtype)
         self._staging: LlamaForCausalLM | None = None
         self._staged: _StagedReceive | None = None
         self._shapes = {name: p.shape for name, p in runner.model.named_parameters()}
+        self._copies = runner.model.shard_copies()  # this rank's slice map, computed once
+        self._placements: dict[str, DirectPlacement | None] = {}
+        self._live_arena = self._place(runner.model, copy=True)
+        self._staging_arena: ParamArena | None = None
         self.weights_released = False
+
+    def _place(self, model: LlamaForCausalLM, *, copy: bool) -> ParamArena | None:
+        """Move `model`'s parameters into a new shared-memory arena (None: not possible)."""
+        if not self.shm_weights:
+            return None
+        remove_stale_slots()
+        layout = [
+            (name, torch.empty(self._shapes[name], dtype=p.dtype, device="meta"))
+            for name, p in model.named_parameters()
+        ]
+        try:
+            arena = ParamArena(layout)
+        except OSError as exc:
+            logger.warning("parameters stay in private memory (no direct shm updates): %s", exc)
+            return None
+        arena.adopt(model, copy=copy)
+        return arena
+
+    def _placement(self, arena: ParamArena | None) -> DirectPlacement | None:
+        if arena is None:
+            return None
+        if arena.name not in self._placements:
+            self._placements[arena.name] = direct_placement(arena, self._copies)
+        return self._placements[arena.name]
 
     def _receiver(self, model: LlamaForCausalLM) -> Receiver:
         return Receiver(
@@ -108,7 +165,10 @@ class WeightsManager:
         assert self._staged is None, "a staged receive is already running"
         if self._staging is None:
             self._staging = create_model(self.runner.config, self.dtype)
-        self._staged = _StagedReceive(self._receiver(self._staging), request)
+            self._staging_arena = self._place(self._staging, copy=False)
+        self._staged = _StagedReceive(
+            self._receiver(self._staging), request, self._placement(self._staging_arena)
+        )
 
     def staged_result(self) -> RankResult | None:
         """The staged receive's verdict once it ended, else None."""
@@ -119,6 +179,7 @@ class WeightsManager:
         assert self._staging is not None
         assert self.staged_result() is not None
         _swap_parameters(self.runner.model, self._staging)
+        self._live_arena, self._staging_arena = self._staging_arena, self._live_arena
         self._staged = None
 
     def discard_staged(self, timeout_s: float = 5.0) -> None:
@@ -131,7 +192,8 @@ class WeightsManager:
     def load_in_place(self, request: messages.UpdateWeights) -> RankResult:
         """Receive straight into the live parameters (re-allocated first if released)."""
         self.resume(["weights"])
-        return receive(self._receiver(self.runner.model), request)
+        direct = self._placement(self._live_arena)
+        return receive(self._receiver(self.runner.model), request, direct)
 
     # memory
     def release(self, tags: list[str]) -> None:
@@ -140,6 +202,7 @@ class WeightsManager:
             for param in self.runner.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype)
             self._staging = None
+            self._close_arenas()
             self.weights_released = True
         if "kv_cache" in tags:
             self.runner.release_kv_cache()
@@ -147,8 +210,21 @@ class WeightsManager:
     def resume(self, tags: list[str]) -> None:
         """Re-allocate what `release` freed; released weights come back uninitialised."""
         if "weights" in tags and self.weights_released:
-            for name, param in self.runner.model.named_parameters():
-                param.data = torch.empty(self._shapes[name], dtype=param.dtype)
+            self._live_arena = self._place(self.runner.model, copy=False)
+            if self._live_arena is None:
+                for name, param in self.runner.model.named_parameters():
+                    param.data = torch.empty(self._shapes[name], dtype=param.dtype)
             self.weights_released = False
         if "kv_cache" in tags:
             self.runner.resume_kv_cache()
+
+    def _close_arenas(self) -> None:
+        for arena in (self._live_arena, self._staging_arena):
+            if arena is not None:
+                self._placements.pop(arena.name, None)
+                arena.close()
+        self._live_arena = self._staging_arena = None
+
+    def close(self) -> None:
+        """Remove the shared-memory arenas (the process is ending)."""
+        self._close_arenas()

@@ -70,6 +70,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     idle_wait_s: float
     parent_pid: int
     weight_version: str = "init"
+    shm_weights: bool = True
 
 
 def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
@@ -101,7 +102,11 @@ class Worker:
             seed=config.seed,
         )
         self.weights = WeightsManager(
-            self.runner, dtype_from_name(config.dtype), config.tp_rank, config.tp_size
+            self.runner,
+            dtype_from_name(config.dtype),
+            config.tp_rank,
+            config.tp_size,
+            shm_weights=config.shm_weights,
         )
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         self.batch: list[Sequence] = []
@@ -156,6 +161,7 @@ class Worker:
             self.requests.close(linger=0)
             self.outputs.close(linger=1000)
             self.zmq_context.term()
+        self.weights.close()
         destroy_tp_group()
 
     def run(self) -> None:

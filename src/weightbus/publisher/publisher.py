@@ -71,6 +71,7 @@ class PushResult:
     seconds: float
     engines: list[EngineResult]
     phases: dict[str, float] = field(default_factory=dict)
+    mode: str = ""  # how the bytes travelled: the transport, or "shm direct" / "shm slots"
 
 
 DISK_ROOT_PREFIX = "weightbus-disk-"
@@ -228,6 +229,7 @@ class Publisher:
             seconds=seconds,
             engines=engines,
             phases=phases,
+            mode=self._sink.mode,
         )
 
     def _body(self, session: PushSession, source: dict, options: dict) -> dict:

@@ -29,6 +29,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"bearer token the admin routes require (default: ${TOKEN_ENV}; the variable keeps "
         "it out of the process list); needed to bind a non-loopback --host",
     )
+    parser.add_argument(
+        "--no-shm-weights",
+        dest="shm_weights",
+        action="store_false",
+        help="keep parameters in private memory: co-located shm pushes then stream through "
+        "slots instead of writing straight into the parameters (direct mode)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -50,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             served_model_name=args.served_model_name,
             api_token=token,
+            shm_weights=args.shm_weights,
         )
         return serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:

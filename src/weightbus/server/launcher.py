@@ -65,6 +65,7 @@ class ServeConfig:
     idle_wait_s: float = 0.05
     shutdown_timeout_s: float = 10.0
     api_token: str | None = field(default=None, repr=False)
+    shm_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.model != TINY and not (Path(self.model) / "config.json").is_file():
@@ -158,6 +159,7 @@ class Launcher:
                 dist_timeout_s=c.dist_timeout_s,
                 idle_wait_s=c.idle_wait_s,
                 parent_pid=os.getpid(),
+                shm_weights=c.shm_weights,
             )
         ).decode()
 

@@ -112,6 +112,11 @@ class BucketSink(ABC):
 
     name: str
 
+    @property
+    def mode(self) -> str:
+        """How the last session travelled (sinks with several modes name theirs)."""
+        return self.name
+
     @abstractmethod
     def prepare(
         self,

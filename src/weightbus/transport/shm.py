@@ -114,6 +114,11 @@ class ShmSink(BucketSink):
         self.direct = direct
         self._writer = DirectWriter() if direct else None
         self._targets: dict[str, MappedTarget] = {}  # ranks' parameter files, by name
+        self._direct_session = False
+
+    @property
+    def mode(self) -> str:
+        return "shm direct" if self._direct_session else "shm slots"
 
     def _ensure_slots(self, slot_bytes: int) -> None:
         if self.slots and self.slots[0].nbytes >= slot_bytes:
@@ -148,6 +153,7 @@ class ShmSink(BucketSink):
         while not receivers.complete():
             self._receive(receivers, deadline, "every engine rank to join")
         targets = self._direct_targets(receivers, session)
+        self._direct_session = targets is not None
         if targets is None:
             session.ensure_digests(tensors)
             self._send_all(receivers, session.begin_message())
