@@ -136,3 +136,55 @@ def test_killed_publisher_engine_times_out_keeps_serving_and_next_push_works(eng
         assert not stale & _slot_files()  # the dead publisher's slots were removed
         result = pub.push(list(random_hf_weights(tiny_config(), 12)), version="after-kill")
     assert weights_state(engine)["fingerprint"] == result.fingerprint
+
+
+_HANGING_DIRECT_PUBLISHER = textwrap.dedent(
+    """
+    import sys, threading
+    import weightbus.transport.shm_direct as shm_direct
+    from weightbus import Publisher
+    from weightbus.models.config import tiny_config
+    from weightbus.models.loader import random_hf_weights
+
+    write_tensor, hang = shm_direct._write_tensor, threading.Event()
+
+    def write_then_hang(full, dests):
+        result = write_tensor(full, dests)
+        print("written", flush=True)  # one tensor is in the live parameters now
+        hang.wait()  # the publisher stalls mid-write until the test kills it
+        return result
+
+    shm_direct._write_tensor = write_then_hang
+    with Publisher([sys.argv[1]], transport="shm", timeout_s=3) as pub:
+        pub.push(
+            list(random_hf_weights(tiny_config(), 13)),
+            version="half-written",
+            atomic=False,
+            pause_mode="in_place",
+        )
+    """
+)
+
+
+def test_publisher_killed_mid_direct_write_fails_closed_until_a_good_push(engines):
+    engine = engines["tp1"]
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", _HANGING_DIRECT_PUBLISHER, engine.url], stdout=subprocess.PIPE
+    )
+    try:
+        assert publisher.stdout.readline() == b"written\n"
+    finally:
+        os.kill(publisher.pid, signal.SIGKILL)
+        publisher.wait(10)
+    deadline = time.monotonic() + 30
+    while (state := weights_state(engine))["status"] == "UPDATING":
+        assert time.monotonic() < deadline, "the engine never gave up on the dead publisher"
+    # in place and half-written: never served, until a good version lands
+    assert state["status"] == "FAILED"
+    assert engine.complete(prompt=PROMPT, max_tokens=2).status_code == 503
+    with Publisher([engine.url], transport="shm", timeout_s=30) as pub:
+        result = pub.push(list(random_hf_weights(tiny_config(), 14)), version="recovered")
+    assert result.mode == "shm direct"
+    state = weights_state(engine)
+    assert (state["status"], state["fingerprint"]) == ("NORMAL", result.fingerprint)
+    assert engine.complete(prompt=PROMPT, max_tokens=2).status_code == 200

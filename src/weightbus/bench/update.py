@@ -29,7 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="1GiB", help="comma-separated model sizes")
     parser.add_argument("--tp", type=int, default=2, help="TP size of each engine")
     parser.add_argument("--engines", type=int, nargs="+", default=[1], help="engine counts")
-    parser.add_argument("--transports", nargs="+", default=["shm", "disk"])
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        default=["shm", "shm-slots", "disk"],
+        choices=sorted(_PATHS),
+        help="shm writes straight into parameters when the engines allow it; shm-slots forces "
+        "the slot path",
+    )
     parser.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed pushes per row (median)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -47,22 +54,51 @@ def _worker_pids(launcher_pid: int) -> list[int]:
     return [int(pid) for pid in children.read_text().split()]
 
 
+# --transports names: a transport, or shm forced into one of its modes
+_PATHS = {
+    "shm": ("shm", {}),  # direct when every rank offers its parameters
+    "shm-slots": ("shm", {"direct": False}),
+    "disk": ("disk", {}),
+}
+
+
 class _Pusher:
     """Pushes one configuration repeatedly, each push a new version."""
 
-    def __init__(self, urls: list[str], transport: str, verify: str, bucket_bytes: int) -> None:
+    def __init__(self, urls: list[str], path: str, verify: str, bucket_bytes: int) -> None:
+        transport, options = _PATHS[path]
         self.publisher = Publisher(
-            urls, transport=transport, bucket_bytes=bucket_bytes, timeout_s=600
+            urls,
+            transport=transport,
+            bucket_bytes=bucket_bytes,
+            timeout_s=600,
+            transport_options=options,
         )
         self.verify = verify
         self.count = 0
+        self.mode = transport
 
     def __call__(self, weights: list) -> None:
         self.count += 1
         version = f"{self.publisher.transport}-{self.verify}-{self.count}-{time.monotonic_ns()}"
-        self.publisher.push(
+        result = self.publisher.push(
             weights, version=version, atomic=False, pause_mode="in_place", verify=self.verify
         )
+        self.mode = result.mode
+
+
+def _reset_peak_rss(pids: list[int]) -> dict[int, int]:
+    """Reset the ranks' peak RSS (VmHWM) and return their current RSS."""
+    for pid in pids:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return {pid: _rss_bytes(pid, "VmRSS") for pid in pids}
+
+
+def _extra_peak_rss(pids: list[int], pusher: _Pusher, weights: list) -> int:
+    """The most a rank's RSS rose above its resting RSS during one more (untimed) push."""
+    before = _reset_peak_rss(pids)
+    pusher(weights)
+    return max(_rss_bytes(pid, "VmHWM") - before[pid] for pid in pids)
 
 
 def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: Path) -> dict:
@@ -78,23 +114,28 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
     ]
     try:
         pids = [pid for proc, _ in engines for pid in _worker_pids(proc.pid)]
-        rss_before = {pid: _rss_bytes(pid, "VmRSS") for pid in pids}
         source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
         floor_buffer = torch.empty(model_bytes, dtype=torch.uint8)
         urls = [url for _, url in engines]
-        pushers = {
-            f"{transport} verify={verify}": _Pusher(urls, transport, verify, args.bucket_bytes)
-            for transport in args.transports
+        pushers = [
+            _Pusher(urls, path, verify, args.bucket_bytes)
+            for path in args.transports
             for verify in ("full", "none")
-        }
+        ]
+        # The first push of each path makes its slots and mappings: the rank memory it adds
+        # is measured there (shared pages count in every rank that touches them).
+        peak_extra = {}
+        for p in pushers:
+            extra = _extra_peak_rss(pids, p, weights)
+            peak_extra[f"{p.mode} verify={p.verify}"] = extra
         operations = [
             ("floor: memcpy into preallocated", model_bytes, lambda: floor_buffer.copy_(source))
         ]
-        operations += [(name, model_bytes, lambda p=p: p(weights)) for name, p in pushers.items()]
+        operations += [
+            (f"{p.mode} verify={p.verify}", model_bytes, lambda p=p: p(weights)) for p in pushers
+        ]
         rows = measure_interleaved(operations, args.repeat)
-        # per rank; shared pages (slots, mapped shards) count in every rank that touches them
-        peak_extra = max(_rss_bytes(pid, "VmHWM") - rss_before[pid] for pid in pids)
-        for pusher in pushers.values():
+        for pusher in pushers:
             pusher.publisher.close()
     finally:
         for proc, _ in engines:
@@ -105,18 +146,17 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
 def _print(result: dict, args: argparse.Namespace) -> None:
     rows: list[Measurement] = result["rows"]
     floor = rows[0]
-    by_name = {m.name: m for m in rows}
+    disk = {m.name.rsplit(" ", 1)[-1]: m for m in rows if m.name.startswith("disk")}
     print(
         f"\n{format_bytes(result['size'])} Llama-shaped bf16, {result['engines']} engine(s) of "
-        f"TP {args.tp}, median of {args.repeat}; extra peak RSS of a rank (all paths) "
-        f"{format_bytes(result['peak_extra_rss'])}"
+        f"TP {args.tp}, median of {args.repeat}, in-place loads"
     )
     table = []
     for m in rows:
-        transport_verify = m.name.split(" ", 1)
-        vs_disk = ""
-        if m.name.startswith("shm") and f"disk {transport_verify[-1]}" in by_name:
-            vs_disk = f"{by_name[f'disk {transport_verify[-1]}'].median_s / m.median_s:.1f}x"
+        verify = m.name.rsplit(" ", 1)[-1]
+        baseline = disk.get(verify)
+        vs_disk = f"{baseline.median_s / m.median_s:.1f}x" if baseline and baseline is not m else ""
+        rss = result["peak_extra_rss"].get(m.name)
         table.append(
             [
                 m.name,
@@ -124,9 +164,11 @@ def _print(result: dict, args: argparse.Namespace) -> None:
                 f"{m.gb_per_s:.2f}",
                 f"{m.median_s / floor.median_s:.2f}",
                 vs_disk,
+                "" if rss is None else format_bytes(rss),
             ]
         )
-    print_table(["path", "median s", "GB/s", "x floor time", "speed-up vs disk"], table)
+    headers = ["path", "median s", "GB/s", "x floor", "vs disk", "rank extra peak RSS"]
+    print_table(headers, table)
 
 
 def run(args: argparse.Namespace) -> int:
