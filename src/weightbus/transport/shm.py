@@ -20,7 +20,6 @@ import zmq
 
 from weightbus.plan import BucketPlan, Plan, plan_buckets
 from weightbus.plan.assemble import ChunkAssembler, unpack_bucket
-from weightbus.plan.bucket import pack_entries
 from weightbus.transport.base import (
     BucketSink,
     BucketSource,
@@ -112,7 +111,7 @@ class ShmSink(BucketSink):
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.bind(self.endpoint)
         self.direct = direct
-        self._writer = DirectWriter() if direct else None
+        self._writer = DirectWriter()
         self._targets: dict[str, MappedTarget] = {}  # ranks' parameter files, by name
         self._direct_session = False
 
@@ -155,7 +154,6 @@ class ShmSink(BucketSink):
         targets = self._direct_targets(receivers, session)
         self._direct_session = targets is not None
         if targets is None:
-            session.ensure_digests(tensors)
             self._send_all(receivers, session.begin_message())
             self._stream_slots(session, tensors, receivers, deadline, progress)
         else:
@@ -173,13 +171,15 @@ class ShmSink(BucketSink):
         deadline: float,
         progress: Progress,
     ) -> None:
+        hashers: dict = {}  # digests of tensors split across buckets, in progress
         for bucket in session.plan.buckets:
             slot = bucket.index % self.num_slots
             while receivers.unacked.get(slot):
                 self._receive(receivers, deadline, f"receivers to release slot {slot}")
-            pack_entries(self.slots[slot].tensor, bucket.entries, tensors)
+            digests = self._writer.pack(self.slots[slot].tensor, bucket, tensors, hashers)
+            session.digests.update(digests)
             receivers.unacked[slot] = set(receivers.identities.values())
-            self._send_all(receivers, _bucket_message(session, bucket, slot))
+            self._send_all(receivers, _bucket_message(session, bucket, slot, digests))
             progress(bucket.payload_bytes)
         while any(receivers.unacked.values()):
             self._receive(receivers, deadline, "receivers to release the last slots")
@@ -190,7 +190,7 @@ class ShmSink(BucketSink):
         """Every rank's mapped parameter file, in `receivers.identities` order; None for
         slot mode (direct mode off, a rank offered nothing, or an offer is unusable)."""
         offers = [receivers.direct[identity] for identity in receivers.identities]
-        if self._writer is None or any(offer is None for offer in offers):
+        if not self.direct or any(offer is None for offer in offers):
             return None
         try:
             targets = [self._mapped_target(offer, session) for offer in offers]
@@ -221,7 +221,6 @@ class ShmSink(BucketSink):
         deadline: float,
         progress: Progress,
     ) -> None:
-        assert self._writer is not None
         identities = list(receivers.identities)
         nbytes = {bucket.index: bucket.payload_bytes for bucket in session.plan.buckets}
         for bucket_index, written in self._writer.write(session.plan, tensors, targets, deadline):
@@ -263,8 +262,7 @@ class ShmSink(BucketSink):
 
     def close(self) -> None:
         self._free_slots()
-        if self._writer is not None:
-            self._writer.close()
+        self._writer.close()
         for target in self._targets.values():
             target.close()
         self._targets.clear()
@@ -273,9 +271,10 @@ class ShmSink(BucketSink):
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
-def _bucket_message(session: PushSession, bucket: BucketPlan, slot: int) -> BucketReady:
-    # digests of the tensors whose last byte is in this bucket
-    digests = {name: session.digests[name] for name in bucket.finished_names()}
+def _bucket_message(
+    session: PushSession, bucket: BucketPlan, slot: int, digests: dict[str, str]
+) -> BucketReady:
+    """`digests`: of the tensors whose last byte is in this bucket."""
     return BucketReady(
         session_id=session.session_id,
         bucket_index=bucket.index,

@@ -1,4 +1,4 @@
-"""Direct mode, publisher side: write each rank's slices straight into its parameters.
+"""The publisher's copies: straight into ranks' parameters (direct mode) or into slots.
 
 Every rank of the session offered a `DirectTarget` (its parameters in a shared-memory file and
 its slice map). The publisher maps each file once, validates the layout once per
@@ -22,7 +22,8 @@ import xxhash
 
 from weightbus.layers.shard import ShardCopy
 from weightbus.meta import TensorMeta, dtype_from_name, dtype_name
-from weightbus.plan import Plan
+from weightbus.plan import BucketPlan, Plan
+from weightbus.plan.bucket import BucketEntry, byte_view
 from weightbus.transport.shm_slots import ARENA_PREFIX, Slot
 from weightbus.wire import DirectTarget
 
@@ -154,8 +155,25 @@ def _write_tensor(full: torch.Tensor, dests: list[_Dest]) -> tuple[str, dict[int
     return digest.hexdigest(), {rank: hasher.hexdigest() for rank, hasher in slices.items()}
 
 
+def _pack_entry(buffer: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor, hasher) -> None:
+    """Copy one entry's bytes into the slot, digesting them as they pass."""
+    if tensor.dtype != entry.torch_dtype or tuple(tensor.shape) != entry.shape:
+        raise ValueError(
+            f"tensor {entry.name!r}: planned {entry.dtype}{list(entry.shape)}, "
+            f"got {dtype_name(tensor.dtype)}{list(tensor.shape)}"
+        )
+    source = byte_view(tensor if tensor.is_contiguous() else tensor.contiguous())
+    source = source[entry.tensor_offset : entry.tensor_offset + entry.nbytes].numpy()
+    destination = buffer[entry.offset : entry.end].numpy()
+    for start in range(0, entry.nbytes, CHUNK_BYTES):
+        chunk = source[start : start + CHUNK_BYTES]
+        np.copyto(destination[start : start + CHUNK_BYTES], chunk)
+        hasher.update(chunk)
+
+
 class DirectWriter:
-    """Writes sessions straight into ranks' parameters with a pool of copy threads."""
+    """Copies with a pool of threads: straight into ranks' parameters (direct mode), or into a
+    slot (slot mode), digesting the bytes as they pass."""
 
     def __init__(self, workers: int | None = None) -> None:
         self._pool = ThreadPoolExecutor(
@@ -195,6 +213,33 @@ class DirectWriter:
         finally:
             for future in futures.values():
                 future.cancel()
+
+    def pack(
+        self,
+        buffer: torch.Tensor,
+        bucket: BucketPlan,
+        tensors: Mapping[str, torch.Tensor],
+        hashers: dict[str, "xxhash.xxh3_128"],
+    ) -> dict[str, str]:
+        """Pack `bucket` into `buffer`; return the digests of the tensors it finishes.
+
+        `hashers` carries the digest state of tensors split across buckets (pack the buckets
+        in plan order).
+
+        Raises:
+            ValueError: a tensor is missing or its dtype/shape differ from the plan.
+        """
+        jobs = []
+        for entry in bucket.entries:
+            if entry.name not in tensors:
+                raise ValueError(f"tensor {entry.name!r} is in the plan but was not given")
+            hasher = hashers.setdefault(entry.name, xxhash.xxh3_128())
+            jobs.append((entry, tensors[entry.name].detach(), hasher))
+        # biggest first: two workers finish together
+        jobs.sort(key=lambda job: -job[0].nbytes)
+        for future in [self._pool.submit(_pack_entry, buffer, *job) for job in jobs]:
+            future.result()
+        return {name: hashers.pop(name).hexdigest() for name in bucket.finished_names()}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
