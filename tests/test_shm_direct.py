@@ -17,7 +17,7 @@ from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
 from weightbus.models.loader import create_model, random_hf_weights
 from weightbus.publisher import SessionFactory, normalize_weights
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
-from weightbus.transport import make_sink, open_source
+from weightbus.transport import make_sink, open_source, shm_direct
 from weightbus.transport.shm_arena import ParamArena, direct_placement
 from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR, remove_stale_slots
 
@@ -72,6 +72,11 @@ def _metas(model: LlamaForCausalLM):
 
 
 def _push(sink, ranks: list[_Rank], weights: dict, version: str, verify: str = "full"):
+    """Push to rank threads; returns the session and the ranks' results.
+
+    Raises:
+        _StreamFailedError: the sink's stream raised (it carries the ranks' results).
+    """
     session = SessionFactory(64 * KiB).session(
         normalize_weights(weights), version, None, receivers=len({r.group for r in ranks})
     )
@@ -84,10 +89,21 @@ def _push(sink, ranks: list[_Rank], weights: dict, version: str, verify: str = "
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
     for thread in threads:
         thread.start()
-    sink.stream(session, weights, TIMEOUT_S)
+    try:
+        sink.stream(session, weights, TIMEOUT_S)
+    except ValueError as exc:
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+        raise _StreamFailedError([results[i] for i in range(len(ranks))]) from exc
     for thread in threads:
         thread.join(TIMEOUT_S)
     return session, [results[i] for i in range(len(ranks))]
+
+
+class _StreamFailedError(Exception):
+    def __init__(self, results: list[RankResult]) -> None:
+        super().__init__("the stream failed")
+        self.results = results
 
 
 @pytest.fixture
@@ -154,8 +170,8 @@ def test_a_corrupted_slice_is_caught_by_the_rank(config, monkeypatch):
 
     original = shm_direct._write_tensor
 
-    def corrupting(full, dests):
-        digest, slices = original(full, dests)
+    def corrupting(full, dests, *options):
+        digest, slices = original(full, dests, *options)
         if full.dim() == 2 and dests:
             dests[0].param.view(-1)[0:1].view(torch.uint8)[0] ^= 0x10
         return digest, slices
@@ -206,3 +222,27 @@ def test_arenas_are_private_and_removed(config):
     rank.close()
     assert not path.exists()
     assert rank.arena.name not in remove_stale_slots()
+
+
+def test_a_failing_publisher_aborts_the_ranks_at_once(config, monkeypatch):
+
+    def failing(full, dests, *options):
+        raise ValueError("disk on fire")
+
+    monkeypatch.setattr(shm_direct, "_write_tensor", failing)
+    ranks = _ranks(config, [(0, 2)])
+    sink = make_sink("shm")
+    try:
+        with pytest.raises(_StreamFailedError) as failed:
+            _push(sink, ranks, dict(random_hf_weights(config, seed=8)), "v8")
+        assert str(failed.value.__cause__) == "disk on fire"
+        for result in failed.value.results:
+            assert not result.ok
+            assert not result.timed_out  # told at once, not left to time out
+            assert result.touched  # direct mode: the parameters may be half-written
+            aborted = "the publisher aborted the session: publisher failed: ValueError"
+            assert f"{aborted}: disk on fire" in result.errors[0]
+    finally:
+        sink.close()
+        for rank in ranks:
+            rank.close()

@@ -148,8 +148,8 @@ _HANGING_DIRECT_PUBLISHER = textwrap.dedent(
 
     write_tensor, hang = shm_direct._write_tensor, threading.Event()
 
-    def write_then_hang(full, dests):
-        result = write_tensor(full, dests)
+    def write_then_hang(full, dests, *options):
+        result = write_tensor(full, dests, *options)
         print("written", flush=True)  # one tensor is in the live parameters now
         hang.wait()  # the publisher stalls mid-write until the test kills it
         return result

@@ -202,7 +202,9 @@ class Publisher:
         start = time.perf_counter()
         tick = start
         normalized = normalize_weights(weights, name_map)
-        session = self._sessions.session(normalized, version, step, receivers=len(self.engines))
+        session = self._sessions.session(
+            normalized, version, step, receivers=len(self.engines), verify=verify == "full"
+        )
         phases = {"plan_s": time.perf_counter() - tick}
         tick = time.perf_counter()
         tensors = dict(normalized)

@@ -87,6 +87,8 @@ class SessionFactory:
         version: str,
         step: int | None,
         receivers: int = 1,
+        *,
+        verify: bool = True,
     ) -> PushSession:
         return PushSession(
             session_id=secrets.token_hex(16),
@@ -94,4 +96,5 @@ class SessionFactory:
             step=step,
             plan=self.plan_for(weights),
             receivers=receivers,
+            verify=verify,
         )

@@ -48,6 +48,7 @@ class PushSession:
     plan: Plan
     digests: dict[str, str] = field(default_factory=dict)
     receivers: int = 1  # engines asked to receive this session (each with all its ranks)
+    verify: bool = True  # receivers check digests ("full"): sinks send what they need
 
     def ensure_digests(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Digest every tensor not digested yet."""

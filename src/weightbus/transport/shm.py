@@ -39,6 +39,7 @@ from weightbus.wire import (
     ReceiverHello,
     SlotAck,
     TensorsWritten,
+    UpdateAbort,
     UpdateBegin,
     UpdateEnd,
     WireEntry,
@@ -153,14 +154,21 @@ class ShmSink(BucketSink):
             self._receive(receivers, deadline, "every engine rank to join")
         targets = self._direct_targets(receivers, session)
         self._direct_session = targets is not None
-        if targets is None:
-            self._send_all(receivers, session.begin_message())
-            self._stream_slots(session, tensors, receivers, deadline, progress)
-        else:
-            self._send_all(receivers, msgspec.structs.replace(session.begin_message(), direct=True))
-            self._stream_direct(
-                session, tensors, receivers, targets, deadline=deadline, progress=progress
-            )
+        try:
+            if targets is None:
+                self._send_all(receivers, session.begin_message())
+                self._stream_slots(session, tensors, receivers, deadline, progress)
+            else:
+                begin = msgspec.structs.replace(session.begin_message(), direct=True)
+                self._send_all(receivers, begin)
+                self._stream_direct(
+                    session, tensors, receivers, targets, deadline=deadline, progress=progress
+                )
+        except Exception as exc:
+            # receivers learn at once instead of waiting out their timeout
+            reason = f"publisher failed: {type(exc).__name__}: {exc}"
+            self._send_all(receivers, UpdateAbort(session_id=session.session_id, reason=reason))
+            raise
         self._send_all(receivers, session.end_message())
 
     def _stream_slots(
@@ -223,7 +231,10 @@ class ShmSink(BucketSink):
     ) -> None:
         identities = list(receivers.identities)
         nbytes = {bucket.index: bucket.payload_bytes for bucket in session.plan.buckets}
-        for bucket_index, written in self._writer.write(session.plan, tensors, targets, deadline):
+        writes = self._writer.write(
+            session.plan, tensors, targets, deadline, slice_digests=session.verify
+        )
+        for bucket_index, written in writes:
             digests = {name: digest for name, (digest, _) in written.items()}
             session.digests.update(digests)
             for rank_index, identity in enumerate(identities):
@@ -371,6 +382,8 @@ class ShmSource(BucketSource):
             message = decode(self._socket.recv())
             if getattr(message, "session_id", None) != self.session_id:
                 continue  # a message of an earlier session: never read its slots
+            if isinstance(message, UpdateAbort):
+                raise ValueError(f"the publisher aborted the session: {message.reason}")  # noqa: TRY004 - a peer stopped, not a wrong type
             if not isinstance(message, expected):
                 # a peer breaking the protocol, not a caller passing a wrong type
                 raise ProtocolError(f"expected {expected.__name__}, got {type(message).__name__}")

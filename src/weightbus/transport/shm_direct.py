@@ -136,11 +136,14 @@ class MappedTarget:
         self._file.close()
 
 
-def _write_tensor(full: torch.Tensor, dests: list[_Dest]) -> tuple[str, dict[int, str]]:
-    """Copy every rank's slice of `full`; return its digest and each slice's digest."""
+def _write_tensor(
+    full: torch.Tensor, dests: list[_Dest], slice_digests: bool = True
+) -> tuple[str, dict[int, str]]:
+    """Copy every rank's slice of `full`; return its digest and (with `slice_digests`) each
+    slice's digest."""
     full = full if full.is_contiguous() else full.contiguous()
     digest = xxhash.xxh3_128()
-    slices = {dest.rank_index: xxhash.xxh3_128() for dest in dests}
+    slices = {dest.rank_index: xxhash.xxh3_128() for dest in dests} if slice_digests else {}
     row_bytes = full[0].nbytes if full.dim() and full.shape[0] else full.nbytes
     rows = max(1, CHUNK_BYTES // max(1, row_bytes))
     num_rows = full.shape[0] if full.dim() else 1
@@ -150,7 +153,8 @@ def _write_tensor(full: torch.Tensor, dests: list[_Dest]) -> tuple[str, dict[int
             views = dest.chunk(full, start, stop)
             if views is not None:
                 np.copyto(_numpy(views[1]), _numpy(views[0]))
-                slices[dest.rank_index].update(_bytes(views[1]))
+                if slice_digests:
+                    slices[dest.rank_index].update(_bytes(views[1]))
         digest.update(_bytes(full[start:stop] if full.dim() else full))
     return digest.hexdigest(), {rank: hasher.hexdigest() for rank, hasher in slices.items()}
 
@@ -186,9 +190,12 @@ class DirectWriter:
         tensors: Mapping[str, torch.Tensor],
         targets: list[MappedTarget],
         deadline: float,
+        *,
+        slice_digests: bool = True,
     ) -> Iterator[tuple[int, dict[str, tuple[str, dict[int, str]]]]]:
         """Write every tensor; yield `(bucket index, {name: (digest, slice digests by rank)})`
-        in bucket order, each bucket as soon as its tensors are written.
+        in bucket order, each bucket as soon as its tensors are written. Without
+        `slice_digests` (receivers do not verify) the slices are not digested.
 
         Raises:
             TimeoutError: the copies did not finish by `deadline` (`time.monotonic()`).
@@ -200,7 +207,9 @@ class DirectWriter:
                 for index, target in enumerate(targets)
                 for copy, param in target.copies.get(meta.name, [])
             ]
-            futures[meta.name] = self._pool.submit(_write_tensor, tensors[meta.name], dests)
+            futures[meta.name] = self._pool.submit(
+                _write_tensor, tensors[meta.name], dests, slice_digests
+            )
         try:
             for bucket in plan.buckets:
                 yield (
