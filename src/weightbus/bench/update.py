@@ -108,11 +108,11 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(hf_config(llama_shape(size, 2))))
     save_file(dict(weights), str(model_dir / "model.safetensors"))
-    engines = [
-        start_engine(str(model_dir), args.tp, extra=["--dtype", "bfloat16"])
-        for _ in range(num_engines)
-    ]
+    engines = []
     try:
+        for _ in range(num_engines):
+            engines.append(start_engine(str(model_dir), args.tp, extra=["--dtype", "bfloat16"]))
+        (model_dir / "model.safetensors").unlink()  # loaded: free its RAM for the big sizes
         pids = [pid for proc, _ in engines for pid in _worker_pids(proc.pid)]
         source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
         floor_buffer = torch.empty(model_bytes, dtype=torch.uint8)
