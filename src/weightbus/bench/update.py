@@ -110,8 +110,11 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
     save_file(dict(weights), str(model_dir / "model.safetensors"))
     engines = []
     try:
-        for _ in range(num_engines):
-            engines.append(start_engine(str(model_dir), args.tp, extra=["--dtype", "bfloat16"]))
+        # extend appends one by one: engines started before a failure are still stopped
+        engines.extend(
+            start_engine(str(model_dir), args.tp, extra=["--dtype", "bfloat16"])
+            for _ in range(num_engines)
+        )
         (model_dir / "model.safetensors").unlink()  # loaded: free its RAM for the big sizes
         pids = [pid for proc, _ in engines for pid in _worker_pids(proc.pid)]
         source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
