@@ -6,19 +6,25 @@ of the same weights gives, bit for bit.
 """
 
 import threading
+import time
 
 import pytest
 import torch
 
+from helpers import all_dtype_tensors, assert_bit_identical, random_tensor
+from weightbus.digest import tensor_digest
 from weightbus.layers.parallel import TPContext, tp_context
-from weightbus.meta import TensorMeta
+from weightbus.layers.shard import ShardCopy
+from weightbus.meta import TensorMeta, metas_of
 from weightbus.models.config import tiny_config
 from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
 from weightbus.models.loader import create_model, random_hf_weights
+from weightbus.plan import plan_buckets
 from weightbus.publisher import SessionFactory, normalize_weights
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
 from weightbus.transport import make_sink, open_source, shm_direct
 from weightbus.transport.shm_arena import ParamArena, direct_placement
+from weightbus.transport.shm_direct import DirectWriter, MappedTarget
 from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR, remove_stale_slots
 
 KiB = 1024
@@ -246,3 +252,57 @@ def test_a_failing_publisher_aborts_the_ranks_at_once(config, monkeypatch):
         sink.close()
         for rank in ranks:
             rank.close()
+
+
+def test_the_writer_splits_mixed_dtypes_by_rows_and_columns_bit_exactly():
+    """Every dtype, 0-d and empty tensors, row and column slices into two 'ranks'."""
+    weights = [
+        *all_dtype_tensors(9),
+        ("scalar", torch.tensor(3.5, dtype=torch.float32)),
+        ("empty", torch.empty(0, 4, dtype=torch.bfloat16)),
+        ("wide", random_tensor((40, 70_000), torch.bfloat16, 10)),  # > one 4 MiB chunk
+    ]
+    plan = plan_buckets(metas_of(weights), 64 * KiB)
+    copies: list[list[tuple[str, str, ShardCopy]]] = [[], []]
+    shapes: list[dict[str, tuple]] = [{}, {}]
+    for name, tensor in weights:
+        for rank in range(2):
+            if tensor.dim() == 2 and tensor.shape[0] % 2 == 0 and tensor.numel():
+                dim = 1 if name == "wide" else 0  # columns for one, rows for the others
+                half = tensor.shape[dim] // 2
+                shape = list(tensor.shape)
+                shape[dim] = half
+                copy = ShardCopy(dim, rank * half, dim, 0, half)
+            else:
+                shape, copy = list(tensor.shape), ShardCopy.whole(tuple(tensor.shape))
+            shapes[rank][name] = tuple(shape)
+            copies[rank].append((name, name, copy))
+    dtypes = dict(weights)
+    arenas = [
+        ParamArena(
+            (name, torch.empty(shape, dtype=dtypes[name].dtype, device="meta"))
+            for name, shape in shapes[rank].items()
+        )
+        for rank in range(2)
+    ]
+    writer = DirectWriter(workers=2)
+    try:
+        targets = [
+            MappedTarget(direct_placement(arenas[rank], copies[rank]).target, plan)
+            for rank in range(2)
+        ]
+        written = dict(writer.write(plan, dict(weights), targets, time.monotonic() + TIMEOUT_S))
+        digests = {name: d for bucket in written.values() for name, (d, _) in bucket.items()}
+        assert digests == {name: tensor_digest(tensor) for name, tensor in weights}
+        for rank in range(2):
+            for name, copy in ((n, c) for n, _, c in copies[rank]):
+                region = arenas[rank].views[name]
+                assert_bit_identical(region, copy.source(dtypes[name]).contiguous())
+                slices = next(b[name][1] for b in written.values() if name in b)
+                assert slices[rank] == tensor_digest(region)
+    finally:
+        writer.close()
+        for target in targets:
+            target.close()
+        for arena in arenas:
+            arena.close()

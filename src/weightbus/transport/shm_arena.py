@@ -7,7 +7,6 @@ holding every parameter of a model at 256-byte aligned offsets. Its space is res
 co-located publisher writes each update straight into them (`DirectTarget` tells it where).
 """
 
-import logging
 import mmap
 import os
 import secrets
@@ -23,8 +22,6 @@ from weightbus.meta import dtype_name
 from weightbus.plan.bucket import ALIGN_BYTES
 from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR
 from weightbus.wire import DirectTarget, ParamRegion, WireShardCopy
-
-logger = logging.getLogger(__name__)
 
 
 def _aligned(nbytes: int) -> int:
@@ -85,14 +82,12 @@ class ParamArena:
         (SHM_DIR / self.name).unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Unlink and unmap; parameters still pointing here keep the mapping alive."""
+        """Unlink and drop this arena's references: the memory is unmapped (and freed) once
+        no tensor views it any more; parameters still pointing here stay valid until then."""
         self.unlink()
         self.views.clear()
-        del self._bytes
-        try:
-            self._mmap.close()
-        except BufferError:
-            logger.debug("arena %s still has views; unmapped when they are freed", self.name)
+        self._bytes = None
+        self._mmap = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,13 +34,18 @@ CHUNK_BYTES = 4 << 20
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as a numpy array of same-sized integers (bf16/fp8 included)."""
-    return tensor.view(_INT_OF_SIZE[tensor.element_size()]).numpy()
+def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy through numpy (same-sized integers, so bf16/fp8 too): one thread, GIL released."""
+    int_dtype = _INT_OF_SIZE.get(source.element_size())
+    if int_dtype is None:  # complex128: no 16-byte integer
+        destination.copy_(source)
+        return
+    np.copyto(destination.view(int_dtype).numpy(), source.view(int_dtype).numpy())
 
 
 def _bytes(tensor: torch.Tensor) -> np.ndarray:
-    return _numpy(tensor if tensor.is_contiguous() else tensor.contiguous())
+    """The tensor's bytes in row-major order (in place when contiguous), for digests."""
+    return byte_view(tensor if tensor.is_contiguous() else tensor.contiguous()).numpy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +157,7 @@ def _write_tensor(
         for dest in dests:
             views = dest.chunk(full, start, stop)
             if views is not None:
-                np.copyto(_numpy(views[1]), _numpy(views[0]))
+                _copy(views[1], views[0])
                 if slice_digests:
                     slices[dest.rank_index].update(_bytes(views[1]))
         digest.update(_bytes(full[start:stop] if full.dim() else full))

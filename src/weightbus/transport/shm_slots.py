@@ -97,12 +97,13 @@ class Slot:
         return (stat.st_dev, stat.st_ino)
 
     def close(self) -> None:
-        """Unmap; while views into the slot live on, the mapping stays until they are gone."""
-        del self.tensor
-        try:
-            self._mmap.close()
-        except BufferError:
-            logger.debug("slot %s still has views; it is unmapped when they are freed", self.name)
+        """Drop this slot's references: the file is unmapped once no tensor views it.
+
+        Never `mmap.close()` here: tensors from `torch.frombuffer` hold the mmap object but no
+        buffer export, so closing it would unmap memory that live views still read.
+        """
+        self.tensor = None
+        self._mmap = None
 
     def unlink(self) -> None:
         (SHM_DIR / self.name).unlink(missing_ok=True)
