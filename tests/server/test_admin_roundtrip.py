@@ -83,10 +83,10 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
             seconds=0.25,
             phases={"load_s": 0.125},
         )
-        # the result first, the state after: the route still answers once the state is in
+        # rank 0's contract: the new state first, then the result that reveals it
         return [
-            result,
             weights_state(version="step-1", step=1, fingerprint=FINGERPRINT, history=[history]),
+            result,
         ]
 
     rig.rank0.handler = commit
@@ -242,7 +242,7 @@ def test_control_round_trip(
         done = messages.ControlResult(
             request_id=message.request_id, status_code=200, message=f"{message.action} done"
         )
-        return [done, weights_state(**after)]
+        return [weights_state(**after), done]
 
     rig.rank0.handler = answer
     response = rig.client.post(path, json=body)
