@@ -41,12 +41,18 @@ class PushError(RuntimeError):
 
     Attributes:
         failures: engine URL -> reason.
+        transport_error: why the publisher's side of the transport failed, if it did.
     """
 
-    def __init__(self, version: str, failures: dict[str, str]) -> None:
+    def __init__(
+        self, version: str, failures: dict[str, str], transport_error: str | None = None
+    ) -> None:
         self.version = version
         self.failures = failures
+        self.transport_error = transport_error
         details = "; ".join(f"{url}: {reason}" for url, reason in failures.items())
+        if transport_error:
+            details += f"; publisher: {transport_error}"
         super().__init__(
             f"push of version {version!r} failed on {len(failures)} engine(s): {details}"
         )
@@ -171,6 +177,11 @@ class Publisher:
         self._http = httpx.Client(headers=headers, timeout=timeout_s + _HTTP_MARGIN_S)
         self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="push")
         self._group_name: str | None = None  # the dist group this publisher formed
+
+    @property
+    def sink(self) -> BucketSink:
+        """The transport's sink (e.g. `DistSink.sent_bytes`: bytes per rank of the last push)."""
+        return self._sink
 
     def __enter__(self) -> "Publisher":
         return self
@@ -323,6 +334,7 @@ class Publisher:
         verify: VerifyLevel = "full",
         force: bool = False,
         name_map: NameMap | None = None,
+        progress: Progress | None = None,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed.
 
@@ -336,6 +348,8 @@ class Publisher:
             verify: `full` checks every digest; `none` skips digests only.
             force: re-push the version an engine already serves.
             name_map: renames applied before sending (a name mapped to None is dropped).
+            progress: called with the bytes of each part handed to the transport (besides the
+                terminal progress bar), on the pushing thread.
 
         Returns:
             The committed version, its fingerprint and per-engine results.
@@ -350,9 +364,15 @@ class Publisher:
         phases = {"plan_digest_s": time.perf_counter() - tick}
         tick = time.perf_counter()
         tensors = dict(normalized)
-        progress = PushProgress(version, session.plan.total_bytes)
+        progress_bar = PushProgress(version, session.plan.total_bytes)
+
+        def advance(nbytes: int) -> None:
+            progress_bar.advance(nbytes)
+            if progress is not None:
+                progress(nbytes)
+
         try:
-            source = self._sink.prepare(session, tensors, progress.advance)
+            source = self._sink.prepare(session, tensors, advance)
             phases["prepare_s"] = time.perf_counter() - tick
             options = {
                 "pause_mode": pause_mode,
@@ -362,10 +382,10 @@ class Publisher:
             }
             futures = self._request_all(self._body(session, source, options))
             tick = time.perf_counter()
-            stream_error = self._stream(session, tensors, progress.advance)
+            stream_error = self._stream(session, tensors, advance)
             phases["stream_s"] = time.perf_counter() - tick
         finally:
-            progress.close()
+            progress_bar.close()
         tick = time.perf_counter()
         engines = self._collect(session, futures, stream_error)
         phases["wait_s"] = time.perf_counter() - tick
@@ -444,5 +464,5 @@ class Publisher:
         if stream_error and not failures:
             failures = dict.fromkeys(futures, stream_error)
         if failures:
-            raise PushError(session.version, failures)
+            raise PushError(session.version, failures, stream_error)
         return results
