@@ -33,7 +33,7 @@ import torch
 from weightbus.digest import bytes_digest
 from weightbus.plan import BucketPlan, Plan, plan_buckets
 from weightbus.plan.assemble import ChunkAssembler, unpack_bucket
-from weightbus.plan.bucket import pack_entries
+from weightbus.plan.bucket import BucketEntry, byte_view, check_entry_tensor, pack_entries
 from weightbus.receiver.prefetch import Prefetcher
 from weightbus.transport.base import (
     BucketSink,
@@ -232,26 +232,42 @@ class _Push:
         self, bucket: BucketPlan, pending: _InFlight, targets: list[_ScatterTarget] | None
     ) -> None:
         buffer = self.group.buffer(("send", bucket.index % 2), self.session.plan.bucket_bytes)
-        pack_entries(buffer, bucket.entries, self.tensors)
         message = BucketSent(
             session_id=self.session.session_id,
             bucket_index=bucket.index,
             digests=_completed_digests(self.session, bucket),
         )
         if targets is None:
-            self._broadcast(bucket, buffer[: bucket.nbytes], message, pending)
+            self._broadcast(bucket, buffer, message, pending)
         else:
+            pack_entries(buffer, bucket.entries, self.tensors)
             self._scatter(bucket, buffer, targets, message, pending)
         pending.nbytes = bucket.nbytes
 
+    def _entry_bytes(self, entry: BucketEntry, buffer: torch.Tensor) -> torch.Tensor:
+        """The entry's bytes: a view of the source tensor when it is contiguous (no copy),
+        else packed into the bucket buffer."""
+        tensor = self.tensors.get(entry.name)
+        if tensor is None or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            pack_entries(buffer, [entry], self.tensors)  # also raises for a missing tensor
+            return buffer[entry.offset : entry.end]
+        check_entry_tensor(entry, tensor)
+        start = entry.tensor_offset
+        return byte_view(tensor.detach())[start : start + entry.nbytes]
+
     def _broadcast(
-        self, bucket: BucketPlan, data: torch.Tensor, message: BucketSent, pending: _InFlight
+        self, bucket: BucketPlan, buffer: torch.Tensor, message: BucketSent, pending: _InFlight
     ) -> None:
+        # one collective per entry, straight from the tensors: no packing copy on this side,
+        # and each lands at its place in the receivers' bucket buffers
         pending.ops += broadcast_message(self.group, message, self.deadline)
         timeout = op_timeout(self.deadline, f"broadcast of bucket {bucket.index}")
-        pending.ops.append((self.group.pg.broadcast(data, 0, timeout), data))
+        for entry in bucket.entries:
+            if entry.nbytes:
+                data = self._entry_bytes(entry, buffer)
+                pending.ops.append((self.group.pg.broadcast(data, 0, timeout), data))
         for group_rank in self.sent_bytes:
-            self.sent_bytes[group_rank] += data.numel()
+            self.sent_bytes[group_rank] += bucket.nbytes
 
     def _scatter(
         self,
@@ -393,11 +409,15 @@ class DistSource(BucketSource):
             )
 
     def _receive_whole(self, bucket: BucketPlan, buffer: torch.Tensor, deadline: float) -> int:
-        data = buffer[: bucket.nbytes]
         what = f"bucket {bucket.index}"
-        wait(
-            self.group, self.group.pg.broadcast(data, 0, op_timeout(deadline, what)), deadline, what
-        )
+        timeout = op_timeout(deadline, what)
+        ops = [
+            self.group.pg.broadcast(buffer[entry.offset : entry.end], 0, timeout)
+            for entry in bucket.entries
+            if entry.nbytes
+        ]
+        for work in ops:
+            wait(self.group, work, deadline, what)
         return bucket.nbytes
 
     def _receive_slices(
