@@ -182,14 +182,23 @@ def is_alive(pid: int) -> bool:
 class ServedEngine:
     """`weightbus serve --port 0 ...` as a subprocess; the URL is read from its stdout."""
 
-    def __init__(self, *args: str, log_path: Path, startup_timeout_s: float = 90.0) -> None:
-        cmd = [sys.executable, "-m", "weightbus", "serve", "--port", "0", *args]
+    def __init__(
+        self,
+        *args: str,
+        log_path: Path,
+        startup_timeout_s: float = 90.0,
+        prefix: tuple[str, ...] = (),
+        token: str | None = None,
+    ) -> None:
+        # prefix: e.g. ("ip", "netns", "exec", NAME), which execs the server in place
+        cmd = [*prefix, sys.executable, "-m", "weightbus", "serve", "--port", "0", *args]
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log)
         self.url = self._read_url(startup_timeout_s)
         self.worker_pids = children_of(self.proc.pid)
-        self.client = httpx.Client(base_url=self.url, timeout=120.0)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(base_url=self.url, timeout=120.0, headers=headers)
 
     def _read_url(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

@@ -6,6 +6,10 @@ import importlib
 # suite name -> (module, one-line help); modules are imported only when their suite runs.
 SUITES = {
     "buckets": ("weightbus.bench.buckets", "flat-bucket packing vs a memcpy floor, same run"),
+    "dist": (
+        "weightbus.bench.dist",
+        "dist pushes (broadcast, scatter) vs raw gloo broadcasts, same run",
+    ),
     "engine": ("weightbus.bench.engine", "reference engine tokens/s at batch 1 and 16, TP 1 and 2"),
     "status": ("weightbus.bench.status", "decode step cost of the live-update machinery at rest"),
     "update": ("weightbus.bench.update", "push into real engines: floor, shm, disk, same run"),

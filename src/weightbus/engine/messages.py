@@ -1,9 +1,11 @@
 """Messages between the API server and rank 0, as msgspec structs over msgpack (never pickle).
 
-API server -> rank 0: `AddRequest`, `AbortRequest`, `Shutdown`, `UpdateWeights`, `Control`.
+API server -> rank 0: `AddRequest`, `AbortRequest`, `Shutdown`, `UpdateWeights`, `Control`,
+`WeightsGroupRequest`.
 Rank 0 -> API server: `Ready` once, then `StepOutputs` after every step, `RequestError` when a
 request cannot run, `Aborted` when the engine ends requests itself (pause mode `abort`, memory
-release), `UpdateResult` / `ControlResult` answering `UpdateWeights` / `Control`, and
+release), `UpdateResult` / `ControlResult` answering `UpdateWeights` / `Control` (and
+`WeightsGroupRequest`), and
 `WeightsState` whenever the weights' version, status or memory changes (and once after Ready).
 Decoding checks every field's type; unknown tags are rejected.
 """
@@ -96,6 +98,24 @@ class Control(msgspec.Struct, tag="control", frozen=True, kw_only=True):
     tags: list[MemoryTag] = msgspec.field(default_factory=list)
 
 
+class WeightsGroupRequest(msgspec.Struct, tag="weights_group", frozen=True, kw_only=True):
+    """Join (`init`) or leave (`destroy`) a `dist` weights group, on every rank.
+
+    Rank r joins as group rank `rank_offset + r` of `world_size` (the publisher is rank 0).
+    Answered with a `ControlResult`.
+    """
+
+    request_id: str
+    action: Literal["init", "destroy"]
+    group_name: str
+    master_addr: str = ""
+    master_port: int = 0
+    rank_offset: int = 0
+    world_size: int = 0
+    backend: Literal["gloo"] = "gloo"
+    timeout_s: float = 60.0
+
+
 class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=True):
     """Outcome of an `UpdateWeights`; `status_code` is the HTTP status to answer with.
 
@@ -149,7 +169,7 @@ class Aborted(msgspec.Struct, tag="aborted", frozen=True):
     reason: str
 
 
-ToEngine = AddRequest | AbortRequest | Shutdown | UpdateWeights | Control
+ToEngine = AddRequest | AbortRequest | Shutdown | UpdateWeights | Control | WeightsGroupRequest
 FromEngine = (
     Ready | StepOutputs | RequestError | UpdateResult | ControlResult | WeightsState | Aborted
 )

@@ -35,6 +35,7 @@ class Action(enum.IntEnum):
     RELEASE = 5  # free memory (tags mask)
     RESUME = 6  # re-allocate memory (tags mask)
     ABORT = 7  # discard a staged receive that outlived its timeout
+    WEIGHTS_GROUP = 8  # join or leave a `dist` weights group (payload: the request)
 
 
 # Ranks time out on their own; this margin only catches a rank whose receive never returns.
@@ -113,6 +114,7 @@ class UpdateController:
         self._pause_drain: str | None = None  # request id of a drain pause awaiting its reply
         self._release: messages.Control | None = None
         self._resume: messages.Control | None = None
+        self._group_request: messages.WeightsGroupRequest | None = None
 
     # --- what the scheduler may do this step ---
 
@@ -173,6 +175,8 @@ class UpdateController:
             return f"an update to {self._update.request.version!r} is already running"
         if self.status == "CLEARING" or self._release is not None:
             return "a memory release is in progress"
+        if self._group_request is not None:
+            return "a weights group is being initialised or destroyed"
         if request.version == self.version and self.weights_valid and not request.force:
             return f"version {request.version!r} is already being served (set force to re-push)"
         if request.step is not None and self.step is not None and request.step <= self.step:
@@ -220,6 +224,40 @@ class UpdateController:
             return
         self._resume = control
 
+    def on_weights_group(self, request: messages.WeightsGroupRequest, tp_size: int) -> None:
+        """Accept a weights-group change for the next step boundary, or answer 409/400 at once."""
+        if self._update is not None or self._group_request is not None:
+            busy = "an update" if self._update is not None else "another weights-group change"
+            self._reply_control(request.request_id, 409, f"{busy} is in progress")
+            return
+        if request.action == "init" and request.rank_offset + tp_size > request.world_size:
+            self._reply_control(
+                request.request_id,
+                400,
+                f"rank_offset {request.rank_offset} + tp_size {tp_size} exceeds "
+                f"world_size {request.world_size}",
+            )
+            return
+        self._group_request = request
+
+    def on_weights_group_done(
+        self, request: messages.WeightsGroupRequest, verdicts: list[RankVerdict]
+    ) -> None:
+        """Every rank applied the weights-group change; answer with the combined outcome."""
+        if not all(v.ok for v in verdicts):
+            status, error, _ = _failure(verdicts)
+            self._reply_control(request.request_id, status, error)
+            return
+        if request.action == "destroy":
+            message = f"left weights group {request.group_name!r}"
+        else:
+            last = request.rank_offset + len(verdicts) - 1
+            message = (
+                f"joined weights group {request.group_name!r} as ranks "
+                f"{request.rank_offset}..{last} of {request.world_size}"
+            )
+        self._reply_control(request.request_id, 200, message)
+
     # --- the action of this step ---
 
     def next_action(self, num_running: int) -> StepAction:
@@ -229,6 +267,9 @@ class UpdateController:
             self.publish_state()
             self._reply_control(self._pause_drain, 200, "generation paused (drain)")
             self._pause_drain = None
+        if self._group_request is not None and self._update is None:
+            request, self._group_request = self._group_request, None
+            return StepAction(Action.WEIGHTS_GROUP, payload=messages.encode(request))
         if self._resume is not None:
             mask = tags_to_mask(self._resume.tags)
             return StepAction(Action.RESUME, tags_mask=mask)

@@ -32,6 +32,7 @@ from weightbus.engine.sequence import SamplingParams, Sequence
 from weightbus.engine.update_control import Action, StepAction, UpdateController, mask_to_tags
 from weightbus.engine.verdicts import all_flags, gather_verdicts
 from weightbus.engine.weights import WeightsManager
+from weightbus.engine.weights_group import apply_weights_group, slice_specs
 from weightbus.layers.attention import AttentionMetadata
 from weightbus.layers.parallel import destroy_tp_group, init_tp_group
 from weightbus.log import setup_logging
@@ -108,6 +109,8 @@ class Worker:
             config.tp_size,
             shm_weights=config.shm_weights,
         )
+        # what this rank loads of each tensor, for `dist` scatter (taken while weights exist)
+        self.slices = slice_specs(self.runner.model)
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         self.batch: list[Sequence] = []
         self.stopping = False
@@ -219,6 +222,8 @@ class Worker:
             self.control.on_update(message)
         elif isinstance(message, messages.Control):
             self.control.on_control(message)
+        elif isinstance(message, messages.WeightsGroupRequest):
+            self.control.on_weights_group(message, self.tp_size)
         elif isinstance(message, messages.AbortRequest):
             self.scheduler.abort(message.request_id)
         else:
@@ -316,6 +321,9 @@ class Worker:
         action = self.step_action
         if action.action == Action.NONE:
             return
+        if action.action == Action.WEIGHTS_GROUP:
+            self._weights_group(action.payload)
+            return
         if action.payload:
             request = messages.decode_to_engine(action.payload)
             assert isinstance(request, messages.UpdateWeights)
@@ -330,6 +338,14 @@ class Worker:
             Action.RESUME: lambda: self._resume(action.tags_mask),
         }
         handlers[action.action]()
+
+    def _weights_group(self, payload: bytes) -> None:
+        request = messages.decode_to_engine(payload)
+        assert isinstance(request, messages.WeightsGroupRequest)
+        result = apply_weights_group(request, self.config.tp_rank, self.tp_size, self.slices)
+        verdicts = gather_verdicts(request.request_id, result)
+        if self.is_driver:
+            self.control.on_weights_group_done(request, verdicts)
 
     def _commit_staged(self) -> None:
         self.weights.commit_staged()

@@ -155,12 +155,17 @@ def pack_entries(
         tensor = tensors.get(entry.name)
         if tensor is None:
             raise ValueError(f"tensor {entry.name!r} is in the plan but was not given")
-        if tensor.dtype != entry.torch_dtype or tuple(tensor.shape) != entry.shape:
-            raise ValueError(
-                f"tensor {entry.name!r}: planned {entry.dtype}{list(entry.shape)}, "
-                f"got {dtype_name(tensor.dtype)}{list(tensor.shape)}"
-            )
+        check_entry_tensor(entry, tensor)
         _copy_entry(buffer, entry, tensor.detach())
+
+
+def check_entry_tensor(entry: BucketEntry, tensor: torch.Tensor) -> None:
+    """Raise ValueError unless `tensor` has the dtype and shape its entry planned."""
+    if tensor.dtype != entry.torch_dtype or tuple(tensor.shape) != entry.shape:
+        raise ValueError(
+            f"tensor {entry.name!r}: planned {entry.dtype}{list(entry.shape)}, "
+            f"got {dtype_name(tensor.dtype)}{list(tensor.shape)}"
+        )
 
 
 @dataclass(slots=True)

@@ -1,6 +1,13 @@
 """Trainer side of an update."""
 
-from weightbus.publisher.publisher import EngineResult, Publisher, PushError, PushResult
+from weightbus.publisher.publisher import (
+    EngineResult,
+    Publisher,
+    PushError,
+    PushResult,
+    WeightsGroupError,
+    WeightsGroupInfo,
+)
 from weightbus.publisher.weights import SessionFactory, normalize_weights
 
 __all__ = [
@@ -9,5 +16,7 @@ __all__ = [
     "PushError",
     "PushResult",
     "SessionFactory",
+    "WeightsGroupError",
+    "WeightsGroupInfo",
     "normalize_weights",
 ]

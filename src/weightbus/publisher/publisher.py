@@ -6,6 +6,7 @@ parallel), `sink.stream` (send what is not sent yet), `_collect` (every engine c
 same fingerprint, or one `PushError` naming each engine that did not and why).
 """
 
+import contextlib
 import logging
 import os
 import shutil
@@ -13,6 +14,7 @@ import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +25,7 @@ from weightbus.publisher.progress import PushProgress
 from weightbus.publisher.weights import NameMap, SessionFactory, Weights, normalize_weights
 from weightbus.transport import BucketSink, PushSession, make_sink
 from weightbus.transport.base import Progress
+from weightbus.transport.dist_group import create_publisher_group, destroy_group, serve_group
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +41,43 @@ class PushError(RuntimeError):
 
     Attributes:
         failures: engine URL -> reason.
+        transport_error: why the publisher's side of the transport failed, if it did.
     """
 
-    def __init__(self, version: str, failures: dict[str, str]) -> None:
+    def __init__(
+        self, version: str, failures: dict[str, str], transport_error: str | None = None
+    ) -> None:
         self.version = version
         self.failures = failures
+        self.transport_error = transport_error
         details = "; ".join(f"{url}: {reason}" for url, reason in failures.items())
+        if transport_error:
+            details += f"; publisher: {transport_error}"
         super().__init__(
             f"push of version {version!r} failed on {len(failures)} engine(s): {details}"
         )
+
+
+class WeightsGroupError(RuntimeError):
+    """A `dist` weights group could not be initialised or destroyed on every member.
+
+    Attributes:
+        failures: engine URL (or "publisher") -> reason.
+    """
+
+    def __init__(self, name: str, action: str, failures: dict[str, str]) -> None:
+        self.failures = failures
+        details = "; ".join(f"{member}: {reason}" for member, reason in failures.items())
+        super().__init__(f"{action} of weights group {name!r} failed: {details}")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsGroupInfo:
+    """A formed weights group: its size and each engine's first group rank."""
+
+    name: str
+    world_size: int
+    rank_offsets: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +177,12 @@ class Publisher:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(headers=headers, timeout=timeout_s + _HTTP_MARGIN_S)
         self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="push")
+        self._group_name: str | None = None  # the dist group this publisher formed
+
+    @property
+    def sink(self) -> BucketSink:
+        """The transport's sink (e.g. `DistSink.sent_bytes`: bytes per rank of the last push)."""
+        return self._sink
 
     def __enter__(self) -> "Publisher":
         return self
@@ -154,12 +191,133 @@ class Publisher:
         self.close()
 
     def close(self) -> None:
-        """Free the transport (files, shared memory, sockets) and the HTTP connections."""
+        """Free the transport (files, shared memory, sockets, the weights group) and the HTTP
+        connections."""
+        if self._group_name is not None:
+            with contextlib.suppress(WeightsGroupError):
+                self.destroy_weights_group(timeout_s=_HTTP_MARGIN_S)
         self._pool.shutdown(wait=True)
         self._sink.close()
         self._http.close()
         if self._owned_root is not None:
             shutil.rmtree(self._owned_root, ignore_errors=True)
+
+    def init_weights_group(
+        self,
+        master_addr: str,
+        master_port: int = 0,
+        *,
+        backend: Literal["gloo"] = "gloo",
+        timeout_s: float = 60.0,
+    ) -> WeightsGroupInfo:
+        """Form the `dist` weights group: this process is rank 0, every engine rank a member.
+
+        Serves the group's store on `master_addr:master_port` (0: a free port from the OS),
+        asks every engine in parallel to join (`POST /v1/init_weights_group`, each with its
+        `rank_offset`) and joins itself. The group is reused by every push until
+        `destroy_weights_group` or `close`; calling this again re-forms it (after a failed push,
+        which leaves the group broken).
+
+        Args:
+            master_addr: this host's address as the engines reach it.
+            master_port: the store's port.
+            backend: `gloo` (CPU tensors over TCP).
+            timeout_s: bound of the group's formation on every member.
+
+        Returns:
+            The group's name, size and each engine's first group rank.
+
+        Raises:
+            ValueError: the transport is not `dist`.
+            WeightsGroupError: an engine or this process could not join (each one named).
+        """
+        if self.transport != "dist":
+            raise ValueError(f"init_weights_group needs transport 'dist', not {self.transport!r}")
+        name = self._sink.group_name
+        tp_sizes = self._tp_sizes()
+        offsets = list(accumulate([1, *tp_sizes[:-1]]))
+        world_size = 1 + sum(tp_sizes)
+        store = serve_group(
+            name=name,
+            master_addr=master_addr,
+            master_port=master_port,
+            world_size=world_size,
+            timeout_s=timeout_s,
+        )
+        bodies = {
+            url: {
+                "master_addr": master_addr,
+                "master_port": store.port,
+                "rank_offset": offset,
+                "world_size": world_size,
+                "backend": backend,
+                "group_name": name,
+                "timeout_s": timeout_s,
+            }
+            for url, offset in zip(self.engines, offsets, strict=True)
+        }
+        futures = self._post_all("/v1/init_weights_group", bodies, timeout_s + _HTTP_MARGIN_S)
+        failures = {}
+        try:
+            create_publisher_group(
+                name=name,
+                store=store,
+                master_addr=master_addr,
+                world_size=world_size,
+                timeout_s=timeout_s,
+            )
+        except (TimeoutError, OSError) as exc:
+            failures["publisher"] = str(exc)
+        failures = {**self._failures(futures), **failures}
+        if failures:
+            destroy_group(name)
+            raise WeightsGroupError(name, "initialisation", failures)
+        self._group_name = name
+        logger.info("weights group %r formed: %d members", name, world_size)
+        return WeightsGroupInfo(name, world_size, dict(zip(self.engines, offsets, strict=True)))
+
+    def destroy_weights_group(self, timeout_s: float = 60.0) -> None:
+        """Leave the `dist` weights group on this process and on every engine.
+
+        Raises:
+            WeightsGroupError: an engine did not confirm (this process has left regardless).
+        """
+        name = self._sink.group_name
+        self._group_name = None
+        bodies = {url: {"group_name": name} for url in self.engines}
+        futures = self._post_all("/v1/destroy_weights_group", bodies, timeout_s)
+        destroy_group(name)
+        failures = self._failures(futures)
+        if failures:
+            raise WeightsGroupError(name, "destruction", failures)
+
+    def _tp_sizes(self) -> list[int]:
+        futures = {
+            url: self._pool.submit(self._http.get, f"{url}/v1/server_info") for url in self.engines
+        }
+        failures = self._failures(futures)
+        if failures:
+            raise WeightsGroupError(self._sink.group_name, "initialisation", failures)
+        return [futures[url].result().json()["tp_size"] for url in self.engines]
+
+    def _post_all(self, path: str, bodies: dict[str, dict], timeout_s: float) -> dict:
+        return {
+            url: self._pool.submit(self._http.post, f"{url}{path}", json=body, timeout=timeout_s)
+            for url, body in bodies.items()
+        }
+
+    @staticmethod
+    def _failures(futures: dict[str, Future]) -> dict[str, str]:
+        failures = {}
+        for url, future in futures.items():
+            try:
+                response = future.result()
+            except httpx.HTTPError as exc:
+                failures[url] = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code != 200:
+                failures[url] = _error_reason(response)
+        return failures
 
     def fingerprint(self, weights: Weights, name_map: NameMap | None = None) -> str:
         """The fingerprint engines report after a push of `weights` (computed locally)."""
@@ -179,6 +337,7 @@ class Publisher:
         verify: VerifyLevel = "full",
         force: bool = False,
         name_map: NameMap | None = None,
+        progress: Progress | None = None,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed.
 
@@ -192,6 +351,8 @@ class Publisher:
             verify: `full` checks every digest; `none` skips digests only.
             force: re-push the version an engine already serves.
             name_map: renames applied before sending (a name mapped to None is dropped).
+            progress: called with the bytes of each part handed to the transport (besides the
+                terminal progress bar), on the pushing thread.
 
         Returns:
             The committed version, its fingerprint and per-engine results.
@@ -208,17 +369,28 @@ class Publisher:
         phases = {"plan_s": time.perf_counter() - tick}
         tick = time.perf_counter()
         tensors = dict(normalized)
-        progress = PushProgress(version, session.plan.total_bytes)
+        progress_bar = PushProgress(version, session.plan.total_bytes)
+
+        def advance(nbytes: int) -> None:
+            progress_bar.advance(nbytes)
+            if progress is not None:
+                progress(nbytes)
+
         try:
-            source = self._sink.prepare(session, tensors, progress.advance)
+            source = self._sink.prepare(session, tensors, advance)
             phases["prepare_s"] = time.perf_counter() - tick
-            options = {"pause_mode": pause_mode, "atomic": atomic, "verify": verify, "force": force}
+            options = {
+                "pause_mode": pause_mode,
+                "atomic": atomic,
+                "verify": self._sink.receiver_verify(verify),
+                "force": force,
+            }
             futures = self._request_all(self._body(session, source, options))
             tick = time.perf_counter()
-            stream_error = self._stream(session, tensors, progress.advance)
+            stream_error = self._stream(session, tensors, advance)
             phases["stream_s"] = time.perf_counter() - tick
         finally:
-            progress.close()
+            progress_bar.close()
         tick = time.perf_counter()
         engines = self._collect(session, futures, stream_error)
         phases["wait_s"] = time.perf_counter() - tick
@@ -298,5 +470,5 @@ class Publisher:
         if stream_error and not failures:
             failures = dict.fromkeys(futures, stream_error)
         if failures:
-            raise PushError(session.version, failures)
+            raise PushError(session.version, failures, stream_error)
         return results

@@ -22,9 +22,12 @@ from weightbus.server.protocol import (
     ContinueRequest,
     ControlAction,
     ControlResponse,
+    DestroyWeightsGroupRequest,
     HistoryItem,
+    InitWeightsGroupRequest,
     MemoryRequest,
     PauseRequest,
+    ServerInfo,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     WeightsInfo,
@@ -191,6 +194,37 @@ async def control(
     return ControlResponse(action=message.action, message=result.message)
 
 
+async def weights_group(
+    request: Request, config: AdminConfig, message: messages.WeightsGroupRequest
+) -> ControlResponse:
+    """Send one `WeightsGroupRequest` to rank 0 and answer with its `ControlResult`.
+
+    Args:
+        request: the HTTP request (its app holds the client).
+        config: bounds of the wait (the request's own `timeout_s` plus `update_margin_s`).
+        message: join or leave, with a fresh `request_id`.
+
+    Returns:
+        The action and rank 0's message.
+
+    Raises:
+        APIError: rank 0's status (400: the group could not form, 409: an update or another
+            group change is running, 504: not every member joined within `timeout_s`), or
+            503/504 when the engine died or did not answer.
+    """
+    wait_s = message.timeout_s + config.update_margin_s
+    try:
+        result = await _client(request).control(message, timeout_s=wait_s)
+    except EngineDeadError as exc:
+        raise APIError(503, f"engine unavailable: {exc}") from None
+    except TimeoutError:
+        raise APIError(504, f"no answer from the engine within {wait_s:.1f} s") from None
+    status_code = _checked_status(result.status_code)
+    if status_code != 200:
+        raise APIError(status_code, result.message or f"{message.action} weights group failed")
+    return ControlResponse(action=f"{message.action}_weights_group", message=result.message)
+
+
 def admin_router(config: AdminConfig) -> APIRouter:
     """The admin routes (all behind `TokenAuth` when a token is set).
 
@@ -213,6 +247,34 @@ def admin_router(config: AdminConfig) -> APIRouter:
         state = _client(request).weights
         assert state is not None  # set at Ready, before the server accepts
         return weights_info(state)
+
+    @router.get("/v1/server_info")
+    async def server_info_route(request: Request) -> ServerInfo:
+        ready = _client(request).ready
+        assert ready is not None  # set at Ready, before the server accepts
+        return ServerInfo(
+            tp_size=ready.tp_size,
+            max_model_len=ready.max_model_len,
+            served_model_name=request.app.state.served_model_name,
+        )
+
+    @router.post("/v1/init_weights_group")
+    async def init_weights_group_route(
+        body: InitWeightsGroupRequest, request: Request
+    ) -> ControlResponse:
+        message = messages.WeightsGroupRequest(
+            request_id=secrets.token_hex(16), action="init", **body.model_dump()
+        )
+        return await weights_group(request, config, message)
+
+    @router.post("/v1/destroy_weights_group")
+    async def destroy_weights_group_route(
+        body: DestroyWeightsGroupRequest, request: Request
+    ) -> ControlResponse:
+        message = messages.WeightsGroupRequest(
+            request_id=secrets.token_hex(16), action="destroy", group_name=body.group_name
+        )
+        return await weights_group(request, config, message)
 
     @router.post("/v1/pause_generation")
     async def pause_route(body: PauseRequest, request: Request) -> ControlResponse:

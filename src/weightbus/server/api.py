@@ -144,6 +144,7 @@ def create_app(config: AppConfig, hooks: EngineHooks) -> FastAPI:
             app.state.client = client
             app.state.tokenizer = load_tokenizer(config.model, config.bos_token_id)
             app.state.created = int(time.time())
+            app.state.served_model_name = config.served_model_name
             watcher = asyncio.create_task(_watch_engine(client, hooks))
             hooks.on_ready()
             yield

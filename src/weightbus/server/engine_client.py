@@ -195,9 +195,10 @@ class EngineClient:
         return await self._call(self._updates, message.update_id, message, timeout_s)
 
     async def control(
-        self, message: messages.Control, *, timeout_s: float
+        self, message: messages.Control | messages.WeightsGroupRequest, *, timeout_s: float
     ) -> messages.ControlResult:
-        """Send a `Control` to rank 0 and wait for the `ControlResult` of its `request_id`.
+        """Send a `Control` or `WeightsGroupRequest` to rank 0; wait for the `ControlResult` of
+        its `request_id`.
 
         Args:
             message: the action, with a fresh `request_id`.

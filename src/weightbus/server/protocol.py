@@ -208,6 +208,37 @@ class MemoryRequest(AdminRequest):
         return tags
 
 
+GROUP_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class InitWeightsGroupRequest(AdminRequest):
+    """`POST /v1/init_weights_group` body: this engine's ranks join a `dist` weights group as
+    group ranks `rank_offset ..` of `world_size` (the publisher, serving the store at
+    `master_addr:master_port`, is rank 0)."""
+
+    master_addr: str = Field(min_length=1, max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2, le=65536)
+    backend: Literal["gloo"] = "gloo"
+    group_name: str = Field("weightbus", pattern=GROUP_NAME_PATTERN)
+    timeout_s: float = Field(60.0, gt=0, le=MAX_UPDATE_TIMEOUT_S, allow_inf_nan=False)
+
+
+class DestroyWeightsGroupRequest(AdminRequest):
+    """`POST /v1/destroy_weights_group` body."""
+
+    group_name: str = Field("weightbus", pattern=GROUP_NAME_PATTERN)
+
+
+class ServerInfo(BaseModel):
+    """`GET /v1/server_info`: what a publisher needs to know about the engine."""
+
+    tp_size: int
+    max_model_len: int
+    served_model_name: str
+
+
 class UpdateWeightsResponse(BaseModel):
     """A committed update: what the engine now serves and how long the update took."""
 
@@ -221,7 +252,7 @@ class UpdateWeightsResponse(BaseModel):
 class ControlResponse(BaseModel):
     """A control action the engine carried out."""
 
-    action: ControlAction
+    action: ControlAction | Literal["init_weights_group", "destroy_weights_group"]
     message: str
 
 

@@ -12,6 +12,7 @@ from weightbus.transport.base import BucketSink, BucketSource, PushSession, Rece
 # name -> (module, sink class, source class)
 _REGISTRY: dict[str, tuple[str, str, str]] = {
     "disk": ("weightbus.transport.disk", "DiskSink", "DiskSource"),
+    "dist": ("weightbus.transport.dist", "DistSink", "DistSource"),
     "shm": ("weightbus.transport.shm", "ShmSink", "ShmSource"),
 }
 # transports whose sources take a `direct` placement (see `transport/shm_arena.py`)

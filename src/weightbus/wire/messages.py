@@ -227,3 +227,43 @@ class ErrorReply(Message, kw_only=True):
     code: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     message: Text
     names: list[TensorName] = msgspec.field(default_factory=list)
+
+
+# --- dist transport ---
+
+
+class SliceSpec(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Rows `[start, start + length)` along `dim` of tensor `name`: the part one rank loads."""
+
+    name: TensorName
+    dim: Annotated[int, msgspec.Meta(ge=0, le=63)]
+    start: NonNegative
+    length: NonNegative
+
+
+@register
+class RankLayout(Message, kw_only=True):
+    """An engine rank joined a `dist` weights group: which slice of each tensor it loads.
+
+    Sent once per group to the publisher (group rank 0), which packs each rank only its slices
+    in `scatter` mode. A tensor without a slice is sent whole.
+    """
+
+    group_rank: Annotated[int, msgspec.Meta(ge=1)]
+    tp_rank: NonNegative
+    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    slices: list[SliceSpec]
+
+
+@register
+class BucketSent(Message, kw_only=True):
+    """`dist`: bucket `bucket_index` follows on the group, as one collective.
+
+    `digests` covers the tensors whose last byte is in this bucket; in `scatter` mode
+    `rank_digests` maps each receiving group rank to the xxh3-128 of the bytes sent to it.
+    """
+
+    session_id: Hex128
+    bucket_index: NonNegative
+    digests: dict[TensorName, Hex128] = msgspec.field(default_factory=dict)
+    rank_digests: dict[NonNegative, Hex128] = msgspec.field(default_factory=dict)

@@ -1,0 +1,243 @@
+"""`dist` into real engines: one gloo weights group, TP 1 and 2, both modes, bit-exact; a data
+link cut mid-push between network namespaces; the group re-initialised without a restart."""
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from engine_harness import ServedEngine
+from update_harness import weights_state
+
+from weightbus import Publisher, PushError
+from weightbus.models.config import tiny_config
+from weightbus.models.loader import random_hf_weights
+from weightbus.transport.dist_group import get_group, group_names
+
+PROMPT = [4, 2, 42]
+SEED = 5  # the reference engine starts with these weights; the others receive them
+BUCKET_BYTES = 64 * 1024  # the 512 KiB embedding travels in chunks
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory):
+    log_dir = tmp_path_factory.mktemp("log")
+    started = {
+        "tp2": ServedEngine("--tp", "2", log_path=log_dir / "tp2.log"),
+        "tp1": ServedEngine("--tp", "1", log_path=log_dir / "tp1.log"),
+        "reference_tp2": ServedEngine(
+            "--tp", "2", "--seed", str(SEED), log_path=log_dir / "ref.log"
+        ),
+    }
+    yield started
+    for engine in started.values():
+        engine.stop()
+
+
+def _greedy(engine: ServedEngine) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "logprobs": 2}
+    response = engine.client.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def _weights(seed: int) -> list:
+    return list(random_hf_weights(tiny_config(), seed))
+
+
+@contextlib.contextmanager
+def socket_without_listener() -> Iterator[int]:
+    """A port the OS gave us that refuses connections (bound, never listening)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "scatter"])
+def test_one_group_carries_pushes_into_tp1_and_tp2_bit_exactly(engines, mode):
+    targets = [engines["tp2"], engines["tp1"]]
+    reference = engines["reference_tp2"]
+    urls = [e.url for e in targets]
+    options = {"mode": mode}
+    with Publisher(
+        urls, transport="dist", bucket_bytes=BUCKET_BYTES, timeout_s=60, transport_options=options
+    ) as pub:
+        info = pub.init_weights_group("127.0.0.1", timeout_s=30)
+        assert (info.world_size, info.rank_offsets) == (4, {urls[0]: 1, urls[1]: 3})
+        group = get_group(info.name)
+        pub.push(_weights(SEED + 1), version=f"{mode}-0")
+        result = pub.push(_weights(SEED), version=f"{mode}-1", atomic=False, pause_mode="in_place")
+        assert get_group(info.name) is group  # created once, reused by every push
+        sent_bytes = pub.sink.sent_bytes
+    assert info.name not in group_names()  # close() left the group
+    full_bytes = sent_bytes[3]  # the TP 1 engine loads every byte in both modes
+    assert full_bytes >= result.nbytes
+    if mode == "scatter":
+        # TP 2 ranks get only their slices: half of the sharded tensors, the small norms whole
+        assert sent_bytes[1] + sent_bytes[2] < 1.05 * full_bytes
+    else:
+        assert sent_bytes == dict.fromkeys([1, 2, 3], full_bytes)
+    expected = weights_state(reference)["fingerprint"]
+    assert result.fingerprint == expected
+    assert [e.fingerprint for e in result.engines] == [expected, expected]
+    # same weights, same TP: bit-identical logprobs; another TP size: the same tokens
+    want = _greedy(reference)
+    got_tp2, got_tp1 = _greedy(targets[0]), _greedy(targets[1])
+    assert got_tp2["token_ids"] == want["token_ids"]
+    assert got_tp2["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
+    assert got_tp1["token_ids"] == want["token_ids"]
+    assert got_tp1["logprobs"]["token_logprobs"] == pytest.approx(
+        want["logprobs"]["token_logprobs"], abs=1e-4
+    )
+
+
+def test_pushing_needs_a_group_and_the_group_needs_dist(engines):
+    url = engines["tp1"].url
+    with (
+        Publisher([url], transport="dist", timeout_s=10) as pub,
+        pytest.raises(ValueError, match="no weights group 'weightbus' in this process"),
+    ):
+        pub.push(_weights(1), version="no-group")
+    with (
+        Publisher([url], transport="shm") as pub,
+        pytest.raises(ValueError, match="init_weights_group needs transport 'dist', not 'shm'"),
+    ):
+        pub.init_weights_group("127.0.0.1")
+
+
+def test_init_weights_group_refusals(engines):
+    client = engines["tp2"].client
+    body = {"master_addr": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 3}
+    response = client.post("/v1/init_weights_group", json={**body, "backend": "nccl"})
+    assert response.status_code == 422
+    assert response.json()["error"]["param"] == "backend"
+    response = client.post("/v1/init_weights_group", json={**body, "world_size": 2})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "rank_offset 1 + tp_size 2 exceeds world_size 2"
+    # nobody serves the store: every rank gives up after timeout_s, the engine answers 504
+    with socket_without_listener() as port:
+        response = client.post(
+            "/v1/init_weights_group", json={**body, "master_port": port, "timeout_s": 1.0}
+        )
+    assert response.status_code == 504
+    message = response.json()["error"]["message"]
+    assert f"rank 0: weights group 'weightbus': no store at 127.0.0.1:{port}" in message
+    assert _greedy(engines["tp2"])["token_ids"]  # the engine serves on
+    response = client.post("/v1/destroy_weights_group", json={})
+    assert response.json() == {
+        "action": "destroy_weights_group",
+        "message": "left weights group 'weightbus'",
+    }
+
+
+# --- across network namespaces ---
+
+
+@dataclass(frozen=True)
+class Namespaces:
+    """The engine's namespace, joined to this one by a control link and a data link."""
+
+    name: str
+    control_host: str  # this side of the control link (HTTP)
+    engine_control_host: str
+    data_host: str  # this side of the data link (the weights group)
+    data_link: str  # this side's interface of the data link
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _ip_quiet(*args: str) -> None:
+    subprocess.run(["ip", *args], check=False, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def namespaces() -> Iterator[Namespaces]:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (ip netns add)")
+    if shutil.which("ip") is None:
+        pytest.skip("the ip command (iproute2) is not installed")
+    tag = os.getpid() % 100_000
+    subnet = 20 + os.getpid() % 200  # 10.<subnet>.{1,2}.0/24, distinct per test process
+    name = f"wb-engine-{tag}"
+    links = {"control": (f"wbc{tag}a", f"wbc{tag}b", 1), "data": (f"wbd{tag}a", f"wbd{tag}b", 2)}
+    _ip("netns", "add", name)
+    try:
+        _ip("-n", name, "link", "set", "lo", "up")
+        for ours, theirs, third in links.values():
+            _ip("link", "add", ours, "type", "veth", "peer", "name", theirs, "netns", name)
+            _ip("addr", "add", f"10.{subnet}.{third}.1/24", "dev", ours)
+            _ip("-n", name, "addr", "add", f"10.{subnet}.{third}.2/24", "dev", theirs)
+            _ip("link", "set", ours, "up")
+            _ip("-n", name, "link", "set", theirs, "up")
+        yield Namespaces(
+            name=name,
+            control_host=f"10.{subnet}.1.1",
+            engine_control_host=f"10.{subnet}.1.2",
+            data_host=f"10.{subnet}.2.1",
+            data_link=links["data"][0],
+        )
+    finally:
+        for ours, _, _ in links.values():
+            _ip_quiet("link", "del", ours)  # may be gone with the namespace already
+        _ip_quiet("netns", "del", name)
+
+
+class _CutLinkAfterFirstBucket:
+    """Progress callback: takes the data link down once the first bucket was sent."""
+
+    def __init__(self, link: str) -> None:
+        self.link = link
+        self.cut = False
+
+    def __call__(self, nbytes: int) -> None:
+        if nbytes and not self.cut:
+            _ip("link", "set", self.link, "down")
+            self.cut = True
+
+
+def test_link_cut_mid_push_fails_both_sides_keeps_old_weights_then_reinit(namespaces, tmp_path):
+    token = "netns-test-token"
+    engine = ServedEngine(
+        "--host", namespaces.engine_control_host, "--api-token", token,
+        log_path=tmp_path / "engine.log",
+        prefix=("ip", "netns", "exec", namespaces.name),
+        token=token,
+    )  # fmt: skip
+    try:
+        with Publisher(
+            [engine.url], transport="dist", bucket_bytes=BUCKET_BYTES, timeout_s=5, token=token
+        ) as pub:
+            pub.init_weights_group(namespaces.data_host, timeout_s=30)
+            good = pub.push(_weights(21), version="good")
+            served = _greedy(engine)
+            cutter = _CutLinkAfterFirstBucket(namespaces.data_link)
+            with pytest.raises(PushError) as failed:
+                pub.push(_weights(22), version="cut", progress=cutter)
+            assert cutter.cut
+            # the engine gave up by its own timeout and says so; the publisher's stream did too
+            reason = failed.value.failures[engine.url]
+            assert reason.startswith("HTTP 504: rank 0: timed out after 5 s")
+            assert failed.value.transport_error.startswith(
+                "transport dist: weights group 'weightbus': "
+            )
+            assert "timed out" in failed.value.transport_error
+            # atomic: nothing half-applied, the old version serves bit-exactly
+            state = weights_state(engine, token)
+            assert (state["status"], state["version"]) == ("NORMAL", "good")
+            assert state["fingerprint"] == good.fingerprint
+            assert _greedy(engine)["logprobs"] == served["logprobs"]
+            with pytest.raises(ValueError, match="weights group 'weightbus' is broken"):
+                pub.push(_weights(22), version="on-a-broken-group")
+            _ip("link", "set", namespaces.data_link, "up")
+            pub.init_weights_group(namespaces.data_host, timeout_s=30)
+            result = pub.push(_weights(22), version="after-reinit")
+        assert weights_state(engine, token)["fingerprint"] == result.fingerprint
+        assert _greedy(engine)["logprobs"] != served["logprobs"]
+    finally:
+        engine.stop()
