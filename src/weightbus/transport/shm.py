@@ -124,7 +124,14 @@ class ShmSink(BucketSink):
         if self.slots and self.slots[0].nbytes >= slot_bytes:
             return
         self._free_slots()
-        self.slots = [Slot.create(slot_bytes, index) for index in range(self.num_slots)]
+        try:
+            for index in range(self.num_slots):
+                self.slots.append(Slot.create(slot_bytes, index))
+        except OSError as exc:
+            self._free_slots()
+            raise OSError(
+                f"cannot create {self.num_slots} slots of {slot_bytes} bytes: {exc}"
+            ) from exc
         logger.info("created %d shared-memory slots of %d bytes", self.num_slots, slot_bytes)
 
     def prepare(

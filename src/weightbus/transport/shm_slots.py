@@ -63,7 +63,13 @@ class Slot:
         """A new slot, its pages touched once so later writes never fault."""
         name = f"{SLOT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}-{index}"
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        os.ftruncate(fd, nbytes)
+        try:
+            # reserve the pages now: a full /dev/shm is an OSError here, not a SIGBUS later
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            os.close(fd)
+            (SHM_DIR / name).unlink(missing_ok=True)
+            raise
         slot = cls(name, nbytes, fd)
         slot.tensor.zero_()
         return slot
