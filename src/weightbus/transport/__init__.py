@@ -12,6 +12,7 @@ from weightbus.transport.base import BucketSink, BucketSource, PushSession, Rece
 # name -> (module, sink class, source class)
 _REGISTRY: dict[str, tuple[str, str, str]] = {
     "disk": ("weightbus.transport.disk", "DiskSink", "DiskSource"),
+    "hf_dir": ("weightbus.transport.hf_dir", "HfDirSink", "HfDirSource"),
     "shm": ("weightbus.transport.shm", "ShmSink", "ShmSource"),
 }
 
