@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightbus.bench.engine import start_engine, stop_engine
+from weightbus.bench.memory import child_pids, rss_bytes
 from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
 from weightbus.bench.weights import hf_config, llama_shape, llama_weights
 from weightbus.publisher import Publisher
@@ -33,18 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed pushes per row (median)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
-
-
-def _rss_bytes(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _worker_pids(launcher_pid: int) -> list[int]:
-    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children")
-    return [int(pid) for pid in children.read_text().split()]
 
 
 class _Pusher:
@@ -77,8 +66,8 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
         for _ in range(num_engines)
     ]
     try:
-        pids = [pid for proc, _ in engines for pid in _worker_pids(proc.pid)]
-        rss_before = {pid: _rss_bytes(pid, "VmRSS") for pid in pids}
+        pids = [pid for proc, _ in engines for pid in child_pids(proc.pid)]
+        rss_before = {pid: rss_bytes(pid, "VmRSS") for pid in pids}
         source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
         floor_buffer = torch.empty(model_bytes, dtype=torch.uint8)
         urls = [url for _, url in engines]
@@ -93,7 +82,7 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
         operations += [(name, model_bytes, lambda p=p: p(weights)) for name, p in pushers.items()]
         rows = measure_interleaved(operations, args.repeat)
         # per rank; shared pages (slots, mapped shards) count in every rank that touches them
-        peak_extra = max(_rss_bytes(pid, "VmHWM") - rss_before[pid] for pid in pids)
+        peak_extra = max(rss_bytes(pid, "VmHWM") - rss_before[pid] for pid in pids)
         for pusher in pushers.values():
             pusher.publisher.close()
     finally:
