@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"weightbus demo: error: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("weightbus.publisher").setLevel(logging.WARNING)  # one line per step here
+    # the demo prints one line per step; the library's INFO lines would interleave with it
+    for name in ("weightbus.publisher", "weightbus.transport"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     # the engine's ranks need the cores more than the tiny trainer does
     torch.set_num_threads(1)
     trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)

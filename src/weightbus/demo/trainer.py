@@ -52,6 +52,9 @@ class Trainer:
 
     def save(self, directory: Path) -> None:
         """Write the weights as a Hugging Face checkpoint directory (config + safetensors)."""
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the demo prints its own progress
         self.model.save_pretrained(directory)
 
     def token_logprobs(self, rollouts: list[Rollout]) -> torch.Tensor:
