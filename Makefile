@@ -13,11 +13,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,demo,bench]"
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/weightbus bench buckets
+	$(BIN)/weightbus demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .
@@ -33,7 +33,7 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 bench: $(STAMP)
-	$(BIN)/weightbus bench buckets
+	$(BIN)/weightbus bench
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,4 +1,8 @@
-"""`weightbus bench SUITE`: benchmark suites, each a module with `add_arguments` and `run`."""
+"""`weightbus bench [SUITE]`: benchmark suites, each a module with `add_arguments` and `run`.
+
+Without a suite, `weightbus bench` runs the full comparison (`weightbus.bench.compare`): every
+transport against the floor and the baselines, same run, same weights.
+"""
 
 import argparse
 import importlib
@@ -16,9 +20,20 @@ SUITES = {
 }
 
 
+DEFAULT_SUITE = "weightbus.bench.compare"
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser("bench", help="run a benchmark suite")
-    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    bench = commands.add_parser(
+        "bench",
+        help="compare every way to move weights into an engine (or run one SUITE)",
+        description="Without SUITE: the full comparison (floor, safetensors reload, per-tensor "
+        "broadcast, pickling, every weightbus transport), same run, same weights.",
+    )
+    importlib.import_module(DEFAULT_SUITE).add_arguments(bench)
+    bench.set_defaults(handler=_runner(DEFAULT_SUITE))
+    # a suite's own arguments and handler replace the comparison's when one is named
+    suites = bench.add_subparsers(dest="suite", required=False, metavar="SUITE")
     for name, (module_name, help_text) in SUITES.items():
         module = importlib.import_module(module_name)
         suite = suites.add_parser(name, help=help_text)

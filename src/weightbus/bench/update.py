@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightbus.bench.engine import start_engine, stop_engine
+from weightbus.bench.memory import child_pids, reset_peak, rss_bytes
 from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
 from weightbus.bench.weights import hf_config, llama_shape, llama_weights
 from weightbus.publisher import Publisher
@@ -40,18 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed pushes per row (median)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
-
-
-def _rss_bytes(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _worker_pids(launcher_pid: int) -> list[int]:
-    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children")
-    return [int(pid) for pid in children.read_text().split()]
 
 
 # --transports names: a transport, or shm forced into one of its modes
@@ -90,15 +79,15 @@ class _Pusher:
 def _reset_peak_rss(pids: list[int]) -> dict[int, int]:
     """Reset the ranks' peak RSS (VmHWM) and return their current RSS."""
     for pid in pids:
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-    return {pid: _rss_bytes(pid, "VmRSS") for pid in pids}
+        reset_peak(pid)
+    return {pid: rss_bytes(pid, "VmRSS") for pid in pids}
 
 
 def _extra_peak_rss(pids: list[int], pusher: _Pusher, weights: list) -> int:
     """The most a rank's RSS rose above its resting RSS during one more (untimed) push."""
     before = _reset_peak_rss(pids)
     pusher(weights)
-    return max(_rss_bytes(pid, "VmHWM") - before[pid] for pid in pids)
+    return max(rss_bytes(pid, "VmHWM") - before[pid] for pid in pids)
 
 
 def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: Path) -> dict:
@@ -116,7 +105,7 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
             for _ in range(num_engines)
         )
         (model_dir / "model.safetensors").unlink()  # loaded: free its RAM for the big sizes
-        pids = [pid for proc, _ in engines for pid in _worker_pids(proc.pid)]
+        pids = [pid for proc, _ in engines for pid in child_pids(proc.pid)]
         source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
         floor_buffer = torch.empty(model_bytes, dtype=torch.uint8)
         urls = [url for _, url in engines]

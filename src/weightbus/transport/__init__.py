@@ -13,6 +13,7 @@ from weightbus.transport.base import BucketSink, BucketSource, PushSession, Rece
 _REGISTRY: dict[str, tuple[str, str, str]] = {
     "disk": ("weightbus.transport.disk", "DiskSink", "DiskSource"),
     "dist": ("weightbus.transport.dist", "DistSink", "DistSource"),
+    "hf_dir": ("weightbus.transport.hf_dir", "HfDirSink", "HfDirSource"),
     "shm": ("weightbus.transport.shm", "ShmSink", "ShmSource"),
 }
 # transports whose sources take a `direct` placement (see `transport/shm_arena.py`)

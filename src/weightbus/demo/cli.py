@@ -1,0 +1,257 @@
+"""`weightbus demo`: RL on a toy task, every step's weights pushed into a live TP engine.
+
+Each step: rollouts through `/v1/completions` (temperature sampling, several samples per
+prompt, logprobs), the engine's logprobs checked against the trainer's for the sampled tokens
+(on-policy sanity), a REINFORCE update with a group baseline on the trainer's `transformers`
+model, a `Publisher.push` of the new weights, and the engine's fingerprint checked against the
+trainer's (the push's answer and `GET /v1/weights`).
+"""
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from weightbus.bench.engine import start_engine, stop_engine
+from weightbus.demo.rollout import RolloutClient
+from weightbus.demo.task import prompts, render
+from weightbus.demo.trainer import Trainer
+from weightbus.models.config import tiny_config
+from weightbus.publisher import Publisher, PushError
+from weightbus.transport import transport_names
+from weightbus.units import format_bytes
+
+# Engine (TP, float32) and trainer compute the same logprobs in a different summation order;
+# float32 rounding differences stay far below this, a stale or wrong weight is far above it.
+LOGPROB_TOLERANCE = 1e-3
+TOKEN_ENV = "WEIGHTBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a secret
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "demo", help="RL on a toy task: train, push every step into a live engine, check"
+    )
+    parser.add_argument("--steps", type=int, default=30, help="RL steps (default 30)")
+    parser.add_argument("--tp", type=int, default=2, help="TP size of the started engine")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and sampling")
+    parser.add_argument("--transport", default="shm", choices=transport_names())
+    parser.add_argument(
+        "--engine", default=None, help="URL of a running `weightbus serve --model tiny` to use"
+    )
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt (a group)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument("--json", default=None, help="also write the run's record to this file")
+    parser.set_defaults(handler=run)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    version: str
+    reward: float
+    logprob_gap: float
+    rollout_tokens_per_s: float
+    push_s: float
+    push_bytes: int
+    fingerprint: str
+    fingerprint_matched: bool
+
+
+@dataclass(slots=True)
+class DemoRecord:
+    transport: str
+    tp: int | None
+    steps: list[StepRecord] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "tp", "samples", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.samples < 2:
+        raise ValueError("--samples must be >= 2: the baseline is the group's mean")
+    prompts(args.prompts)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check_args(args)
+    except ValueError as exc:
+        print(f"weightbus demo: error: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # the demo prints one line per step; the library's INFO lines would interleave with it
+    for name in ("weightbus.publisher", "weightbus.transport"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # the engine's ranks need the cores more than the tiny trainer does
+    torch.set_num_threads(1)
+    trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
+    record = DemoRecord(transport=args.transport, tp=None if args.engine else args.tp)
+    with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
+        proc = None
+        url = args.engine
+        if url is None:
+            trainer.save(Path(tmp))
+            print(f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}")
+            proc, url = start_engine(tmp, args.tp)
+        try:
+            _run_steps(args, trainer, url, record, engine_started=proc is not None)
+        finally:
+            if proc is not None:
+                stop_engine(proc)
+    _summarize(record)
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(record), indent=2) + "\n")
+    return 1 if record.failures else 0
+
+
+def _run_steps(
+    args: argparse.Namespace, trainer: Trainer, url: str, record: DemoRecord, engine_started: bool
+) -> None:
+    token = os.environ.get(TOKEN_ENV) or None
+    loop = _Loop(
+        args=args,
+        run_id=secrets.token_hex(3),
+        trainer=trainer,
+        client=RolloutClient(url, max_tokens=args.max_tokens, temperature=args.temperature),
+        publisher=Publisher([url], transport=args.transport, token=token),
+        record=record,
+    )
+    try:
+        version = loop.initial_version(engine_started)
+        for step in range(1, args.steps + 1):
+            version = loop.step(step, version)
+    except (PushError, httpx.HTTPError, DemoCheckError) as exc:
+        record.failures.append(str(exc))
+        print(f"FAILED: {exc}")
+    finally:
+        loop.publisher.close()
+        loop.client.close()
+
+
+class DemoCheckError(RuntimeError):
+    """A check of the demo failed (the message says which)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class _Loop:
+    """The RL loop's parts: rollouts from the engine, updates on the trainer, pushes."""
+
+    args: argparse.Namespace
+    run_id: str
+    trainer: Trainer
+    client: RolloutClient
+    publisher: Publisher
+    record: DemoRecord
+
+    def initial_version(self, engine_started: bool) -> str:
+        """The version serving the trainer's initial weights: the started engine's, or a push."""
+        expected = self.publisher.fingerprint(self.trainer.model)
+        if not engine_started:
+            self.publisher.push(self.trainer.model, version=f"demo-{self.run_id}-init")
+        state = self.client.weights()
+        if state["fingerprint"] != expected:
+            raise DemoCheckError(
+                f"engine serves fingerprint {state['fingerprint']}, the trainer holds {expected}"
+            )
+        print(f"engine {state['version']!r} serves the trainer's weights (fingerprint {expected})")
+        return state["version"]
+
+    def step(self, step: int, version: str) -> str:
+        """Rollouts under `version`, one update, one push; returns the pushed version."""
+        args = self.args
+        # rollouts
+        tick = time.perf_counter()
+        seed = args.seed * 10**6 + step * args.prompts * args.samples
+        rollouts = self.client.sample(prompts(args.prompts), args.samples, seed=seed)
+        rollout_s = time.perf_counter() - tick
+        stale = {r.weight_version for r in rollouts} - {version}
+        if stale:
+            raise DemoCheckError(
+                f"step {step}: rollouts from versions {stale}, expected {version!r}"
+            )
+        # update (the on-policy check comes first, inside `Trainer.step`)
+        reward, gap = self.trainer.step(rollouts, args.samples)
+        if gap > LOGPROB_TOLERANCE:
+            raise DemoCheckError(
+                f"step {step}: engine and trainer logprobs differ by {gap:.2e} "
+                f"(> {LOGPROB_TOLERANCE:g}): the engine is not serving the trainer's policy"
+            )
+        # push
+        new_version = f"demo-{self.run_id}-step-{step}"
+        result = self.publisher.push(self.trainer.model, version=new_version)
+        state = self.client.weights()
+        matched = (
+            result.fingerprint == self.publisher.fingerprint(self.trainer.model)
+            and state["version"] == new_version
+            and state["fingerprint"] == result.fingerprint
+        )
+        entry = StepRecord(
+            step=step,
+            version=new_version,
+            reward=reward,
+            logprob_gap=gap,
+            rollout_tokens_per_s=sum(len(r.token_ids) for r in rollouts) / rollout_s,
+            push_s=result.seconds,
+            push_bytes=result.nbytes,
+            fingerprint=result.fingerprint,
+            fingerprint_matched=matched,
+        )
+        self.record.steps.append(entry)
+        _print_step(entry, args.steps, render(rollouts[0].token_ids))
+        if not matched:
+            raise DemoCheckError(
+                f"step {step}: engine serves {state['version']!r} with fingerprint "
+                f"{state['fingerprint']}, the trainer pushed {new_version!r} {result.fingerprint}"
+            )
+        return new_version
+
+
+def _print_step(entry: StepRecord, num_steps: int, sample: str) -> None:
+    print(
+        f"step {entry.step:>3}/{num_steps}  reward {entry.reward:.3f}  "
+        f"push {entry.push_s:.3f} s  version {entry.version}  "
+        f"fingerprint {'ok' if entry.fingerprint_matched else 'MISMATCH'}  "
+        f"rollout {entry.rollout_tokens_per_s:.0f} tok/s  "
+        f"logprob gap {entry.logprob_gap:.1e}  sample {sample!r}",
+        flush=True,
+    )
+
+
+def _summarize(record: DemoRecord) -> None:
+    steps = record.steps
+    print("\nsummary")
+    if steps:
+        matched = sum(s.fingerprint_matched for s in steps)
+        push_s = statistics.median(s.push_s for s in steps)
+        print(
+            f"  reward:         {steps[0].reward:.3f} (step 1) -> {steps[-1].reward:.3f} "
+            f"(step {steps[-1].step})"
+        )
+        every = max(1, len(steps) // 10)
+        curve = " ".join(f"{s.reward:.2f}" for s in steps[::every])
+        print(f"  reward curve:   {curve} (every {every} step(s))")
+        print(
+            f"  pushes:         {len(steps)} over {record.transport}, "
+            f"{format_bytes(steps[0].push_bytes)} each, median {push_s:.3f} s"
+        )
+        print(f"  fingerprints:   {matched}/{len(steps)} matched the trainer's")
+        print(
+            f"  logprob gap:    max {max(s.logprob_gap for s in steps):.1e} "
+            f"(tolerance {LOGPROB_TOLERANCE:g})"
+        )
+    print(f"  result:         {'FAILED: ' + record.failures[0] if record.failures else 'ok'}")

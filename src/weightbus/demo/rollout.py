@@ -1,0 +1,68 @@
+"""Rollouts through the engine's OpenAI-style `/v1/completions`, several samples per prompt."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from weightbus.demo.task import Rollout
+
+
+class RolloutClient:
+    """Samples completions from one engine, one request per sample (each with its own seed).
+
+    Args:
+        url: the engine's base URL.
+        max_tokens: completion length (EOS ignored, so every completion has this length).
+        temperature: sampling temperature.
+        timeout_s: bound of one request.
+    """
+
+    def __init__(
+        self, url: str, *, max_tokens: int, temperature: float, timeout_s: float = 120.0
+    ) -> None:
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self._http = httpx.Client(base_url=url, timeout=timeout_s)
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="rollout")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._http.close()
+
+    def sample(self, prompts: list[list[int]], group_size: int, seed: int) -> list[Rollout]:
+        """`group_size` completions of every prompt, the samples of a prompt adjacent.
+
+        Raises:
+            httpx.HTTPStatusError: the engine refused a request.
+        """
+        jobs = [
+            (prompt, seed + index * group_size + k)
+            for index, prompt in enumerate(prompts)
+            for k in range(group_size)
+        ]
+        return list(self._pool.map(lambda job: self._complete(*job), jobs))
+
+    def _complete(self, prompt: list[int], seed: int) -> Rollout:
+        body = {
+            "prompt": prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "seed": seed,
+            "logprobs": 0,
+            "ignore_eos": True,
+        }
+        response = self._http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        return Rollout(
+            prompt_ids=prompt,
+            token_ids=choice["token_ids"],
+            engine_logprobs=choice["logprobs"]["token_logprobs"],
+            weight_version=choice["weight_version"],
+        )
+
+    def weights(self) -> dict:
+        """The engine's `GET /v1/weights` answer."""
+        response = self._http.get("/v1/weights")
+        response.raise_for_status()
+        return response.json()

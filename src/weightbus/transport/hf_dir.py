@@ -1,0 +1,223 @@
+"""`hf_dir`: reload a Hugging Face checkpoint directory (config-less safetensors files).
+
+The "update from disk" path of SGLang's `update_weights_from_disk` and vLLM's reload: the
+trainer saves its weights with safetensors, each engine rank opens the files and hands every
+tensor to `load_weights`. No plan-shaped shards, no manifest: any directory of `*.safetensors`
+(with or without `model.safetensors.index.json`) can be loaded. The source description is::
+
+    {"path": DIR, "version": V}                 # an operator reloading a checkpoint
+    {..., "names": [...], "digests": {...}, "fingerprint": F, "session_id": S,
+     "bucket_bytes": B, "step": N}              # what HfDirSink adds for a Publisher
+
+Without `digests` each rank hashes the tensors it reads, so the engine still reports the
+fingerprint of what it loaded; with them (a Publisher's push) `verify="full"` checks every byte
+against the trainer's digests.
+"""
+
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors import SafetensorError, safe_open
+
+from weightbus.digest import fingerprint_of_digests, tensor_digest
+from weightbus.meta import TensorMeta
+from weightbus.models.loader import safetensors_files
+from weightbus.plan import plan_buckets
+from weightbus.transport.base import (
+    BucketSink,
+    BucketSource,
+    Progress,
+    PushSession,
+    ReceivedBatch,
+    no_progress,
+)
+from weightbus.transport.disk import _write_shard
+from weightbus.wire import UpdateBegin, UpdateEnd, WireMeta
+
+CHECKPOINT_NAME = "model.safetensors"
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+# safetensors' dtype codes -> torch dtypes
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class HfDirSink(BucketSink):
+    """Saves each push as `<root>/<session_id>/model.safetensors`; keeps only the newest.
+
+    Args:
+        root: directory shared with the engines; a fresh one under /dev/shm (removed on
+            `close`) when not given.
+    """
+
+    name = "hf_dir"
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        shm = Path("/dev/shm")  # noqa: S108 - mkdtemp makes a private 0700 directory
+        self._owned = root is None
+        self.root = Path(
+            tempfile.mkdtemp(prefix="weightbus-hf-dir-", dir=shm if shm.is_dir() else None)
+            if root is None
+            else root
+        )
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._last: Path | None = None
+
+    def prepare(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        progress: Progress = no_progress,
+    ) -> dict:
+        session.ensure_digests(tensors)
+        tmp = self.root / f".tmp-{session.session_id}"
+        tmp.mkdir(mode=0o700)
+        names = [meta.name for meta in session.plan.metas]
+        _write_shard(tmp / CHECKPOINT_NAME, names, tensors)
+        progress(session.plan.total_bytes)
+        final = self.root / session.session_id
+        tmp.rename(final)
+        if self._last is not None:
+            shutil.rmtree(self._last, ignore_errors=True)
+        self._last = final
+        return {
+            "path": str(final),
+            "version": session.version,
+            "step": session.step,
+            "session_id": session.session_id,
+            "bucket_bytes": session.plan.bucket_bytes,
+            "names": names,
+            "digests": dict(session.digests),
+            "fingerprint": session.fingerprint,
+        }
+
+    def stream(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        progress: Progress = no_progress,
+    ) -> None:
+        """Nothing to stream: `prepare` saved the whole checkpoint."""
+
+    def close(self) -> None:
+        if self._last is not None:
+            shutil.rmtree(self._last, ignore_errors=True)
+            self._last = None
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _field(description: dict, key: str, kind: type, default: object = None) -> object:
+    value = description.get(key, default)
+    if value is not default and not isinstance(value, kind):
+        raise ValueError(f"hf_dir source: {key!r} must be a {kind.__name__}")
+    return value
+
+
+def _read_metas(files: list[Path]) -> dict[str, tuple[TensorMeta, Path]]:
+    """Every tensor's meta (from the safetensors headers, no data read) and its file."""
+    found: dict[str, tuple[TensorMeta, Path]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as reader:
+                for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    part = reader.get_slice(name)
+                    dtype = _DTYPES.get(part.get_dtype())
+                    if dtype is None:
+                        raise ValueError(f"{path.name}: {name!r} has dtype {part.get_dtype()}")
+                    found[name] = (TensorMeta(name, dtype, tuple(part.get_shape())), path)
+        except SafetensorError as exc:
+            raise ValueError(f"cannot read {path}: {exc}") from None
+    return found
+
+
+class HfDirSource(BucketSource):
+    """Reads a Hugging Face checkpoint directory on one rank (description: module docstring)."""
+
+    def __init__(self, description: dict, *, rank: int = 0, tp_size: int = 1) -> None:
+        path = description.get("path") if isinstance(description, dict) else None
+        self.version = description.get("version") if isinstance(description, dict) else None
+        if not isinstance(path, str) or not path or not isinstance(self.version, str):
+            raise ValueError("hf_dir source needs {'path': DIR, 'version': V}")
+        self.directory = Path(path)
+        self.names = _field(description, "names", list)
+        self.given_digests = _field(description, "digests", dict)
+        self.given_fingerprint = _field(description, "fingerprint", str)
+        self.bucket_bytes = _field(description, "bucket_bytes", int, DEFAULT_BUCKET_BYTES)
+        self.step = _field(description, "step", int)
+        self.session_id = _field(description, "session_id", str) or xxhash.xxh3_128_hexdigest(
+            f"{self.directory}\0{self.version}".encode()
+        )
+        self._files: dict[str, Path] = {}
+        self._header: UpdateBegin | None = None
+        self._digests: dict[str, str] = {}
+
+    def begin(self, timeout_s: float) -> UpdateBegin:
+        try:
+            found = _read_metas(safetensors_files(self.directory))
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
+        order = list(found) if self.names is None else self.names
+        if sorted(order) != sorted(found):
+            extra, missing = sorted(set(found) - set(order)), sorted(set(order) - set(found))
+            raise ValueError(f"{self.directory}: unexpected tensors {extra}, missing {missing}")
+        metas = [found[name][0] for name in order]
+        self._files = {name: found[name][1] for name in order}
+        self._header = UpdateBegin(
+            session_id=self.session_id,
+            version=self.version,
+            step=self.step,
+            plan_hash=plan_buckets(metas, self.bucket_bytes).plan_hash,
+            bucket_bytes=self.bucket_bytes,
+            tensors=[WireMeta.of(meta) for meta in metas],
+        )
+        return self._header
+
+    def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
+        assert self._header is not None, "begin() first"
+        by_file: dict[Path, list[str]] = {}
+        for name, path in self._files.items():
+            by_file.setdefault(path, []).append(name)
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt") as reader:
+                for name in names:
+                    yield self._batch(name, reader.get_tensor(name))
+
+    def _batch(self, name: str, tensor: torch.Tensor) -> ReceivedBatch:
+        if self.given_digests is None:
+            digest = tensor_digest(tensor)
+        else:
+            digest = self.given_digests.get(name, "")
+        self._digests[name] = digest
+        return ReceivedBatch(tensors=[(name, tensor)], digests={name: digest}, nbytes=tensor.nbytes)
+
+    def end(self, timeout_s: float) -> UpdateEnd:
+        header = self._header
+        assert header is not None, "begin() first"
+        fingerprint = self.given_fingerprint or fingerprint_of_digests(
+            (m.name, m.dtype, m.shape, self._digests.get(m.name, "")) for m in header.tensors
+        )
+        return UpdateEnd(
+            session_id=header.session_id,
+            version=header.version,
+            num_buckets=plan_buckets(
+                (m.to_meta() for m in header.tensors), header.bucket_bytes
+            ).num_buckets,
+            fingerprint=fingerprint,
+        )

@@ -1,0 +1,44 @@
+"""`weightbus demo` end to end, bounded: real engine processes, HTTP, shm pushes."""
+
+import json
+import subprocess
+import sys
+
+from weightbus.bench.engine import start_engine, stop_engine
+
+
+def _demo(*args: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "demo.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "weightbus", "demo", "--json", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    return result, json.loads(out.read_text())
+
+
+def test_demo_trains_pushes_and_every_fingerprint_matches(tmp_path):
+    result, record = _demo("--steps", "2", "--tp", "2", "--seed", "3", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert record["failures"] == []
+    assert [s["step"] for s in record["steps"]] == [1, 2]
+    assert all(s["fingerprint_matched"] for s in record["steps"])
+    assert len({s["fingerprint"] for s in record["steps"]}) == 2  # each update changed weights
+    assert all(s["logprob_gap"] <= 1e-3 for s in record["steps"])
+    assert "2/2 matched the trainer's" in result.stdout
+
+
+def test_demo_on_a_running_engine_pushes_the_initial_weights_first(tmp_path):
+    proc, url = start_engine("tiny", 1)
+    try:
+        result, record = _demo(
+            "--steps", "1", "--engine", url, "--transport", "disk", tmp_path=tmp_path
+        )
+    finally:
+        stop_engine(proc)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert record["tp"] is None
+    assert record["steps"][0]["fingerprint_matched"]
+    assert "-init' serves the trainer's weights" in result.stdout
