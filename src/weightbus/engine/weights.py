@@ -86,9 +86,9 @@ def receive(
             tp_size=receiver.tp_size,
             direct=direct,
         )
-    except ValueError as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure must become this rank's verdict
         result = RankResult()
-        result.fail(f"cannot open {request.transport} source: {exc}")
+        result.fail(f"cannot open {request.transport} source: {type(exc).__name__}: {exc}")
         return result
     return receiver.receive(source, update)
 
