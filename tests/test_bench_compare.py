@@ -41,4 +41,4 @@ def test_quick_comparison_times_every_case_and_writes_json_and_png(tmp_path):
             assert set(row["speedup"]) == set(BASELINES)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "weightbus shm direct verify=full" in result.stdout
-    assert "weightbus dist verify=none" in result.stdout
+    assert "weightbus shm slots verify=none" in result.stdout
