@@ -23,7 +23,7 @@ import xxhash
 from weightbus.layers.shard import ShardCopy
 from weightbus.meta import TensorMeta, dtype_from_name, dtype_name
 from weightbus.plan import BucketPlan, Plan
-from weightbus.plan.bucket import BucketEntry, byte_view
+from weightbus.plan.bucket import BucketEntry, byte_view, check_entry_tensor
 from weightbus.transport.shm_slots import ARENA_PREFIX, Slot
 from weightbus.wire import DirectTarget
 
@@ -166,11 +166,7 @@ def _write_tensor(
 
 def _pack_entry(buffer: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor, hasher) -> None:
     """Copy one entry's bytes into the slot, digesting them as they pass."""
-    if tensor.dtype != entry.torch_dtype or tuple(tensor.shape) != entry.shape:
-        raise ValueError(
-            f"tensor {entry.name!r}: planned {entry.dtype}{list(entry.shape)}, "
-            f"got {dtype_name(tensor.dtype)}{list(tensor.shape)}"
-        )
+    check_entry_tensor(entry, tensor)
     source = byte_view(tensor if tensor.is_contiguous() else tensor.contiguous())
     source = source[entry.tensor_offset : entry.tensor_offset + entry.nbytes].numpy()
     destination = buffer[entry.offset : entry.end].numpy()
