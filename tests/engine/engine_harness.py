@@ -191,7 +191,9 @@ class ServedEngine:
         token: str | None = None,
     ) -> None:
         # prefix: e.g. ("ip", "netns", "exec", NAME), which execs the server in place
-        cmd = [*prefix, sys.executable, "-m", "weightbus", "serve", "--port", "0", *args]
+        # --exit-with-parent: a killed test run leaves no engine behind
+        cmd = [*prefix, sys.executable, "-m", "weightbus", "serve", "--port", "0"]
+        cmd += ["--exit-with-parent", *args]
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log)

@@ -4,8 +4,10 @@ import os
 import random
 import re
 import signal
+import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -14,6 +16,7 @@ from engine_harness import (
     NUM_GREEDY_TOKENS,
     PROMPT,
     ServedEngine,
+    children_of,
     hf_reference,
     is_alive,
     make_hf_model,
@@ -237,6 +240,39 @@ def test_signal_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
     assert engine.stop(sig) == 0
     assert not [pid for pid in workers if is_alive(pid)], "orphan worker"
     assert weightbus_dirs() <= before, "socket directory left behind"
+    assert not [path for path in arenas if path.exists()], "parameter arena left behind"
+
+
+# An intermediate parent: runs the server command it is given and waits for it.
+RUN_AS_PARENT = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+
+
+def _wait_for_exits(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (alive := [pid for pid in pids if is_alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def test_exit_with_parent_stops_everything_when_the_parent_is_killed(tmp_path: Path) -> None:
+    parent = ServedEngine(
+        "--tp", "2", log_path=tmp_path / "serve.log", prefix=(sys.executable, "-c", RUN_AS_PARENT)
+    )
+    [server_pid] = parent.worker_pids  # the harness's "workers" are the parent's children
+    workers = children_of(server_pid)
+    arenas = [path for pid in workers for path in SHM_DIR.glob(f"{ARENA_PREFIX}{pid}-*")]
+    assert len(workers) == 2
+    assert len(arenas) == 2
+    try:
+        parent.proc.kill()
+        parent.proc.wait(timeout=10)
+        assert not _wait_for_exits([server_pid, *workers], timeout_s=60), "orphaned engine"
+    finally:
+        parent.stop()
+        for pid in [server_pid, *workers]:
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert f"parent process {parent.proc.pid} exited: stopping" in parent.log_path.read_text()
     assert not [path for path in arenas if path.exists()], "parameter arena left behind"
 
 

@@ -37,6 +37,7 @@ def start_engine(
         RuntimeError: the server did not print its URL within `timeout_s`.
     """
     cmd = [sys.executable, "-m", "weightbus", "--log-level", "WARNING", "serve", "--port", "0"]
+    cmd.append("--exit-with-parent")  # a killed bench (OOM, Ctrl-C twice) leaves no engine
     proc = subprocess.Popen(  # noqa: S603 - argv is this interpreter and our own command
         [*cmd, "--model", model, "--tp", str(tp), *extra], stdout=subprocess.PIPE
     )

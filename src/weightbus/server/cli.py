@@ -36,6 +36,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="keep parameters in private memory: co-located shm pushes then stream through "
         "slots instead of writing straight into the parameters (direct mode)",
     )
+    parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop (as on SIGTERM) when the process that started this one exits, even by "
+        "SIGKILL: for engines a script starts, which must not outlive it",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             api_token=token,
             shm_weights=args.shm_weights,
+            exit_with_parent=args.exit_with_parent,
         )
         return serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:

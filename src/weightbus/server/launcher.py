@@ -11,12 +11,15 @@ import contextlib
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -39,6 +42,9 @@ DEFAULT_MAX_MODEL_LEN = 2048
 UPDATE_MARGIN_S = 8.0
 # A control action may wait for running sequences, which `request_timeout_s` bounds.
 CONTROL_MARGIN_S = 10.0
+# How often `--exit-with-parent` checks the parent where pidfds are missing. (Not a parent-death
+# signal: that fires when the parent's spawning *thread* exits, not the parent.)
+PARENT_POLL_S = 0.5
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,6 +72,7 @@ class ServeConfig:
     shutdown_timeout_s: float = 10.0
     api_token: str | None = field(default=None, repr=False)
     shm_weights: bool = True
+    exit_with_parent: bool = False
 
     def __post_init__(self) -> None:
         if self.model != TINY and not (Path(self.model) / "config.json").is_file():
@@ -247,6 +254,20 @@ def _handle_stop_signals(launcher: "Launcher", hooks: _Hooks) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _stop_when_orphaned(parent_pid: int) -> None:
+    # Runs as a daemon thread: SIGTERM to itself takes the same clean stop as a user's SIGTERM.
+    try:
+        pidfd = os.pidfd_open(parent_pid)  # Linux >= 5.3
+    except (AttributeError, OSError):
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+    else:
+        select.select([pidfd], [], [])  # readable once the parent has exited
+        os.close(pidfd)
+    logger.warning("parent process %d exited: stopping", parent_pid)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _listen(host: str, port: int) -> tuple[socket.socket, str]:
     # bound here, before any worker starts: a taken port fails fast, and `--port 0` is known
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -273,6 +294,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str], None]) -> int:
         ValueError: the model cannot be served with these flags (names the flag or field).
         OSError: the port cannot be bound.
     """
+    parent_pid = os.getppid()  # before anything slow: a parent gone already is seen at once
     model_config = resolve_config(config.model)
     model_config.validate_tp(config.tp_size)
     max_model_len = config.max_model_len or min(
@@ -287,6 +309,10 @@ def serve(config: ServeConfig, on_ready: Callable[[str], None]) -> int:
     launcher = Launcher(config, max_model_len)
     hooks = _Hooks(launcher, url, on_ready)
     with _handle_stop_signals(launcher, hooks):
+        if config.exit_with_parent:
+            threading.Thread(
+                target=_stop_when_orphaned, args=(parent_pid,), name="parent-watch", daemon=True
+            ).start()
         try:
             launcher.start_workers()
             app_config = AppConfig(
