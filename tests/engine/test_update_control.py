@@ -87,3 +87,39 @@ def test_pause_state_precedes_control_result(mode):
     kinds = [type(m) for m in sent]
     assert kinds == [messages.WeightsState, messages.ControlResult]
     assert sent[0].generation == "paused"
+
+
+def _replies(sent: list) -> dict[str, tuple[int, str]]:
+    return {
+        m.request_id: (m.status_code, m.message)
+        for m in sent
+        if isinstance(m, messages.ControlResult)
+    }
+
+
+def test_every_concurrent_drain_pause_gets_its_answer():
+    sent: list = []
+    control = _controller(sent)
+    for request_id in ("a1", "a2"):
+        control.on_control(messages.Control(request_id=request_id, action="pause", mode="drain"))
+    control.next_action(num_running=1)  # still draining: nobody answered yet
+    assert _replies(sent) == {}
+    control.next_action(num_running=0)
+    drained = (200, "generation paused (drain)")
+    assert _replies(sent) == {"a1": drained, "a2": drained}
+
+
+@pytest.mark.parametrize(
+    ("action", "mode", "reason"),
+    [
+        ("pause", "in_place", "pause cancelled by pause_generation (in_place)"),
+        ("continue", "drain", "pause cancelled by continue_generation"),
+    ],
+)
+def test_a_waiting_drain_pause_is_cancelled_not_forgotten(action, mode, reason):
+    sent: list = []
+    control = _controller(sent)
+    control.on_control(messages.Control(request_id="d1", action="pause", mode="drain"))
+    control.on_control(messages.Control(request_id="x1", action=action, mode=mode))
+    assert _replies(sent)["d1"] == (409, reason)
+    assert _replies(sent)["x1"][0] == 200

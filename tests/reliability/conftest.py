@@ -2,4 +2,5 @@ import sys
 from pathlib import Path
 
 # the served-engine and update harnesses live with the engine and update tests
-sys.path[:0] = [str(Path(__file__).parents[1] / "engine"), str(Path(__file__).parents[1] / "update")]
+TESTS = Path(__file__).parents[1]
+sys.path[:0] = [str(TESTS / "engine"), str(TESTS / "update")]

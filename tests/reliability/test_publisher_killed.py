@@ -9,8 +9,6 @@ Outcomes (the contract in docs/reliability.md):
   good push lands; before that it keeps serving the old weights.
 """
 
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -69,15 +67,16 @@ _PUBLISHER = textwrap.dedent(
 
     weights = list(random_hf_weights(tiny_config(), 21))
     options = {"direct": mode == "direct"}
+    bucket_bytes = 128 * 1024
     with Publisher(
-        [url], transport="shm", bucket_bytes=128 * 1024, timeout_s=%d, transport_options=options
+        [url], transport="shm", bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S,
+        transport_options=options,
     ) as pub:
         result = pub.push(weights, version="doomed", atomic=atomic, pause_mode="in_place")
         print("after_commit", result.fingerprint, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """
-    % ENGINE_TIMEOUT_S
-)
+).replace("TIMEOUT_S", str(ENGINE_TIMEOUT_S))
 
 PHASES = ["before_first_bucket", "between_buckets", "after_last_bucket"]
 CASES = [

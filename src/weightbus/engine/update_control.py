@@ -111,7 +111,8 @@ class UpdateController:
         self._send = send
         self._abort = abort
         self._update: _PendingUpdate | None = None
-        self._pause_drain: str | None = None  # request id of a drain pause awaiting its reply
+        # request ids of drain pauses awaiting their reply (several clients may ask at once)
+        self._pause_drains: list[str] = []
         self._release: messages.Control | None = None
         self._resume: messages.Control | None = None
         self._group_request: messages.WeightsGroupRequest | None = None
@@ -136,7 +137,7 @@ class UpdateController:
 
     def may_admit(self) -> bool:
         """Whether waiting sequences may start."""
-        if not self.may_run() or self._pause_drain or self._release:
+        if not self.may_run() or self._pause_drains or self._release:
             return False
         update = self._update
         if update is None or update.request.pause_mode != "drain":
@@ -196,8 +197,11 @@ class UpdateController:
         if control.mode == "abort":
             self._abort("generation paused (mode abort)", True)
         if control.mode == "drain":
-            self._pause_drain = control.request_id
+            self._pause_drains.append(control.request_id)
             return
+        if control.mode == "in_place":
+            # frozen sequences never finish: a waiting drain would wait for ever
+            self._cancel_drains("pause cancelled by pause_generation (in_place)")
         self.paused = True
         self.publish_state()
         self._reply_control(control.request_id, 200, f"generation paused ({control.mode})")
@@ -205,10 +209,13 @@ class UpdateController:
     def _on_continue(self, control: messages.Control) -> None:
         self.paused = False
         self.publish_state()
-        if self._pause_drain is not None:
-            self._reply_control(self._pause_drain, 409, "pause cancelled by continue_generation")
-            self._pause_drain = None
+        self._cancel_drains("pause cancelled by continue_generation")
         self._reply_control(control.request_id, 200, "generation continues")
+
+    def _cancel_drains(self, reason: str) -> None:
+        for request_id in self._pause_drains:
+            self._reply_control(request_id, 409, reason)
+        self._pause_drains.clear()
 
     def _on_release(self, control: messages.Control) -> None:
         if self._update is not None or self._release is not None:
@@ -262,11 +269,12 @@ class UpdateController:
 
     def next_action(self, num_running: int) -> StepAction:
         """Decide what every rank does at this step boundary (rank 0 calls this once a step)."""
-        if self._pause_drain is not None and num_running == 0:
+        if self._pause_drains and num_running == 0:
             self.paused = True
             self.publish_state()
-            self._reply_control(self._pause_drain, 200, "generation paused (drain)")
-            self._pause_drain = None
+            for request_id in self._pause_drains:
+                self._reply_control(request_id, 200, "generation paused (drain)")
+            self._pause_drains.clear()
         if self._group_request is not None and self._update is None:
             request, self._group_request = self._group_request, None
             return StepAction(Action.WEIGHTS_GROUP, payload=messages.encode(request))

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -134,6 +135,22 @@ def _error_reason(response: httpx.Response) -> str:
     names = body.get("names") if isinstance(body, dict) else None
     suffix = f" (tensors: {names})" if names else ""
     return f"HTTP {response.status_code}: {message}{suffix}"
+
+
+def _abandon_on_answer(session: PushSession, url: str) -> Callable[[Future], None]:
+    """A callback for an engine's update request: an answer while the stream still runs
+    (a refusal, a 503, a dropped connection) means that engine reads no more of it."""
+
+    def answered(future: Future) -> None:
+        try:
+            response = future.result()
+        except httpx.HTTPError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            reason = _error_reason(response)
+        session.abandon(f"engine {url} answered before the stream ended: {reason}")
+
+    return answered
 
 
 class Publisher:
@@ -386,6 +403,8 @@ class Publisher:
                 "force": force,
             }
             futures = self._request_all(self._body(session, source, options))
+            for url, future in futures.items():
+                future.add_done_callback(_abandon_on_answer(session, url))
             tick = time.perf_counter()
             stream_error = self._stream(session, tensors, advance)
             phases["stream_s"] = time.perf_counter() - tick

@@ -49,6 +49,18 @@ class PushSession:
     digests: dict[str, str] = field(default_factory=dict)
     receivers: int = 1  # engines asked to receive this session (each with all its ranks)
     verify: bool = True  # receivers check digests ("full"): sinks send what they need
+    # filled (by the Publisher) once an engine has answered mid-stream: it will read no more,
+    # so a sink waiting on its ranks stops at once instead of at its timeout
+    abandon_reasons: list[str] = field(default_factory=list)
+
+    def abandon(self, reason: str) -> None:
+        """Record why the stream cannot complete (any thread)."""
+        self.abandon_reasons.append(reason)
+
+    @property
+    def abandoned(self) -> str | None:
+        """The first reason the stream cannot complete, or None."""
+        return self.abandon_reasons[0] if self.abandon_reasons else None
 
     def ensure_digests(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Digest every tensor not digested yet."""

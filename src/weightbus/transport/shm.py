@@ -49,6 +49,8 @@ from weightbus.wire import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_SLOTS = 2
+# How often a wait on the receivers checks whether the push was abandoned.
+ABANDON_CHECK_MS = 100
 
 
 def _remaining_ms(deadline: float, what: str) -> int:
@@ -61,9 +63,10 @@ def _remaining_ms(deadline: float, what: str) -> int:
 class _Receivers:
     """The ranks that joined the current session, by ZMQ identity, and their pending acks."""
 
-    def __init__(self, session_id: str, num_groups: int) -> None:
-        self.session_id = session_id
-        self.num_groups = num_groups
+    def __init__(self, session: PushSession) -> None:
+        self.session = session
+        self.session_id = session.session_id
+        self.num_groups = session.receivers
         self.identities: dict[bytes, tuple[int, int]] = {}  # -> (group, rank)
         self.direct: dict[bytes, DirectTarget | None] = {}  # -> the rank's direct offer
         self.tp_sizes: dict[int, int] = {}
@@ -156,7 +159,7 @@ class ShmSink(BucketSink):
         progress: Progress = no_progress,
     ) -> None:
         deadline = time.monotonic() + timeout_s
-        receivers = _Receivers(session.session_id, session.receivers)
+        receivers = _Receivers(session)
         while not receivers.complete():
             self._receive(receivers, deadline, "every engine rank to join")
         targets = self._direct_targets(receivers, session)
@@ -259,7 +262,9 @@ class ShmSink(BucketSink):
             progress(nbytes[bucket_index])
 
     def _receive(self, receivers: _Receivers, deadline: float, what: str) -> None:
-        if not self._socket.poll(_remaining_ms(deadline, what)):
+        if receivers.session.abandoned is not None:
+            raise ValueError(f"stopped waiting for {what}: {receivers.session.abandoned}")
+        if not self._socket.poll(min(_remaining_ms(deadline, what), ABANDON_CHECK_MS)):
             return
         identity, data = self._socket.recv_multipart()
         try:
