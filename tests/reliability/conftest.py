@@ -1,6 +1,6 @@
 import sys
 from pathlib import Path
 
-# the served-engine and update harnesses live with the engine and update tests
+# The served-engine harness, tiny HF checkpoints and update helpers live with those tests.
 TESTS = Path(__file__).parents[1]
 sys.path[:0] = [str(TESTS / "engine"), str(TESTS / "update")]
