@@ -1,0 +1,133 @@
+"""An engine rank SIGKILLed mid-update, and an engine frozen (SIGSTOP) under a push: the
+Publisher fails with the reason within its bounds, the engine reports itself (exit code 1 and the
+rank's death in its log, or the old weights served after it thaws), nothing is left behind."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from engine_harness import ServedEngine, children_of, is_alive
+from prometheus_client.parser import text_string_to_metric_families
+from update_harness import weights_state
+
+from weightbus import Publisher, PushError
+from weightbus.models.config import tiny_config
+from weightbus.models.loader import random_hf_weights
+from weightbus.transport.shm import ShmSink
+from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR
+from weightbus.wire import BucketReady
+
+PROMPT = [2, 7, 1, 8]
+HOLD_TIMEOUT_S = 60.0  # bound of the test's own waits on the publisher it holds
+
+
+def _weights(seed: int) -> list:
+    return list(random_hf_weights(tiny_config(), seed))
+
+
+class _HeldPush:
+    """A push (in a thread) whose Publisher stops before bucket 8 until released: the engine
+    is then mid-update, with whole tensors already received."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, pub: Publisher) -> None:
+        self.reached, self.release = threading.Event(), threading.Event()
+        self.error: list[BaseException] = []
+        send_all = ShmSink._send_all
+
+        def send_or_hold(sink, receivers, message):
+            if isinstance(message, BucketReady) and message.bucket_index == 8:
+                self.reached.set()
+                self.release.wait(HOLD_TIMEOUT_S)
+            send_all(sink, receivers, message)
+
+        monkeypatch.setattr(ShmSink, "_send_all", send_or_hold)
+        self.thread = threading.Thread(target=self._push, args=(pub,))
+        self.thread.start()
+        assert self.reached.wait(HOLD_TIMEOUT_S), "the push never reached bucket 8"
+
+    def _push(self, pub: Publisher) -> None:
+        try:
+            pub.push(_weights(31), version="held", atomic=False, pause_mode="in_place")
+        except PushError as exc:
+            self.error.append(exc)
+
+    def finish(self) -> PushError:
+        self.release.set()
+        self.thread.join(HOLD_TIMEOUT_S)
+        assert not self.thread.is_alive(), "the publisher hung"
+        [error] = self.error
+        return error
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_killed_mid_update_fails_the_push_and_stops_the_engine(monkeypatch, tmp_path, rank):
+    engine = ServedEngine("--tp", "2", log_path=tmp_path / "serve.log")
+    workers = engine.worker_pids
+    arenas = [path for pid in workers for path in SHM_DIR.glob(f"{ARENA_PREFIX}{pid}-*")]
+    try:
+        slots = {"direct": False}  # slot mode: the held bucket is a point mid-stream
+        with Publisher(
+            [engine.url],
+            transport="shm",
+            bucket_bytes=128 * 1024,
+            timeout_s=30,
+            transport_options=slots,
+        ) as pub:
+            held = _HeldPush(monkeypatch, pub)
+            assert weights_state(engine)["status"] == "UPDATING"
+            os.kill(workers[rank], signal.SIGKILL)
+            assert engine.proc.wait(timeout=60) == 1  # the engine stops: it reports, not hangs
+            error = held.finish()
+        assert error.failures[engine.url].startswith("HTTP 503: ")
+    finally:
+        engine.stop()
+    assert not [pid for pid in workers if is_alive(pid)], "orphan worker"
+    assert f"worker rank {rank} exited with code -9" in engine.log_path.read_text()
+    with Publisher([engine.url], transport="shm"):  # a new publisher removes dead arenas
+        assert not [path for path in arenas if path.exists()], "parameter arena left behind"
+
+
+def _updates_answered(engine: ServedEngine) -> float:
+    for family in text_string_to_metric_families(engine.client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "weightbus_weight_updates_total":
+                return sample.value
+    raise AssertionError("no weightbus_weight_updates_total in /metrics")
+
+
+def test_a_frozen_engine_times_the_push_out_and_serves_the_old_weights_after_it_thaws(tmp_path):
+    engine = ServedEngine("--tp", "2", log_path=tmp_path / "serve.log")
+    processes = [engine.proc.pid, *children_of(engine.proc.pid)]
+    try:
+        before = weights_state(engine)
+        answered_before = _updates_answered(engine)
+        with Publisher([engine.url], transport="shm", timeout_s=3) as pub:
+            for pid in processes:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(PushError) as raised:
+                    pub.push(_weights(32), version="frozen")
+            finally:
+                for pid in processes:
+                    os.kill(pid, signal.SIGCONT)
+        reason = str(raised.value)
+        assert "ReadTimeout" in reason
+        assert "timed out waiting for every engine rank to join" in reason
+        # the thawed engine gets the abandoned request, finds no publisher, keeps the old weights
+        deadline = time.monotonic() + 60
+        while _updates_answered(engine) < answered_before + 1:
+            assert time.monotonic() < deadline, "the abandoned update was never answered"
+        state = weights_state(engine)
+        assert (state["status"], state["version"], state["fingerprint"]) == (
+            "NORMAL",
+            before["version"],
+            before["fingerprint"],
+        )
+        with Publisher([engine.url], transport="shm", timeout_s=30) as pub:
+            result = pub.push(_weights(33), version="thawed")
+        assert weights_state(engine)["fingerprint"] == result.fingerprint
+        assert engine.complete(prompt=PROMPT, max_tokens=2).status_code == 200
+    finally:
+        engine.stop()
