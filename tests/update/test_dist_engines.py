@@ -134,6 +134,24 @@ def test_init_weights_group_refusals(engines):
     }
 
 
+def test_repeated_init_and_destroy_of_the_group(engines):
+    targets = [engines["tp2"], engines["tp1"]]
+    urls = [e.url for e in targets]
+    with Publisher(urls, transport="dist", bucket_bytes=BUCKET_BYTES, timeout_s=60) as pub:
+        for round_index in range(4):
+            info = pub.init_weights_group("127.0.0.1", timeout_s=30)
+            if round_index % 2:  # re-forming a live group replaces it
+                info = pub.init_weights_group("127.0.0.1", timeout_s=30)
+            result = pub.push(_weights(SEED + 10 + round_index), version=f"reinit-{round_index}")
+            assert [weights_state(e)["fingerprint"] for e in targets] == [result.fingerprint] * 2
+            pub.destroy_weights_group()
+            assert info.name not in group_names()
+            with pytest.raises(ValueError, match="no weights group 'weightbus' in this process"):
+                pub.push(_weights(1), version=f"no-group-{round_index}")
+    for engine in targets:
+        assert _greedy(engine)["token_ids"]  # every engine serves on
+
+
 # --- across network namespaces ---
 
 
