@@ -198,6 +198,33 @@ def test_a_corrupted_slice_is_caught_by_the_rank(config, monkeypatch):
             rank.close()
 
 
+def test_a_corrupted_byte_in_a_slot_is_caught_by_the_rank(config, monkeypatch):
+    original = DirectWriter.pack
+
+    def corrupting(writer, buffer, bucket, tensors, hashers):
+        digests = original(writer, buffer, bucket, tensors, hashers)
+        if bucket.index == 3:  # after packing and digesting: a byte flips in shared memory
+            entry = bucket.entries[0]
+            buffer[entry.offset + entry.nbytes - 1] ^= 0x01
+        return digests
+
+    monkeypatch.setattr(DirectWriter, "pack", corrupting)
+    ranks = _ranks(config, [(0, 1)], arena=False)
+    sink = make_sink("shm")
+    try:
+        weights = dict(random_hf_weights(config, seed=8))
+        _, (result,) = _push(sink, ranks, weights, "v8")
+        assert sink.mode == "shm slots"
+        assert not result.ok
+        assert len(result.errors) == 1
+        assert result.errors[0].startswith("digest mismatch for tensor ")
+        assert result.errors[0].endswith(": its bytes are corrupted")
+    finally:
+        sink.close()
+        for rank in ranks:
+            rank.close()
+
+
 def test_an_inconsistent_offer_falls_back_to_slots(config):
     from msgspec.structs import replace
 
