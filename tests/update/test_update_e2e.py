@@ -139,6 +139,16 @@ def test_bad_layout_is_400_naming_tensors_and_nothing_changes(
     assert_unchanged(engine, before)
 
 
+def test_duplicated_names_are_refused_before_anything_is_sent(engine, hf_model, publisher):
+    _, model = hf_model
+    before = _serving(engine)
+    weights = normalize_weights(trained_copy(model, seed=2))
+    name, tensor = weights[-1]
+    with pytest.raises(ValueError, match=f"duplicate tensor name '{name}'"):
+        publisher.push([*weights, (name, tensor.clone())], version="duplicated")
+    assert_unchanged(engine, before)
+
+
 def _prepared_session(tmp_path: Path, weights, version: str) -> tuple[dict, str]:
     sink = make_sink("disk", root=tmp_path / "manual")
     session = SessionFactory(64 * KiB).session(normalize_weights(weights), version, None)
