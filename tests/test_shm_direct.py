@@ -5,6 +5,7 @@ ZMQ sockets carry the messages. After a push each rank's parameters equal what `
 of the same weights gives, bit for bit.
 """
 
+import os
 import threading
 import time
 
@@ -25,7 +26,7 @@ from weightbus.receiver import RankResult, Receiver, UpdateRequest
 from weightbus.transport import make_sink, open_source, shm_direct
 from weightbus.transport.shm_arena import ParamArena, direct_placement
 from weightbus.transport.shm_direct import DirectWriter, MappedTarget
-from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR, remove_stale_slots
+from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR, SLOT_PREFIX, remove_stale_slots
 
 KiB = 1024
 TIMEOUT_S = 30.0
@@ -145,8 +146,9 @@ def test_direct_push_fills_every_rank_of_two_engines_bit_exactly(config, verify)
                 for name, param in rank.model.named_parameters():
                     assert torch.equal(param.data, want[name]), name
                     assert param.data.data_ptr() == rank.arena.views[name].data_ptr()
-        # the fallback slots were never written: every byte went straight to the parameters
-        assert all(int(slot.tensor.count_nonzero()) == 0 for slot in sink.slots)
+        # every byte went straight to the parameters: no slot was even created
+        assert sink.slots == []
+        assert not list(SHM_DIR.glob(f"{SLOT_PREFIX}{os.getpid()}-*"))
     finally:
         sink.close()
         for rank in ranks:

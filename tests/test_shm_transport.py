@@ -15,7 +15,7 @@ from weightbus.publisher import SessionFactory, normalize_weights
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
 from weightbus.receiver.targets import TensorDictTarget
 from weightbus.transport import make_sink, open_source
-from weightbus.transport.shm_slots import SHM_DIR, SLOT_PREFIX
+from weightbus.transport.shm_slots import SHM_DIR, SLOT_PREFIX, Slot
 
 KiB = 1024
 
@@ -153,9 +153,9 @@ def test_receiver_times_out_when_the_publisher_never_streams():
         ({"endpoint": "tcp://10.0.0.1:5"}, "shm endpoint must be an ipc:// address"),
         ({"slots": ["weightbus-shm-1-x-0"]}, "at least two slot names"),
         ({"slots": ["/etc/passwd", "x"]}, "is not a weightbus shared-memory file"),
-        ({"slots": [f"{SLOT_PREFIX}1-gone-0", f"{SLOT_PREFIX}1-gone-1"]}, "does not exist"),
+        ({"slots": [f"{SLOT_PREFIX}1-x-0", f"{SLOT_PREFIX}../x"]}, "is not a weightbus shared"),
     ],
-    ids=["endpoint", "one slot", "not a slot", "gone"],
+    ids=["endpoint", "one slot", "not a slot", "a path"],
 )
 def test_bad_descriptions_are_refused(change, message):
     sink = make_sink("shm")
@@ -168,13 +168,19 @@ def test_bad_descriptions_are_refused(change, message):
         sink.close()
 
 
+def test_slots_are_mapped_at_begin_and_a_gone_slot_is_named():
+    # a rank maps the slots only when the session streams through them (not in direct mode)
+    with pytest.raises(ValueError, match=f"shared-memory file {SLOT_PREFIX}1-gone-0 does not"):
+        Slot.open(f"{SLOT_PREFIX}1-gone-0", 4 * KiB)
+
+
 _DIE_HOLDING_SLOTS = textwrap.dedent(
     """
     import os, torch
     from weightbus.publisher import SessionFactory, normalize_weights
     from weightbus.transport import make_sink
     weights = [("w", torch.ones(10))]
-    sink = make_sink("shm")
+    sink = make_sink("shm", direct=False)  # slots only: made at prepare
     sink.prepare(SessionFactory(4096).session(normalize_weights(weights), "v", None), dict(weights))
     print(" ".join(slot.name for slot in sink.slots), flush=True)
     os.kill(os.getpid(), 9)

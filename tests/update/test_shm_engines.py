@@ -99,7 +99,8 @@ _PUBLISHER = textwrap.dedent(
     from weightbus.models.config import tiny_config
     from weightbus.models.loader import random_hf_weights
 
-    with Publisher([sys.argv[1]], transport="shm", timeout_s=3) as pub:
+    slots = {"direct": False}  # slot mode makes its slots before the push is sent
+    with Publisher([sys.argv[1]], transport="shm", timeout_s=3, transport_options=slots) as pub:
         pub.push(list(random_hf_weights(tiny_config(), 11)), version="doomed", atomic=False)
     """
 )

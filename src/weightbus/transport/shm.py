@@ -30,7 +30,7 @@ from weightbus.transport.base import (
 )
 from weightbus.transport.shm_arena import DirectPlacement
 from weightbus.transport.shm_direct import DirectWriter, MappedTarget
-from weightbus.transport.shm_slots import Slot, private_ipc_dir, remove_stale_slots
+from weightbus.transport.shm_slots import SLOT_PREFIX, Slot, private_ipc_dir, remove_stale_slots
 from weightbus.wire import (
     BucketReady,
     DirectTarget,
@@ -108,7 +108,11 @@ class ShmSink(BucketSink):
             raise ValueError(f"num_slots must be >= 2, got {num_slots}")
         remove_stale_slots()
         self.num_slots = num_slots
+        # Slots are named at the first prepare (the description carries the names) and created
+        # only when a session streams through them: a direct session needs none.
         self.slots: list[Slot] = []
+        self._slot_names: list[str] = []
+        self._slot_bytes = 0
         self._ipc_dir = private_ipc_dir()
         self.endpoint = f"ipc://{self._ipc_dir / 'sock'}"
         self._context = zmq.Context()
@@ -123,19 +127,27 @@ class ShmSink(BucketSink):
     def mode(self) -> str:
         return "shm direct" if self._direct_session else "shm slots"
 
-    def _ensure_slots(self, slot_bytes: int) -> None:
-        if self.slots and self.slots[0].nbytes >= slot_bytes:
+    def _name_slots(self, slot_bytes: int) -> None:
+        if self._slot_names and self._slot_bytes >= slot_bytes:
             return
         self._free_slots()
+        self._slot_names = [Slot.new_name(index) for index in range(self.num_slots)]
+        self._slot_bytes = slot_bytes
+
+    def _create_slots(self) -> None:
+        if self.slots:
+            return
         try:
-            for index in range(self.num_slots):
-                self.slots.append(Slot.create(slot_bytes, index))
+            for name in self._slot_names:
+                self.slots.append(Slot.create(name, self._slot_bytes))
         except OSError as exc:
-            self._free_slots()
+            for slot in self.slots:
+                slot.unlink()
+            self.slots = []
             raise OSError(
-                f"cannot create {self.num_slots} slots of {slot_bytes} bytes: {exc}"
+                f"cannot create {self.num_slots} slots of {self._slot_bytes} bytes: {exc}"
             ) from exc
-        logger.info("created %d shared-memory slots of %d bytes", self.num_slots, slot_bytes)
+        logger.info("created %d shared-memory slots of %d bytes", self.num_slots, self._slot_bytes)
 
     def prepare(
         self,
@@ -143,12 +155,14 @@ class ShmSink(BucketSink):
         tensors: Mapping[str, torch.Tensor],
         progress: Progress = no_progress,
     ) -> dict:
-        self._ensure_slots(session.plan.bucket_bytes)
+        self._name_slots(session.plan.bucket_bytes)
+        if not self.direct:
+            self._create_slots()  # every session streams through them
         return {
             "endpoint": self.endpoint,
             "session_id": session.session_id,
-            "slots": [slot.name for slot in self.slots],
-            "slot_bytes": self.slots[0].nbytes,
+            "slots": list(self._slot_names),
+            "slot_bytes": self._slot_bytes,
         }
 
     def stream(
@@ -166,6 +180,7 @@ class ShmSink(BucketSink):
         self._direct_session = targets is not None
         try:
             if targets is None:
+                self._create_slots()  # before the ranks map them, at their begin
                 self._send_all(receivers, session.begin_message())
                 self._stream_slots(session, tensors, receivers, deadline, progress)
             else:
@@ -282,6 +297,7 @@ class ShmSink(BucketSink):
             slot.unlink()
             slot.close()
         self.slots = []
+        self._slot_names = []
 
     def close(self) -> None:
         self._free_slots()
@@ -350,6 +366,9 @@ def _description_fields(description: dict) -> tuple[str, str, list[str], int, in
         raise ValueError(f"shm endpoint must be an ipc:// address, got {endpoint!r}")
     if not (isinstance(names, list) and len(names) >= 2 and all(isinstance(n, str) for n in names)):
         raise ValueError("shm source needs a list of at least two slot names")
+    for name in names:
+        if not name.startswith(SLOT_PREFIX) or "/" in name:
+            raise ValueError(f"{name!r} is not a weightbus shared-memory file")
     if not (isinstance(slot_bytes, int) and slot_bytes > 0 and isinstance(group, int)):
         raise ValueError("shm slot_bytes must be a positive integer and group an integer")
     return endpoint, str(session_id), names, slot_bytes, group
@@ -376,7 +395,8 @@ class ShmSource(BucketSource):
         self.tp_size = tp_size
         self._placement = direct
         self._direct = False
-        self.slots = _map_slots(names, slot_bytes)
+        self._slot_names, self._slot_bytes = names, slot_bytes
+        self.slots: list[Slot] = []  # mapped at begin, for a session through the slots
         self._context = zmq.Context.instance()
         self._endpoint = endpoint
         # Messages are read by the Receiver's prefetch thread, acks are sent by the thread that
@@ -414,6 +434,8 @@ class ShmSource(BucketSource):
         if header.direct and self._placement is None:
             raise ProtocolError("the publisher chose direct mode, which this rank did not offer")
         self._direct = header.direct
+        if not header.direct:
+            self.slots = _map_slots(self._slot_names, self._slot_bytes)
         metas = [meta.to_meta() for meta in header.tensors]
         self._plan = plan_buckets(metas, header.bucket_bytes)
         return header

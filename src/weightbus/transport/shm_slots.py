@@ -58,10 +58,15 @@ class Slot:
         os.close(fd)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
+    @staticmethod
+    def new_name(index: int) -> str:
+        """An unguessable name for a slot of this process (its pid lets stale slots be found)."""
+        return f"{SLOT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}-{index}"
+
     @classmethod
-    def create(cls, nbytes: int, index: int) -> "Slot":
-        """A new slot, its pages touched once so later writes never fault."""
-        name = f"{SLOT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}-{index}"
+    def create(cls, name: str, nbytes: int) -> "Slot":
+        """A new slot named `name` (from `new_name`), its pages touched once so later writes
+        never fault."""
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             # reserve the pages now: a full /dev/shm is an OSError here, not a SIGBUS later
