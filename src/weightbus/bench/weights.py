@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+HEAD_DIM = 64
+
 
 @dataclass(frozen=True, slots=True)
 class LlamaShape:
@@ -50,15 +52,15 @@ def llama_shape(total_bytes: int, element_bytes: int = 2) -> LlamaShape:
         # shrunk for small models so the embeddings do not dominate.
         intermediate_size = max(256, (hidden_size * 8 // 3 + 255) // 256 * 256)
         vocab_size = min(32000, hidden_size * 16)
-        one_layer = LlamaShape(hidden_size, intermediate_size, hidden_size // 4, vocab_size, 1)
+        # 4:1 GQA, but at least one KV head (small models)
+        num_kv_dims = max(HEAD_DIM, hidden_size // 4)
+        one_layer = LlamaShape(hidden_size, intermediate_size, num_kv_dims, vocab_size, 1)
         layer_bytes = sum(_numel(s) for _, s in one_layer.tensor_shapes()) * element_bytes
         embed_bytes = 2 * vocab_size * hidden_size * element_bytes
         if layer_bytes <= total_bytes // 2:
             num_layers = max(1, round((total_bytes - embed_bytes) / (layer_bytes - embed_bytes)))
-            return LlamaShape(
-                hidden_size, intermediate_size, hidden_size // 4, vocab_size, num_layers
-            )
-    return LlamaShape(64, 256, 16, 1024, 1)
+            return LlamaShape(hidden_size, intermediate_size, num_kv_dims, vocab_size, num_layers)
+    return LlamaShape(64, 256, HEAD_DIM, 1024, 1)
 
 
 def llama_weights(
@@ -75,7 +77,7 @@ def llama_weights(
 
 def hf_config(shape: LlamaShape) -> dict:
     """A Hugging Face `config.json` for a Llama of `shape` (head_dim 64)."""
-    head_dim = 64
+    head_dim = HEAD_DIM
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
