@@ -93,7 +93,7 @@ def _extra_peak_rss(pids: list[int], pusher: _Pusher, weights: list) -> int:
 def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: Path) -> dict:
     weights = llama_weights(size, torch.bfloat16)
     model_bytes = sum(t.nbytes for _, t in weights)
-    model_dir = workdir / f"model-{size}"
+    model_dir = workdir / f"model-{size}-{num_engines}-engines"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(hf_config(llama_shape(size, 2))))
     save_file(dict(weights), str(model_dir / "model.safetensors"))
