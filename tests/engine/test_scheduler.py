@@ -114,3 +114,27 @@ def test_seeded_sampling_repeats_and_top_p_keeps_the_nucleus() -> None:
     # a nucleus smaller than the top token's mass is the top token alone
     top_mass = torch.softmax(logits, -1).max().item()
     assert set(draw(7, top_mass / 2)) == {int(logits.argmax())}
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p"),
+    [
+        (1.0, 1e-300),  # below float32's resolution: compared with 0.0, it dropped every token
+        (5e-324, 1.0),  # logits / temperature overflow to inf: softmax is NaN
+        (1e-40, 0.5),
+    ],
+)
+def test_extreme_sampling_parameters_pick_the_top_token(temperature: float, top_p: float) -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    s = Sequence(
+        "x", [1], SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p, seed=3)
+    )
+    assert sample(logits, [s.params], [s.generator]).token_ids == [int(logits.argmax())]
+
+
+def test_non_finite_logits_do_not_stop_sampling() -> None:
+    # e.g. a pushed version whose weights hold NaN: the engine must keep answering
+    logits = torch.full((1, 50), float("nan"))
+    s = Sequence("x", [1], SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, seed=3))
+    (token,) = sample(logits, [s.params], [s.generator]).token_ids
+    assert 0 <= token < 50

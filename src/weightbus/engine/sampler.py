@@ -25,10 +25,16 @@ def _sample_row(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
     probs = torch.softmax(logits / params.temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        # logits / temperature overflowed (a temperature near 0, whose limit is greedy), or
+        # the logits themselves are not finite: no distribution to draw from
+        return int(logits.argmax())
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always the top token)
+        # keep the smallest prefix whose mass reaches top_p, and always the top token (a
+        # top_p below float32's resolution compares with 0.0 and would drop every token)
         outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        outside[0] = False
         sorted_probs[outside] = 0.0
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice])
