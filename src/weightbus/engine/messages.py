@@ -184,19 +184,27 @@ def encode(message: ToEngine | FromEngine) -> bytes:
     return _encoder.encode(message)
 
 
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
+    try:
+        return decoder.decode(data)
+    except UnicodeDecodeError as exc:
+        # msgspec reports invalid UTF-8 in a string this way, not as a DecodeError
+        raise msgspec.DecodeError(f"invalid UTF-8 in a string: {exc}") from None
+
+
 def decode_to_engine(data: bytes) -> ToEngine:
     """Decode a message for rank 0.
 
     Raises:
-        msgspec.DecodeError: malformed bytes or an unknown message.
+        msgspec.DecodeError: malformed bytes (invalid UTF-8 included) or an unknown message.
     """
-    return _to_engine.decode(data)
+    return _decode(_to_engine, data)
 
 
 def decode_from_engine(data: bytes) -> FromEngine:
     """Decode a message for the API server.
 
     Raises:
-        msgspec.DecodeError: malformed bytes or an unknown message.
+        msgspec.DecodeError: malformed bytes (invalid UTF-8 included) or an unknown message.
     """
-    return _from_engine.decode(data)
+    return _decode(_from_engine, data)
