@@ -186,7 +186,9 @@ def test_broken_bodies_are_4xx(engine: ServedEngine, path: str) -> None:
     assert post(b'{"tags": ["weights"]}', "text/plain").status_code == 422
     deep = post(b"[" * 100_000 + b"]" * 100_000)
     assert deep.status_code == 400
-    assert deep.json()["error"]["message"] == "There was an error parsing the body"
+    assert deep.json()["error"]["message"] == (
+        "There was an error parsing the body: JSON nested too deeply"
+    )
     huge = post(b'{"source": "' + b"x" * (9 * 2**20) + b'"}')
     assert huge.status_code == 413
     assert huge.json()["error"]["message"] == "request body exceeds 8388608 bytes"

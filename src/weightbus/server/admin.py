@@ -31,6 +31,7 @@ from weightbus.server.protocol import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     WeightsInfo,
+    error_responses,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class AdminConfig:
 
     update_margin_s: float
     control_timeout_s: float
+
+
+# what an admin action may answer besides 200: rank 0's refusals and the server's own errors
+_ACTION_ERRORS = error_responses(400, 409, 413, 422, 503, 504)
 
 
 def _client(request: Request) -> EngineClient:
@@ -234,9 +239,9 @@ def admin_router(config: AdminConfig) -> APIRouter:
     Returns:
         The router to include in the app.
     """
-    router = APIRouter()
+    router = APIRouter(responses=error_responses(401, 403))  # with a token set
 
-    @router.post("/v1/update_weights")
+    @router.post("/v1/update_weights", responses=_ACTION_ERRORS)
     async def update_weights_route(
         body: UpdateWeightsRequest, request: Request
     ) -> UpdateWeightsResponse:
@@ -258,7 +263,7 @@ def admin_router(config: AdminConfig) -> APIRouter:
             served_model_name=request.app.state.served_model_name,
         )
 
-    @router.post("/v1/init_weights_group")
+    @router.post("/v1/init_weights_group", responses=_ACTION_ERRORS)
     async def init_weights_group_route(
         body: InitWeightsGroupRequest, request: Request
     ) -> ControlResponse:
@@ -267,7 +272,7 @@ def admin_router(config: AdminConfig) -> APIRouter:
         )
         return await weights_group(request, config, message)
 
-    @router.post("/v1/destroy_weights_group")
+    @router.post("/v1/destroy_weights_group", responses=_ACTION_ERRORS)
     async def destroy_weights_group_route(
         body: DestroyWeightsGroupRequest, request: Request
     ) -> ControlResponse:
@@ -276,22 +281,22 @@ def admin_router(config: AdminConfig) -> APIRouter:
         )
         return await weights_group(request, config, message)
 
-    @router.post("/v1/pause_generation")
+    @router.post("/v1/pause_generation", responses=_ACTION_ERRORS)
     async def pause_route(body: PauseRequest, request: Request) -> ControlResponse:
         return await control(request, config, "pause", mode=body.mode)
 
-    @router.post("/v1/continue_generation")
+    @router.post("/v1/continue_generation", responses=_ACTION_ERRORS)
     async def continue_route(
         request: Request, body: Annotated[ContinueRequest | None, Body()] = None
     ) -> ControlResponse:
         del body  # no fields (the body may be left out); validated to refuse unknown ones
         return await control(request, config, "continue")
 
-    @router.post("/v1/release_memory")
+    @router.post("/v1/release_memory", responses=_ACTION_ERRORS)
     async def release_route(body: MemoryRequest, request: Request) -> ControlResponse:
         return await control(request, config, "release", tags=list(body.tags))
 
-    @router.post("/v1/resume_memory")
+    @router.post("/v1/resume_memory", responses=_ACTION_ERRORS)
     async def resume_route(body: MemoryRequest, request: Request) -> ControlResponse:
         return await control(request, config, "resume", tags=list(body.tags))
 

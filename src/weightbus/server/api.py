@@ -15,7 +15,7 @@ from typing import Protocol
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weightbus.engine import messages
@@ -27,7 +27,13 @@ from weightbus.server.completions import run_completion
 from weightbus.server.engine_client import EngineClient
 from weightbus.server.errors import APIError, error_response
 from weightbus.server.metrics import CONTENT_TYPE, Metrics
-from weightbus.server.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
+from weightbus.server.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    error_responses,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +93,32 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc.status_code, exc.message, exc.param, **exc.extra)
 
 
+def _parse_failure(cause: BaseException) -> str:
+    # what Python's JSON reader raised besides a syntax error, said for the client
+    if isinstance(cause, RecursionError):
+        return "JSON nested too deeply"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"body is not UTF-8 ({cause.reason} at byte {cause.start})"
+    return str(cause).split(";")[0]  # drop the interpreter's advice to its own user
+
+
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     # routing (404, 405) and body parsing (400) errors, in the same shape as ours
-    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+    message = str(exc.detail)
+    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+        message = f"{message}: {_parse_failure(exc.__cause__)}"
+    return error_response(exc.status_code, message, headers=exc.headers)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+def _bytes_text(data: bytes) -> str:
+    return data.decode("utf-8", "backslashreplace")
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    detail = jsonable_encoder(errors)
+    # a body of another content type arrives as bytes, which need not be UTF-8
+    detail = jsonable_encoder(errors, custom_encoder={bytes: _bytes_text})
     if first.get("type") == "json_invalid":  # loc is ("body", character offset)
         position = first["loc"][-1]
         reason = first.get("ctx", {}).get("error", "")
@@ -103,6 +126,10 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if loc:
         message = f"invalid field '{loc[0]}': {first.get('msg')}"
+    elif first.get("loc") == ("body",) and isinstance(exc.body, bytes) and exc.body:
+        # FastAPI parses only JSON content types: any other body arrives as raw bytes
+        content_type = request.headers.get("content-type", "none")
+        message = f"invalid request body: Content-Type must be application/json, got {content_type}"
     else:
         message = f"invalid request body: {first.get('msg')}"
     return error_response(422, message, loc[0] if loc else None, detail=detail)
@@ -177,7 +204,7 @@ def _check_model(body: CompletionRequest, served_model_name: str) -> None:
 
 
 def _add_public_routes(app: FastAPI, config: AppConfig) -> None:
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health(request: Request) -> JSONResponse:
         client: EngineClient = request.app.state.client
         if client.failure is not None:
@@ -192,7 +219,7 @@ def _add_public_routes(app: FastAPI, config: AppConfig) -> None:
             }
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -206,7 +233,7 @@ def _add_public_routes(app: FastAPI, config: AppConfig) -> None:
         )
         return ModelList(data=[card])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=error_responses(400, 404, 413, 422, 503, 504))
     async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
         metrics: Metrics = request.app.state.metrics
         try:

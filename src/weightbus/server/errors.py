@@ -1,5 +1,7 @@
 """Errors of the HTTP API, all answered as `{"error": {message, type, param, code}, ...}`."""
 
+import math
+
 from starlette.responses import JSONResponse
 
 
@@ -35,6 +37,30 @@ def error_type(status_code: int) -> str:
     return "invalid_request_error" if status_code < 500 else "server_error"
 
 
+def json_safe(value: object) -> object:
+    """`value` with what strict JSON in UTF-8 cannot carry replaced by its text.
+
+    Validation details echo the request's input, which Python's JSON reader accepts but no
+    answer may contain: non-finite numbers (`NaN`, `1e400`) become `"nan"`, `"inf"`; lone
+    surrogates (`"\\ud800"`) become their escape sequence.
+
+    Args:
+        value: a JSON-able value (dicts, lists, strings, numbers, None).
+
+    Returns:
+        The value, renderable by `JSONResponse`.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {json_safe(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
+
+
 def error_response(
     status_code: int,
     message: str,
@@ -64,4 +90,4 @@ def error_response(
         },
         **extra,
     }
-    return JSONResponse(status_code=status_code, content=body, headers=headers)
+    return JSONResponse(status_code=status_code, content=json_safe(body), headers=headers)

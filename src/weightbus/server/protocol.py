@@ -16,6 +16,14 @@ ControlAction = Literal["pause", "continue", "release", "resume"]
 MAX_UPDATE_TIMEOUT_S = 3600.0
 
 
+def _check_unicode(text: str) -> None:
+    # JSON's "\\ud800" escape reads as a lone surrogate, which no tokenizer can encode
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text has a lone surrogate at character {exc.start}") from None
+
+
 class CompletionRequest(BaseModel):
     """`POST /v1/completions` body; unknown fields are rejected (422 naming the field)."""
 
@@ -36,6 +44,9 @@ class CompletionRequest(BaseModel):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, prompt: str | list) -> str | list:
+        for text in [prompt] if isinstance(prompt, str) else prompt:
+            if isinstance(text, str):
+                _check_unicode(text)
         if isinstance(prompt, list):
             if not prompt:
                 raise ValueError("prompt must not be an empty list")
@@ -55,6 +66,8 @@ class CompletionRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        for text in stops:
+            _check_unicode(text)
         return stops
 
     def prompts(self) -> list[str | list[int]]:
@@ -126,7 +139,46 @@ class ErrorInfo(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """Every error answer; some carry more keys (`names`: the offending tensors of an update)."""
+
     error: ErrorInfo
+
+
+class ValidationErrorResponse(ErrorResponse):
+    """A 422 answer: `detail` lists every invalid field (absent when the JSON did not parse)."""
+
+    detail: list[dict[str, Any]] | None = None
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "The body cannot be parsed, or the engine refused the request (the message says why)",
+    401: "An admin route without 'Authorization: Bearer <token>' (a token is set)",
+    403: "An admin route with a wrong token",
+    404: "The model named is not served here",
+    409: "Another update or state change is running, or the version is not new",
+    413: "The body exceeds the server's limit",
+    422: "Malformed JSON, or a missing, unknown or mistyped field",
+    503: "The engine is gone, its memory is released or its weights failed",
+    504: "The engine did not answer in time",
+}
+
+
+def error_responses(*status_codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` documenting the error answers a route may give.
+
+    Args:
+        *status_codes: HTTP statuses among 400, 401, 403, 404, 409, 413, 422, 503, 504.
+
+    Returns:
+        The `responses` argument of a route or router.
+    """
+    return {
+        code: {
+            "model": ValidationErrorResponse if code == 422 else ErrorResponse,
+            "description": _ERROR_DESCRIPTIONS[code],
+        }
+        for code in status_codes
+    }
 
 
 class ModelCard(BaseModel):
@@ -158,7 +210,7 @@ class UpdateWeightsRequest(AdminRequest):
     version: str = Field(min_length=1, max_length=MAX_VERSION_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")
     step: int | None = Field(None, ge=0, lt=2**63)
     force: bool = False
-    transport: str
+    transport: str = Field(json_schema_extra={"enum": transport_names()})
     source: dict[str, Any]
     plan_hash: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     pause_mode: PauseMode = "drain"
