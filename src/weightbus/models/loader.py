@@ -1,11 +1,11 @@
 """Building a model and filling it: from a Hugging Face directory or the seeded `tiny` weights."""
 
 import contextlib
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors import safe_open
 
@@ -45,17 +45,35 @@ def create_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> Lla
         return LlamaForCausalLM(config).eval()
 
 
+class _Index(msgspec.Struct):
+    """What weightbus reads of `model.safetensors.index.json` (other keys are ignored)."""
+
+    weight_map: dict[str, str]
+
+
+def _indexed_files(index: Path) -> list[str]:
+    try:
+        weight_map = msgspec.json.decode(index.read_bytes(), type=_Index).weight_map
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{index} is not a safetensors index: {exc}") from None
+    names = sorted(set(weight_map.values()))
+    outside = [name for name in names if name != Path(name).name or name in ("", ".", "..")]
+    if outside:
+        raise ValueError(f"{index} names files outside its directory: {outside}")
+    return names
+
+
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     """The checkpoint files of a directory: those of the index when present, else all.
 
     Raises:
         FileNotFoundError: no safetensors file (or one the index names is missing).
+        ValueError: the index is malformed or names files outside the directory.
     """
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        files = [model_dir / name for name in _indexed_files(index)]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{INDEX_FILE} names missing files: {missing}")

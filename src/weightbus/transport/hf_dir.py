@@ -157,7 +157,14 @@ class HfDirSource(BucketSource):
             raise ValueError("hf_dir source needs {'path': DIR, 'version': V}")
         self.directory = Path(path)
         self.names = _field(description, "names", list)
+        if self.names is not None and not all(isinstance(name, str) for name in self.names):
+            raise ValueError("hf_dir source: 'names' must be a list of tensor names")
         self.given_digests = _field(description, "digests", dict)
+        if self.given_digests is not None and not all(
+            isinstance(name, str) and isinstance(digest, str)
+            for name, digest in self.given_digests.items()
+        ):
+            raise ValueError("hf_dir source: 'digests' must map tensor names to digests")
         self.given_fingerprint = _field(description, "fingerprint", str)
         self.bucket_bytes = _field(description, "bucket_bytes", int, DEFAULT_BUCKET_BYTES)
         self.step = _field(description, "step", int)

@@ -84,15 +84,18 @@ class Slot:
         """Map an existing slot (or another weightbus file under /dev/shm named `prefix...`).
 
         Raises:
-            ValueError: the name is not a weightbus slot, it does not exist, or it is smaller
-                than `nbytes`.
+            ValueError: the name is not a weightbus slot, it does not exist, cannot be opened
+                (a link, a directory, another user's), or it is smaller than `nbytes`.
         """
-        if not name.startswith(prefix) or "/" in name:
+        if not name.startswith(prefix) or "/" in name or "\0" in name:
             raise ValueError(f"{name!r} is not a weightbus shared-memory file")
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
+            # never through a link: the file must be the one its owner created here
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise ValueError(f"shared-memory file {name} does not exist (owner gone?)") from None
+        except OSError as exc:  # too long a name, a directory, a link, no permission
+            raise ValueError(f"cannot open shared-memory file {name}: {exc.strerror}") from None
         size = os.fstat(fd).st_size
         if size < nbytes:
             os.close(fd)
