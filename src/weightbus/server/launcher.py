@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import msgspec
@@ -124,15 +123,12 @@ class Launcher:
 
     def start_workers(self) -> None:
         """Create the socket directory and the rendezvous store; start one process per rank."""
-        from torch.distributed import TCPStore
+        from weightbus.store import serve_store
 
         self.ipc_dir = tempfile.mkdtemp(prefix="weightbus-")  # mode 0700: private
-        self.store = TCPStore(
-            "127.0.0.1",
-            0,  # the OS picks a free port; workers learn it from their config
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.config.dist_timeout_s),
+        # loopback only; the OS picks a free port, workers learn it from their config
+        self.store = serve_store(
+            "127.0.0.1", 0, world_size=None, timeout_s=self.config.dist_timeout_s
         )
         env = dict(os.environ)
         env.setdefault("WEIGHTBUS_LOG_LEVEL", logging.getLevelName(logging.getLogger().level))

@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from weightbus.store import serve_store
 from weightbus.wire import MAX_MESSAGE_BYTES, Message, ProtocolError, decode
 from weightbus.wire.messages import RankLayout
 
@@ -164,17 +165,12 @@ def serve_group(
 ) -> TCPStore:
     """Publisher: start the group's rendezvous store (`master_port` 0: the OS picks one).
 
+    A loopback `master_addr` keeps the store on loopback (`weightbus.store.serve_store`).
+
     Returns:
         The store; `store.port` is the port engines must be given.
     """
-    return TCPStore(
-        master_addr,
-        master_port,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    return serve_store(master_addr, master_port, world_size=world_size, timeout_s=timeout_s)
 
 
 def create_publisher_group(
