@@ -8,7 +8,6 @@ same fingerprint, or one `PushError` naming each engine that did not and why).
 
 import contextlib
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -21,7 +20,7 @@ from typing import Any, Literal
 
 import httpx
 
-from weightbus.owners import owner_is_dead
+from weightbus.owners import owner_is_dead, private_dir
 from weightbus.publisher.progress import PushProgress
 from weightbus.publisher.weights import NameMap, SessionFactory, Weights, normalize_weights
 from weightbus.transport import BucketSink, PushSession, make_sink
@@ -118,11 +117,11 @@ def _remove_stale_disk_roots(parent: Path) -> None:
 
 
 def _default_disk_root() -> Path:
-    # mkdtemp: a fresh 0700 directory with an unguessable name, so /dev/shm is safe here.
+    # a fresh 0700 directory with an unguessable name, so /dev/shm is safe here
     shm = Path("/dev/shm")  # noqa: S108
     parent = shm if shm.is_dir() else Path(tempfile.gettempdir())
     _remove_stale_disk_roots(parent)
-    return Path(tempfile.mkdtemp(prefix=f"{DISK_ROOT_PREFIX}{os.getpid()}-", dir=parent))
+    return private_dir(DISK_ROOT_PREFIX, parent)
 
 
 def _error_reason(response: httpx.Response) -> str:

@@ -65,6 +65,7 @@ def _write_shard(path: Path, names: list[str], tensors: Mapping[str, torch.Tenso
         shard[name] = tensor.clone() if storage in seen_storages and tensor.numel() else tensor
         seen_storages.add(storage)
     save_file(shard, str(path))
+    path.chmod(0o600)  # like the directory: the owner's alone
 
 
 class DiskSink(BucketSink):
@@ -105,6 +106,7 @@ class DiskSink(BucketSink):
             end=session.end_message(),
         )
         (tmp / MANIFEST_NAME).write_bytes(msgspec.json.encode(manifest))
+        (tmp / MANIFEST_NAME).chmod(0o600)
         # Readers only need to see whole sessions; durability across a host crash is not a
         # goal of a transport, so no fsync before the atomic rename.
         final = self.root / session.session_id

@@ -15,7 +15,6 @@ against the trainer's digests.
 """
 
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from weightbus.digest import fingerprint_of_digests, tensor_digest
 from weightbus.meta import TensorMeta
 from weightbus.models.loader import safetensors_files
+from weightbus.owners import private_dir
 from weightbus.plan import plan_buckets
 from weightbus.transport.base import (
     BucketSink,
@@ -68,10 +68,10 @@ class HfDirSink(BucketSink):
     name = "hf_dir"
 
     def __init__(self, root: str | Path | None = None) -> None:
-        shm = Path("/dev/shm")  # noqa: S108 - mkdtemp makes a private 0700 directory
+        shm = Path("/dev/shm")  # noqa: S108 - private_dir makes a private 0700 directory
         self._owned = root is None
         self.root = Path(
-            tempfile.mkdtemp(prefix="weightbus-hf-dir-", dir=shm if shm.is_dir() else None)
+            private_dir("weightbus-hf-dir-", shm if shm.is_dir() else None)
             if root is None
             else root
         )

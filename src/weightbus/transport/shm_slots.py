@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from weightbus.owners import owner_is_dead
+from weightbus.owners import owner_is_dead, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ ARENA_PREFIX = "weightbus-params-"  # a rank's parameters offered for direct wri
 
 def private_ipc_dir() -> Path:
     """A new 0700 directory for a publisher's sockets, named after its owner like the slots."""
-    return Path(tempfile.mkdtemp(prefix=f"{SLOT_PREFIX}{os.getpid()}-"))
+    return private_dir(SLOT_PREFIX)
 
 
 def remove_stale_slots() -> list[str]:
