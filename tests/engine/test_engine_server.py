@@ -1,5 +1,6 @@
 """`weightbus serve` end to end: a real server process, real workers, real HTTP."""
 
+import json
 import os
 import random
 import re
@@ -126,12 +127,26 @@ def test_stop_string_truncates(tiny_tp2: ServedEngine) -> None:
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({"max_tokens": 3}, "prompt"),
+        # values of another JSON type are not coerced
+        ({"prompt": [True, 2]}, "prompt"),
+        ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+        ({"prompt": "x", "temperature": False}, "temperature"),
+        ({"prompt": "x", "seed": False}, "seed"),
+        ({"prompt": "x", "max_tokens": 4.0}, "max_tokens"),
+        ({"prompt": "x", "n": True}, "n"),
+        ({"prompt": "x", "stream": 0}, "stream"),
+        # text no tokenizer can encode
+        ({"prompt": "\ud800"}, "prompt"),
+        ({"prompt": "x", "stop": "\udfff"}, "stop"),
     ],
 )
 def test_invalid_fields_are_422_naming_the_field(
     tiny_tp2: ServedEngine, body: dict, field: str
 ) -> None:
-    response = tiny_tp2.complete(**body)
+    # ensure_ascii: lone surrogates travel as JSON escapes, as any client may send them
+    content = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    response = tiny_tp2.client.post("/v1/completions", content=content, headers=headers)
     assert response.status_code == 422, response.text
     error = response.json()["error"]
     assert error["param"] == field

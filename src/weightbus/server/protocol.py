@@ -1,9 +1,10 @@
 """Request and response schemas of the HTTP API (an OpenAI-style subset), with validation."""
 
+import json
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from weightbus.engine.messages import MemoryTag, PauseMode, VerifyLevel, WeightsStatus
 from weightbus.transport import transport_names
@@ -25,9 +26,11 @@ def _check_unicode(text: str) -> None:
 
 
 class CompletionRequest(BaseModel):
-    """`POST /v1/completions` body; unknown fields are rejected (422 naming the field)."""
+    """`POST /v1/completions` body; unknown fields are rejected (422 naming the field), and so
+    are values of another JSON type: `true` is not a token id, a seed or a temperature, `"yes"`
+    not a boolean (integers are accepted where a number is)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | list[int] | list[str | list[int]]
@@ -40,6 +43,15 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False
     n: Literal[1] = 1
     stream: Literal[False] = False
+
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _check_constant(cls, value: object, info: ValidationInfo) -> object:
+        # a Literal compares with ==: True would pass for 1 and 0 for False
+        expected = 1 if info.field_name == "n" else False
+        if type(value) is not type(expected):
+            raise ValueError(f"{info.field_name} must be {json.dumps(expected)}")
+        return value
 
     @field_validator("prompt")
     @classmethod
