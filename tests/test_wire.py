@@ -1,7 +1,7 @@
+import ast
 import contextlib
 import os
 import pickle
-import re
 from pathlib import Path
 
 import msgspec
@@ -250,24 +250,103 @@ def test_a_malicious_pickle_executes_nothing(tmp_path):
     assert not marker.exists()
 
 
-# Decoders that can run code while reading bytes; none may appear in the package.
-_FORBIDDEN = re.compile(
-    r"^\s*(?:import|from)\s+(?:pickle|_pickle|cloudpickle|dill|marshal|shelve)\b"
-    r"|\bpickle\.loads?\(|ForkingPickler|recv_pyobj|send_pyobj|(?<![.\w])eval\(|(?<![.\w])exec\("
-    r"|torch\.load\(|broadcast_object_list|all_gather_object|scatter_object_list|yaml\.load\("
+# Loaders that can run code from the bytes they read. None may appear in the package, except
+# the pickling baseline that `weightbus bench` measures (it reads only its own children's queues).
+_FORBIDDEN_MODULES = frozenset(
+    {
+        "pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve",
+        "jsonpickle", "joblib", "copyreg", "multiprocessing", "torch.multiprocessing",
+    }
+)  # fmt: skip
+_FORBIDDEN_CALLS = frozenset(
+    {
+        # builtins (called by name: `model.eval()` is a method)
+        "eval", "exec", "compile", "__import__",
+        # deserialisers that unpickle or construct arbitrary objects
+        "pickle.load", "pickle.loads", "marshal.load", "marshal.loads", "torch.load",
+        "torch.jit.load", "yaml.load", "yaml.load_all", "yaml.unsafe_load",
+        "yaml.unsafe_load_all", "yaml.full_load", "yaml.full_load_all", "pandas.read_pickle",
+        "pd.read_pickle",
+    }
+)  # fmt: skip
+# methods that pickle whatever object they carry (ZMQ, torch.distributed object collectives)
+_FORBIDDEN_METHODS = frozenset(
+    {
+        "recv_pyobj", "send_pyobj", "ForkingPickler", "Unpickler", "broadcast_object_list",
+        "all_gather_object", "gather_object", "scatter_object_list", "send_object_list",
+        "recv_object_list", "read_pickle",
+    }
+)  # fmt: skip
+_EXEMPT = {("bench/baselines.py", "torch.multiprocessing")}
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return "?"
+
+
+def _code_executing(source: str) -> list[str]:
+    """What in `source` could run code from the bytes it reads (imports, calls, keywords)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name in _FORBIDDEN_MODULES]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            if node.module in _FORBIDDEN_MODULES:
+                found.append(node.module)
+            found += [name for name in names if name in _FORBIDDEN_CALLS | _FORBIDDEN_MODULES]
+        elif isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            if name in _FORBIDDEN_CALLS or name.rsplit(".", 1)[-1] in _FORBIDDEN_METHODS:
+                found.append(name)
+            found += [
+                f"{name}(allow_pickle=True)"
+                for keyword in node.keywords
+                if keyword.arg == "allow_pickle"
+                and not (isinstance(keyword.value, ast.Constant) and keyword.value.value is False)
+            ]
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import pickle",
+        "import os, dill",
+        "from pickle import loads",
+        "from torch import load",
+        "import torch.multiprocessing as mp",
+        "obj = pickle.loads(data)",
+        "value = eval(text)",
+        "exec(code)",
+        "state = torch.load(path, weights_only=True)",
+        "arrays = np.load(path, allow_pickle=True)",
+        "config = yaml.load(text, Loader=yaml.Loader)",
+        "config = yaml.unsafe_load(text)",
+        "obj = socket.recv_pyobj()",
+        "dist.broadcast_object_list(objects, src=0)",
+        "frame = pandas.read_pickle(path)",
+    ],
 )
+def test_the_scan_finds_code_executing_decoders(source):
+    assert _code_executing(source) != []
+
+
+def test_the_scan_lets_safe_code_through():
+    safe = "model.eval()\npattern = re.compile(text)\nx = np.load(path)\nm = msgspec.json.decode(b)"
+    assert _code_executing(safe) == []
 
 
 def test_no_code_executing_decoder_in_the_package():
-    assert _FORBIDDEN.search("import pickle")
-    assert _FORBIDDEN.search("obj = pickle.loads(data)")
-    assert _FORBIDDEN.search("value = eval(text)")
-    assert not _FORBIDDEN.search("model.eval()")
     package = Path(weightbus.__file__).parent
     hits = [
-        f"{path.relative_to(package)}:{number}: {line.strip()}"
+        f"{path.relative_to(package)}: {name}"
         for path in sorted(package.rglob("*.py"))
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if _FORBIDDEN.search(line)
+        for name in _code_executing(path.read_text())
+        if (str(path.relative_to(package)), name) not in _EXEMPT
     ]
     assert hits == []

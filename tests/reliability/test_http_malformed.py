@@ -163,6 +163,48 @@ def test_without_a_token_the_body_of_an_admin_route_is_never_read(
         _assert_error(response, 401, "this route needs 'Authorization: Bearer <token>'")
 
 
+# Authorization values with a wrong bearer token (403 with a token set) ...
+WRONG_TOKENS = [
+    b"Bearer",  # no credentials after the scheme
+    b"Bearer x",
+    f"Bearer {TOKEN[:-1]}".encode(),
+    f"Bearer {TOKEN}x".encode(),
+    f"Bearer {TOKEN.upper()}".encode(),
+    b"Bearer " + b"t" * 8000,
+    "Bearer t\u00f6k\u00e9n".encode(),  # UTF-8, not ASCII
+    b"Bearer " + TOKEN.encode()[:-1] + b"\xff",  # not UTF-8
+]
+# ... and without one at all (401)
+NO_BEARER = [b"", b"Basic eA==", b"\xff\xfe", f"Bearer\t{TOKEN}".encode(), TOKEN.encode()]
+
+
+@pytest.mark.parametrize(
+    "route", [r for r in ROUTES if not r.public and r.method != "HEAD"], ids=lambda r: r.id
+)
+def test_wrong_tokens_of_any_form_are_refused_without_a_500(
+    engine: ServedEngine, route: Route
+) -> None:
+    def request(authorization: bytes | None) -> httpx.Response:
+        headers = {"Content-Type": JSON}
+        if authorization is not None:
+            headers["Authorization"] = authorization
+        # a fresh client: the engine's carries the right token
+        return httpx.request(
+            route.method, f"{engine.url}{route.path}", content=b"{}", headers=headers
+        )
+
+    open_answer = request(None).status_code
+    for authorization in WRONG_TOKENS + NO_BEARER:
+        response = request(authorization)
+        if engine.client.headers.get("Authorization") is None:  # no token set: ignored
+            assert response.status_code == open_answer, (authorization, response.text[:300])
+        elif authorization in WRONG_TOKENS:
+            _assert_error(response, 403, "invalid API token")
+        else:
+            _assert_error(response, 401, "this route needs 'Authorization: Bearer <token>'")
+    _assert_unchanged(engine)
+
+
 @pytest.mark.parametrize(
     ("temperature", "top_p"), [(1.0, 1e-300), (5e-324, 1.0), (1e-40, 1e-9)], ids=str
 )
