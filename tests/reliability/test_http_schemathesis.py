@@ -27,7 +27,13 @@ from typing import Any
 import pytest
 import schemathesis
 from engine_harness import ServedEngine
-from http_harness import TOKEN, app_openapi, schema_operations, weights_identity
+from http_harness import (
+    TOKEN,
+    WeightsIdentity,
+    app_openapi,
+    schema_operations,
+    weights_identity,
+)
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -60,9 +66,14 @@ def _runs() -> list[tuple[str, str, GenerationMode]]:
 def engine(tmp_path_factory: pytest.TempPathFactory):
     log_path = tmp_path_factory.mktemp("logs") / "serve.log"
     served = ServedEngine("--api-token", TOKEN, log_path=log_path, token=TOKEN)
-    served.identity = weights_identity(served)
     yield served
     assert served.stop() == 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def baseline(engine: ServedEngine) -> WeightsIdentity:
+    """The weights the engine started with, read before any generated request (autouse)."""
+    return weights_identity(engine)
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +87,14 @@ def _bound_generation(body: Any) -> None:
         body["max_tokens"] = MAX_TOKENS
 
 
-def _assert_weights_unchanged(engine: ServedEngine) -> None:
+def _assert_weights_unchanged(engine: ServedEngine, baseline: WeightsIdentity) -> None:
     health = engine.client.get("/health")
     assert health.status_code == 200, health.text
     weights = engine.client.get("/v1/weights").json()
-    identity = engine.identity
     assert (weights["version"], weights["fingerprint"], weights["status"]) == (
-        identity.version,
-        identity.fingerprint,
-        identity.status,
+        baseline.version,
+        baseline.fingerprint,
+        baseline.status,
     )
     assert weights["generation"] == "running"
     assert weights["released"] == []
@@ -95,6 +105,7 @@ def _assert_weights_unchanged(engine: ServedEngine) -> None:
 )
 def test_answers_conform_and_change_no_weights(
     engine: ServedEngine,
+    baseline: WeightsIdentity,
     schema: schemathesis.BaseSchema,
     method: str,
     path: str,
@@ -118,11 +129,11 @@ def test_answers_conform_and_change_no_weights(
             undone = engine.client.request(*undo, json={})
             assert undone.status_code == 200, undone.text
         case.validate_response(response, headers=AUTH, excluded_checks=[positive_data_acceptance])
-        _assert_weights_unchanged(engine)
+        _assert_weights_unchanged(engine, baseline)
 
     check()
 
 
-def test_the_weights_serve_as_before(engine: ServedEngine) -> None:
+def test_the_weights_serve_as_before(engine: ServedEngine, baseline: WeightsIdentity) -> None:
     # last in the module: after every generated request above, the same weights answer
-    assert weights_identity(engine) == engine.identity
+    assert weights_identity(engine) == baseline
