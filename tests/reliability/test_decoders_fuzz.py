@@ -10,6 +10,8 @@ Each decoder must raise only the error it documents (`ProtocolError`, `msgspec.D
 """
 
 import contextlib
+import os
+import secrets
 import typing
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from weightbus.transport.disk import MANIFEST_NAME, DiskManifest, DiskSource, re
 from weightbus.transport.hf_dir import HfDirSource
 from weightbus.transport.shm_arena import ParamArena
 from weightbus.transport.shm_direct import MappedTarget
+from weightbus.transport.shm_slots import SHM_DIR, Slot
 from weightbus.transport.slices import check_slices, rank_regions
 from weightbus.wire import PROTOCOL_VERSION, DirectTarget, Message, ProtocolError, decode
 from weightbus.wire.messages import SliceSpec
@@ -162,6 +165,22 @@ def test_descriptions_open_or_raise_value_error(transport: str, data: st.DataObj
 
 
 @pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        ("ipc://" + "x" * 300, "cannot be connected: File name too long"),
+        ("ipc://", "cannot be connected: Invalid argument"),
+        ("tcp://10.0.0.1:5", "shm endpoint must be an ipc:// address"),
+    ],
+    ids=["too long", "empty", "tcp"],
+)
+def test_shm_endpoints_that_cannot_be_connected_are_value_errors(endpoint: str, message: str):
+    slots = ["weightbus-shm-1-0000000000000000-0", "weightbus-shm-1-0000000000000000-1"]
+    description = {"session_id": "ab" * 16, "slots": slots, "slot_bytes": 4096}
+    with pytest.raises(ValueError, match=message):
+        open_source("shm", {**description, "endpoint": endpoint})
+
+
+@pytest.mark.parametrize(
     ("name", "message"),
     [
         ("weightbus-shm-" + "x" * 300, "cannot open shared-memory file weightbus-shm-x+: File"),
@@ -169,10 +188,29 @@ def test_descriptions_open_or_raise_value_error(transport: str, data: st.DataObj
     ],
     ids=["too long", "nul"],
 )
-def test_shm_slot_names_that_cannot_be_files_are_value_errors(name: str, message: str) -> None:
-    description = {"endpoint": "ipc:///nowhere", "session_id": "ab" * 16, "slot_bytes": 4096}
+def test_slot_names_that_cannot_be_files_are_value_errors(name: str, message: str) -> None:
+    # the names a description gives are mapped when the session begins (`ShmSource.begin`)
     with pytest.raises(ValueError, match=message):
-        open_source("shm", {**description, "slots": [name, name]})
+        Slot.open(name, 4096)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (Path.mkdir, "Is a directory"),
+        (lambda path: path.symlink_to("/dev/null"), "Too many levels of symbolic links"),
+    ],
+    ids=["directory", "link"],
+)
+def test_slots_that_are_not_plain_files_are_refused(make, reason: str) -> None:
+    name = f"weightbus-shm-{os.getpid()}-{secrets.token_hex(8)}-0"
+    make(SHM_DIR / name)
+    try:
+        with pytest.raises(ValueError, match=f"cannot open shared-memory file {name}: {reason}"):
+            Slot.open(name, 4096)
+    finally:
+        path = SHM_DIR / name
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 # --- the disk transport's files ---

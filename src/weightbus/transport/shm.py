@@ -402,7 +402,11 @@ class ShmSource(BucketSource):
         # Messages are read by the Receiver's prefetch thread, acks are sent by the thread that
         # loads: ZMQ sockets are single-threaded, so each direction has its own socket.
         self._socket = self._context.socket(zmq.DEALER)
-        self._socket.connect(endpoint)
+        try:
+            self._socket.connect(endpoint)
+        except zmq.ZMQError as exc:  # e.g. a path too long for a unix socket
+            self._socket.close(linger=0)
+            raise ValueError(f"shm endpoint {endpoint!r} cannot be connected: {exc}") from None
         self._ack_socket: zmq.Socket | None = None
         self._plan: Plan | None = None
 
