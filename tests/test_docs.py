@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (against a real engine where they need one)."""
+"""The README's Python examples run as written (against a real engine where they need one), and
+every test that docs/reliability.md cites exists."""
 
 import re
 import sys
@@ -7,6 +8,9 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).parents[1] / "README.md"
+RELIABILITY = Path(__file__).parents[1] / "docs" / "reliability.md"
+# `tests/x.py::test_name[id]`, or `…::test_name` for the file cited last
+CITED_TEST = re.compile(r"`(tests/[\w/]+\.py|…)(?:::(\w+))?(?:\[[^`]*\])?`")
 EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
 README_URL = "http://127.0.0.1:8000"
 sys.path.insert(0, str(Path(__file__).parent / "engine"))
@@ -26,3 +30,20 @@ def test_readme_example_runs(code, request):
     if README_URL in code:
         code = code.replace(README_URL, request.getfixturevalue("engine_url"))
     exec(compile(code, str(README), "exec"), {})
+
+
+def test_every_test_cited_in_the_reliability_doc_exists():
+    root = README.parent
+    cited, path = [], None
+    for file, name in CITED_TEST.findall(RELIABILITY.read_text()):
+        path = path if file == "…" else file
+        assert path is not None, "a '…' citation before any file"
+        cited.append((path, name))
+    assert len(cited) > 50
+    missing = [
+        f"{path}::{name}"
+        for path, name in cited
+        if not (root / path).is_file()
+        or (name and f"def {name}(" not in (root / path).read_text())
+    ]
+    assert not missing, f"docs/reliability.md cites tests that do not exist: {missing}"
