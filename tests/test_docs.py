@@ -43,7 +43,6 @@ def test_every_test_cited_in_the_reliability_doc_exists():
     missing = [
         f"{path}::{name}"
         for path, name in cited
-        if not (root / path).is_file()
-        or (name and f"def {name}(" not in (root / path).read_text())
+        if not (root / path).is_file() or (name and f"def {name}(" not in (root / path).read_text())
     ]
     assert not missing, f"docs/reliability.md cites tests that do not exist: {missing}"

@@ -24,6 +24,7 @@ from weightbus.plan import plan_buckets
 from weightbus.publisher import SessionFactory, normalize_weights
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
 from weightbus.transport import make_sink, open_source, shm_direct
+from weightbus.transport.shm import ShmSource
 from weightbus.transport.shm_arena import ParamArena, direct_placement
 from weightbus.transport.shm_direct import DirectWriter, MappedTarget
 from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR, SLOT_PREFIX, remove_stale_slots
@@ -281,6 +282,32 @@ def test_a_failing_publisher_aborts_the_ranks_at_once(config, monkeypatch):
         sink.close()
         for rank in ranks:
             rank.close()
+
+
+def test_no_byte_is_written_before_the_rank_confirms_direct_mode(config, monkeypatch):
+    # a rank that got the header but whose confirmation is lost: the publisher must not write
+    monkeypatch.setattr(ShmSource, "_confirm_direct", lambda source: None)
+    [rank] = _ranks(config, [(0, 1)])
+    before = {name: param.detach().clone() for name, param in rank.model.named_parameters()}
+    sink = make_sink("shm")
+    weights = dict(random_hf_weights(config, seed=9))
+    try:
+        session = SessionFactory(64 * KiB).session(normalize_weights(weights), "v9", None)
+        description = sink.prepare(session, weights)
+        results = []
+        receiving = threading.Thread(target=lambda: results.append(rank.receive(description, "v9")))
+        receiving.start()
+        with pytest.raises(TimeoutError, match="every rank to confirm direct mode"):
+            sink.stream(session, weights, timeout_s=2.0)
+        receiving.join(TIMEOUT_S)
+        [result] = results
+        assert not result.ok
+        assert "the publisher aborted the session" in result.errors[0]
+        for name, param in rank.model.named_parameters():
+            assert torch.equal(param.data, before[name]), name
+    finally:
+        sink.close()
+        rank.close()
 
 
 def test_the_writer_splits_mixed_dtypes_by_rows_and_columns_bit_exactly():

@@ -16,6 +16,7 @@ from weightbus.wire import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     BucketReady,
+    DirectReady,
     ErrorReply,
     Message,
     ProtocolError,
@@ -85,6 +86,7 @@ messages = st.one_of(
         digests=st.dictionaries(names, hex128, max_size=4),
     ),
     st.builds(SlotAck, session_id=hex128, bucket_index=small, slot=small, rank=small),
+    st.builds(DirectReady, session_id=hex128, group=small, rank=small),
     st.builds(
         UpdateEnd, session_id=hex128, version=versions, num_buckets=small, fingerprint=hex128
     ),

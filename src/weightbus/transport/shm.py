@@ -33,6 +33,7 @@ from weightbus.transport.shm_direct import DirectWriter, MappedTarget
 from weightbus.transport.shm_slots import SLOT_PREFIX, Slot, private_ipc_dir, remove_stale_slots
 from weightbus.wire import (
     BucketReady,
+    DirectReady,
     DirectTarget,
     Message,
     ProtocolError,
@@ -71,6 +72,7 @@ class _Receivers:
         self.direct: dict[bytes, DirectTarget | None] = {}  # -> the rank's direct offer
         self.tp_sizes: dict[int, int] = {}
         self.unacked: dict[int, set[tuple[int, int]]] = {}  # slot -> (group, rank) holding it
+        self.direct_ready: set[tuple[int, int]] = set()  # (group, rank) that know it is direct
 
     def complete(self) -> bool:
         joined = dict.fromkeys(self.tp_sizes, 0)
@@ -87,6 +89,8 @@ class _Receivers:
             self.identities[identity] = (message.group, message.rank)
             self.direct[identity] = message.direct
             self.tp_sizes[message.group] = message.tp_size
+        elif isinstance(message, DirectReady):
+            self.direct_ready.add((message.group, message.rank))
         elif isinstance(message, SlotAck):
             # acks come from another socket of the rank than its hello: match by (group, rank)
             self.unacked.get(message.slot, set()).discard((message.group, message.rank))
@@ -255,6 +259,9 @@ class ShmSink(BucketSink):
         progress: Progress,
     ) -> None:
         identities = list(receivers.identities)
+        # no byte lands in a rank's parameters before the rank knows they are being written
+        while not set(receivers.identities.values()) <= receivers.direct_ready:
+            self._receive(receivers, deadline, "every rank to confirm direct mode")
         nbytes = {bucket.index: bucket.payload_bytes for bucket in session.plan.buckets}
         writes = self._writer.write(
             session.plan, tensors, targets, deadline, slice_digests=session.verify
@@ -438,11 +445,18 @@ class ShmSource(BucketSource):
         if header.direct and self._placement is None:
             raise ProtocolError("the publisher chose direct mode, which this rank did not offer")
         self._direct = header.direct
-        if not header.direct:
+        if header.direct:
+            self._confirm_direct()
+        else:
             self.slots = _map_slots(self._slot_names, self._slot_bytes)
         metas = [meta.to_meta() for meta in header.tensors]
         self._plan = plan_buckets(metas, header.bucket_bytes)
         return header
+
+    def _confirm_direct(self) -> None:
+        # sent before begin() returns: the Receiver marks the target touched right after
+        ready = DirectReady(session_id=self.session_id, group=self.group, rank=self.rank)
+        self._socket.send(ready.encode())
 
     def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
         assert self._plan is not None, "begin() first"

@@ -10,6 +10,7 @@ from weightbus.wire.codec import (
 )
 from weightbus.wire.messages import (
     BucketReady,
+    DirectReady,
     DirectTarget,
     ErrorReply,
     ParamRegion,
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "BucketReady",
+    "DirectReady",
     "DirectTarget",
     "ErrorReply",
     "Message",

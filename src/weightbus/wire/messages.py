@@ -154,6 +154,17 @@ class ReceiverHello(Message, kw_only=True):
 
 
 @register
+class DirectReady(Message, kw_only=True):
+    """Direct mode: the rank has the session's header, so it counts its parameters as written
+    from now on. The publisher writes into a rank's parameters only after this: a publisher
+    that dies mid-write can then never leave a rank serving bytes it does not know about."""
+
+    session_id: Hex128
+    group: NonNegative
+    rank: NonNegative
+
+
+@register
 class TensorsWritten(Message, kw_only=True):
     """Direct mode: the publisher wrote these tensors' slices into the rank's parameters.
 
