@@ -129,3 +129,16 @@ def weights_identity(engine: ServedEngine, timeout_s: float = 30.0) -> WeightsId
         status=weights["status"],
         greedy_token_ids=tuple(completion.json()["choices"][0]["token_ids"]),
     )
+
+
+def assert_alive_and_unchanged(engine: ServedEngine, baseline: WeightsIdentity) -> None:
+    """The server answers and serves the same version, fingerprint and status (cheap: the
+    greedy completion is compared once per module, by its last test)."""
+    health = engine.client.get("/health")
+    assert health.status_code == 200, health.text
+    weights = engine.client.get("/v1/weights").json()
+    assert (weights["version"], weights["fingerprint"], weights["status"]) == (
+        baseline.version,
+        baseline.fingerprint,
+        baseline.status,
+    )

@@ -18,6 +18,7 @@ from http_harness import (
     Route,
     WeightsIdentity,
     app_openapi,
+    assert_alive_and_unchanged,
     schema_operations,
     served_routes,
     weights_identity,
@@ -85,18 +86,6 @@ def _assert_error(response: httpx.Response, status: int, message_start: str, wha
     assert error["code"] == status
 
 
-def _assert_unchanged(engine: ServedEngine, baseline: WeightsIdentity) -> None:
-    # cheap after every test; the greedy completion is compared once, by the last test
-    health = engine.client.get("/health")
-    assert health.status_code == 200, health.text
-    weights = engine.client.get("/v1/weights").json()
-    assert (weights["version"], weights["fingerprint"], weights["status"]) == (
-        baseline.version,
-        baseline.fingerprint,
-        baseline.status,
-    )
-
-
 def test_the_routes_are_those_the_server_serves(engine: ServedEngine) -> None:
     live = engine.client.get("/openapi.json")
     assert live.status_code == 200
@@ -111,7 +100,7 @@ def test_malformed_bodies_are_4xx_naming_the_problem(
     cases = MALFORMED + (MISSING if route.body_required else [])
     for what, content, content_type, status, message in cases:
         _assert_error(_post(engine, route, content, content_type), status, message, what)
-    _assert_unchanged(engine, baseline)
+    assert_alive_and_unchanged(engine, baseline)
 
 
 @pytest.mark.parametrize("route", BODY_ROUTES, ids=lambda route: route.id)
@@ -125,7 +114,7 @@ def test_values_no_field_can_hold_are_422_naming_a_field(
             response = _post(engine, route, content, JSON)
             _assert_error(response, 422, "invalid field '", content.decode())
             assert response.json()["error"]["param"] in fields
-    _assert_unchanged(engine, baseline)
+    assert_alive_and_unchanged(engine, baseline)
 
 
 @pytest.mark.parametrize("route", BODYLESS_ROUTES, ids=lambda route: route.id)
@@ -137,7 +126,7 @@ def test_routes_without_a_body_ignore_one(
     for what, content, content_type, _, _ in MALFORMED:
         response = _post(engine, route, content, content_type)
         assert response.status_code == expected.status_code, (what, response.text[:500])
-    _assert_unchanged(engine, baseline)
+    assert_alive_and_unchanged(engine, baseline)
 
 
 def _chunks(total_bytes: int, chunk_bytes: int = 2**20) -> Iterator[bytes]:
@@ -158,7 +147,7 @@ def test_oversized_bodies_are_413(
             assert response.status_code == 413
         else:
             _assert_error(response, 413, message)
-    _assert_unchanged(engine, baseline)
+    assert_alive_and_unchanged(engine, baseline)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +163,7 @@ def test_without_a_token_the_body_of_an_admin_route_is_never_read(
         _assert_error(response, 413, "request body exceeds")
     else:
         _assert_error(response, 401, "this route needs 'Authorization: Bearer <token>'")
-    _assert_unchanged(engine, baseline)
+    assert_alive_and_unchanged(engine, baseline)
 
 
 # Authorization values with a wrong bearer token (403 with a token set) ...
@@ -216,7 +205,7 @@ def test_wrong_tokens_of_any_form_are_refused_without_a_500(
             _assert_error(response, 403, "invalid API token")
         else:
             _assert_error(response, 401, "this route needs 'Authorization: Bearer <token>'")
-    _assert_unchanged(engine, baseline)
+    assert_alive_and_unchanged(engine, baseline)
 
 
 @pytest.mark.parametrize(
@@ -231,7 +220,7 @@ def test_extreme_sampling_parameters_keep_the_engine_serving(
     assert response.status_code == 200, response.text
     greedy = engine.complete(prompt=[5, 6], max_tokens=4, temperature=0)
     assert response.json()["choices"][0]["token_ids"] == greedy.json()["choices"][0]["token_ids"]
-    _assert_unchanged(engine, baseline)
+    assert_alive_and_unchanged(engine, baseline)
 
 
 def test_the_weights_serve_as_before(engine: ServedEngine, baseline: WeightsIdentity) -> None:

@@ -31,6 +31,7 @@ from http_harness import (
     TOKEN,
     WeightsIdentity,
     app_openapi,
+    assert_alive_and_unchanged,
     schema_operations,
     weights_identity,
 )
@@ -88,14 +89,8 @@ def _bound_generation(body: Any) -> None:
 
 
 def _assert_weights_unchanged(engine: ServedEngine, baseline: WeightsIdentity) -> None:
-    health = engine.client.get("/health")
-    assert health.status_code == 200, health.text
+    assert_alive_and_unchanged(engine, baseline)
     weights = engine.client.get("/v1/weights").json()
-    assert (weights["version"], weights["fingerprint"], weights["status"]) == (
-        baseline.version,
-        baseline.fingerprint,
-        baseline.status,
-    )
     assert weights["generation"] == "running"
     assert weights["released"] == []
 
