@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 from engine_harness import ServedEngine
-from update_harness import weights_state
+from update_harness import targets_and_reference, weights_state
 
 from weightbus import Publisher, PushError
 from weightbus.models.config import tiny_config
@@ -25,17 +25,8 @@ BUCKET_BYTES = 64 * 1024  # the 512 KiB embedding travels in chunks
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory):
-    log_dir = tmp_path_factory.mktemp("log")
-    started = {
-        "tp2": ServedEngine("--tp", "2", log_path=log_dir / "tp2.log"),
-        "tp1": ServedEngine("--tp", "1", log_path=log_dir / "tp1.log"),
-        "reference_tp2": ServedEngine(
-            "--tp", "2", "--seed", str(SEED), log_path=log_dir / "ref.log"
-        ),
-    }
-    yield started
-    for engine in started.values():
-        engine.stop()
+    with targets_and_reference(tmp_path_factory.mktemp("log"), SEED) as started:
+        yield started
 
 
 def _greedy(engine: ServedEngine) -> dict:

@@ -1,6 +1,9 @@
 """Helpers of the live-update tests: HF training steps, reference decoding, engine checks."""
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from engine_harness import NUM_GREEDY_TOKENS, PROMPT, VOCAB_SIZE, ServedEngine
@@ -50,3 +53,23 @@ def weights_state(engine: ServedEngine, token: str | None = None) -> dict:
     response = engine.client.get("/v1/weights", headers=headers)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+@contextlib.contextmanager
+def targets_and_reference(log_dir: Path, seed: int) -> Iterator[dict[str, ServedEngine]]:
+    """Tiny-model engines: `tp2` and `tp1` to push into, and `reference_tp2`, started with the
+    tiny weights of `seed` (what the targets should serve after receiving them). All are
+    stopped on exit, including those started before a failing one."""
+    flags = {
+        "tp2": ("--tp", "2"),
+        "tp1": ("--tp", "1"),
+        "reference_tp2": ("--tp", "2", "--seed", str(seed)),
+    }
+    started: dict[str, ServedEngine] = {}
+    try:
+        for name, args in flags.items():
+            started[name] = ServedEngine(*args, log_path=log_dir / f"{name}.log")
+        yield started
+    finally:
+        for engine in started.values():
+            engine.stop()
