@@ -1,8 +1,10 @@
 """Helpers shared by tests."""
 
+from collections.abc import Iterable, Mapping
+
 import torch
 
-from weightbus.meta import DTYPES_BY_NAME
+from weightbus.meta import DTYPES_BY_NAME, TensorMeta
 from weightbus.plan.bucket import byte_view
 
 
@@ -31,3 +33,39 @@ def assert_bit_identical(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert torch.equal(byte_view(actual.contiguous()), byte_view(expected.contiguous()))
+
+
+class TensorDictTarget:
+    """Holds tensors by name and implements `load_weights` by copying in place.
+
+    Args:
+        tensors: the destination tensors; they are updated in place, never replaced.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = dict(tensors)
+
+    def expected(self) -> dict[str, TensorMeta]:
+        """Every tensor's name, dtype and shape."""
+        return {name: TensorMeta.of(name, tensor) for name, tensor in self.tensors.items()}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy each `(name, tensor)` into the tensor of that name.
+
+        Raises:
+            KeyError: an unknown name.
+            ValueError: a shape or dtype differs (the message names the tensor).
+        """
+        loaded = set()
+        for name, tensor in weights:
+            target = self.tensors.get(name)
+            if target is None:
+                raise KeyError(f"unknown tensor {name!r}")
+            if target.shape != tensor.shape or target.dtype != tensor.dtype:
+                raise ValueError(
+                    f"tensor {name!r}: expected {target.dtype}{list(target.shape)}, "
+                    f"got {tensor.dtype}{list(tensor.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        return loaded

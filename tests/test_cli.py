@@ -2,7 +2,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from weightbus import __version__
+
+# every test runs `python -m weightbus` (tiers: tests/conftest.py)
+pytestmark = pytest.mark.e2e
 
 
 def _weightbus(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:

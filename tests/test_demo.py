@@ -4,7 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from weightbus.bench.engine import start_engine, stop_engine
+
+# every test runs `weightbus demo` and engine processes (tiers: tests/conftest.py)
+pytestmark = pytest.mark.e2e
 
 
 def _demo(*args: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:

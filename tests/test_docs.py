@@ -2,7 +2,6 @@
 every test that docs/reliability.md cites exists."""
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,22 +12,19 @@ RELIABILITY = Path(__file__).parents[1] / "docs" / "reliability.md"
 CITED_TEST = re.compile(r"`(tests/[\w/]+\.py|…)(?:::(\w+))?(?:\[[^`]*\])?`")
 EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
 README_URL = "http://127.0.0.1:8000"
-sys.path.insert(0, str(Path(__file__).parent / "engine"))
 
 
-@pytest.fixture(scope="module")
-def engine_url(tmp_path_factory: pytest.TempPathFactory):
-    from engine_harness import ServedEngine
-
-    served = ServedEngine("--tp", "2", log_path=tmp_path_factory.mktemp("log") / "serve.log")
-    yield served.url
-    served.stop()
-
-
-@pytest.mark.parametrize("code", EXAMPLES, ids=[f"example{i}" for i in range(len(EXAMPLES))])
+# an example that talks to README_URL runs against `engine` (tests/conftest.py): `e2e`
+@pytest.mark.parametrize(
+    "code",
+    [
+        pytest.param(code, id=f"example{i}", marks=[pytest.mark.e2e] if README_URL in code else [])
+        for i, code in enumerate(EXAMPLES)
+    ],
+)
 def test_readme_example_runs(code, request):
     if README_URL in code:
-        code = code.replace(README_URL, request.getfixturevalue("engine_url"))
+        code = code.replace(README_URL, request.getfixturevalue("engine").url)
     exec(compile(code, str(README), "exec"), {})
 
 

@@ -6,11 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_bit_identical, random_tensor
+from helpers import TensorDictTarget, assert_bit_identical, random_tensor
 from weightbus.digest import fingerprint
 from weightbus.publisher import SessionFactory, normalize_weights
 from weightbus.receiver import Receiver, UpdateRequest
-from weightbus.receiver.targets import TensorDictTarget
 from weightbus.transport import make_sink, open_source
 from weightbus.transport.disk import MANIFEST_NAME
 
@@ -63,10 +62,10 @@ def test_session_directory_is_complete_or_absent_and_old_sessions_are_removed(tm
     sink, _, first = _push(tmp_path, _weights())
     session = SessionFactory(2 * KiB).session(normalize_weights(_weights(1)), "v2", step=3)
     second = sink.prepare(session, dict(_weights(1)))
-    assert not Path(first["path"]).exists()
+    assert not Path(first.path).exists()
     entries = sorted(p.name for p in (tmp_path / "sessions").iterdir())
-    assert entries == [Path(second["path"]).name]
-    assert (Path(second["path"]) / MANIFEST_NAME).exists()
+    assert entries == [Path(second.path).name]
+    assert (Path(second.path) / MANIFEST_NAME).exists()
     sink.close()
     assert list((tmp_path / "sessions").iterdir()) == []
 
@@ -88,7 +87,7 @@ def _corrupt_one_byte(directory: Path, tensor_name: str) -> None:
 def test_corrupted_byte_is_caught_by_exactly_one_rank(tmp_path, tp_size):
     weights = _weights()
     _, _, description = _push(tmp_path, weights)
-    _corrupt_one_byte(Path(description["path"]), "layer.0.weight")
+    _corrupt_one_byte(Path(description.path), "layer.0.weight")
     verdicts = [_receive(description, _target(), rank, tp_size) for rank in range(tp_size)]
     failing = [v for v in verdicts if not v.ok]
     assert len(failing) == 1
@@ -100,14 +99,14 @@ def test_corrupted_byte_is_caught_by_exactly_one_rank(tmp_path, tp_size):
 
 def test_verify_none_skips_digests_only(tmp_path):
     _, _, description = _push(tmp_path, _weights())
-    _corrupt_one_byte(Path(description["path"]), "embed.weight")
+    _corrupt_one_byte(Path(description.path), "embed.weight")
     assert _receive(description, _target(), verify="none").ok
     assert not _receive(description, _target(), verify="full").ok
 
 
 def test_truncated_shard_is_an_error(tmp_path):
     _, _, description = _push(tmp_path, _weights())
-    shard = min(Path(description["path"]).glob("shard-*.safetensors"))
+    shard = min(Path(description.path).glob("shard-*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-10])
     result = _receive(description, _target())
     assert not result.ok
@@ -115,7 +114,7 @@ def test_truncated_shard_is_an_error(tmp_path):
 
 
 def _rewrite_manifest(description: dict, edit) -> None:
-    path = Path(description["path"]) / MANIFEST_NAME
+    path = Path(description.path) / MANIFEST_NAME
     manifest = json.loads(path.read_text())
     edit(manifest)
     path.write_text(json.dumps(manifest))
@@ -145,7 +144,7 @@ def test_manifest_lying_about_a_digest_is_caught(tmp_path):
 
 def test_invalid_manifest_is_named(tmp_path):
     _, _, description = _push(tmp_path, _weights())
-    (Path(description["path"]) / MANIFEST_NAME).write_text('{"format": 1, "begin": 7}')
+    (Path(description.path) / MANIFEST_NAME).write_text('{"format": 1, "begin": 7}')
     result = _receive(description, _target())
     assert not result.ok
     assert result.errors[0].startswith("invalid manifest")

@@ -9,25 +9,28 @@ import os
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
 from helpers import all_dtype_tensors, assert_bit_identical, random_tensor
 from weightbus.digest import tensor_digest
 from weightbus.layers.parallel import TPContext, tp_context
-from weightbus.layers.shard import ShardCopy
 from weightbus.meta import TensorMeta, metas_of
 from weightbus.models.config import tiny_config
 from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
 from weightbus.models.loader import create_model, random_hf_weights
 from weightbus.plan import plan_buckets
+from weightbus.plan.shard import ShardCopy
 from weightbus.publisher import SessionFactory, normalize_weights
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
-from weightbus.transport import make_sink, open_source, shm_direct
-from weightbus.transport.shm import ShmSource
-from weightbus.transport.shm_arena import ParamArena, direct_placement
-from weightbus.transport.shm_direct import DirectWriter, MappedTarget
-from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR, SLOT_PREFIX, remove_stale_slots
+from weightbus.transport import make_sink, open_source
+from weightbus.transport.arena import ParamArena, direct_placement
+from weightbus.transport.shared_memory import ARENA_PREFIX, SHM_DIR, SLOT_PREFIX, remove_stale_slots
+from weightbus.transport.shm import direct as shm_direct
+from weightbus.transport.shm.description import ShmDescription
+from weightbus.transport.shm.direct import DirectWriter, MappedTarget
+from weightbus.transport.shm.source import ShmSource
 
 KiB = 1024
 TIMEOUT_S = 30.0
@@ -53,7 +56,9 @@ class _Rank:
         reference.load_weights(weights.items())
         return dict(reference.named_parameters())
 
-    def receive(self, description: dict, version: str, verify: str = "full") -> RankResult:
+    def receive(
+        self, description: ShmDescription, version: str, verify: str = "full"
+    ) -> RankResult:
         receiver = Receiver(
             load_weights=self.model.load_weights,
             expected={meta.name: meta for meta in _metas(self.model)},
@@ -62,7 +67,7 @@ class _Rank:
         )
         source = open_source(
             "shm",
-            {**description, "group": self.group},
+            msgspec.structs.replace(description, group=self.group),
             rank=self.tp_rank,
             tp_size=self.tp_size,
             direct=self.placement,
@@ -175,7 +180,7 @@ def test_a_rank_without_an_arena_makes_the_session_use_slots(config):
 
 
 def test_a_corrupted_slice_is_caught_by_the_rank(config, monkeypatch):
-    from weightbus.transport import shm_direct
+    from weightbus.transport.shm import direct as shm_direct
 
     original = shm_direct._write_tensor
 
@@ -304,7 +309,7 @@ def test_no_byte_is_written_before_the_rank_confirms_direct_mode(config, monkeyp
         assert not result.ok
         assert "the publisher aborted the session" in result.errors[0]
         for name, param in rank.model.named_parameters():
-            assert torch.equal(param.data, before[name]), name
+            assert_bit_identical(param.data, before[name])  # NaN payloads too
     finally:
         sink.close()
         rank.close()

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import all_dtype_tensors, assert_bit_identical, random_tensor
+from helpers import TensorDictTarget, all_dtype_tensors, assert_bit_identical, random_tensor
 from weightbus.publisher import SessionFactory, normalize_weights
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
-from weightbus.receiver.targets import TensorDictTarget
-from weightbus.transport import make_sink, open_source
-from weightbus.transport.shm_slots import SHM_DIR, SLOT_PREFIX, Slot
+from weightbus.transport import encode_description, make_sink, open_source
+from weightbus.transport.shared_memory import SHM_DIR, SLOT_PREFIX, Slot
 
 KiB = 1024
 
@@ -46,7 +45,7 @@ def _push(sink, weights, version: str, ranks: list[tuple[int, int, int]], timeou
         receiver = Receiver(
             load_weights=target.load_weights, expected=target.expected(), rank=rank, tp_size=tp_size
         )
-        source = open_source("shm", {**description, "group": group}, rank=rank, tp_size=tp_size)
+        source = open_source("shm", sink.for_engine(description, group), rank=rank, tp_size=tp_size)
         request = UpdateRequest(version=version, timeout_s=timeout_s)
         results[group, rank] = receiver.receive(source, request), target
 
@@ -109,7 +108,9 @@ def test_a_refusing_rank_still_drains_so_others_commit():
                 rank=0 if name == "ok" else 1,
                 tp_size=2,
             )
-            source = open_source("shm", {**description, "group": 0}, rank=receiver.rank, tp_size=2)
+            source = open_source(
+                "shm", sink.for_engine(description, 0), rank=receiver.rank, tp_size=2
+            )
             outcome[name] = receiver.receive(
                 source, UpdateRequest(version=expected_version, timeout_s=20)
             )
@@ -161,7 +162,7 @@ def test_bad_descriptions_are_refused(change, message):
     sink = make_sink("shm")
     try:
         session = SessionFactory(4 * KiB).session(normalize_weights(_weights(4)), "v", None)
-        description = {**sink.prepare(session, dict(_weights(4))), **change}
+        description = {**encode_description(sink.prepare(session, dict(_weights(4)))), **change}
         with pytest.raises(ValueError, match=message):
             open_source("shm", description)
     finally:
@@ -188,6 +189,7 @@ _DIE_HOLDING_SLOTS = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e  # a Python child process (tiers: tests/conftest.py)
 def test_slots_of_a_killed_publisher_are_removed_by_the_next_one():
     out = subprocess.run(
         [sys.executable, "-c", _DIE_HOLDING_SLOTS],

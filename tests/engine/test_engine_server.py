@@ -23,7 +23,10 @@ from engine_harness import (
     make_hf_model,
 )
 
-from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR
+from weightbus.transport.shared_memory import ARENA_PREFIX, SHM_DIR
+
+# every test starts `weightbus serve` or another process (tiers: tests/conftest.py)
+pytestmark = pytest.mark.e2e
 
 
 def weightbus_dirs() -> set[str]:

@@ -73,7 +73,8 @@ def test_tp1_matches_transformers(hf_cases: dict, name: str) -> None:
 
 
 def test_checkpoint_names_are_the_expected_names(hf_cases: dict) -> None:
-    from weightbus.models.loader import create_model, iter_safetensors
+    from weightbus.checkpoint import iter_safetensors
+    from weightbus.models.loader import create_model
 
     for path, _, _ in hf_cases.values():
         model = create_model(ModelConfig.from_hf_dir(path))

@@ -22,13 +22,6 @@ PROMPT = [3, 1, 4, 1, 5]
 CALL_TIMEOUT_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory):
-    served = ServedEngine("--tp", "2", log_path=tmp_path_factory.mktemp("log") / "serve.log")
-    yield served
-    served.stop()
-
-
 def _weights(seed: int) -> list:
     return list(random_hf_weights(tiny_config(), seed))
 

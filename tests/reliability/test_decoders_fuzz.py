@@ -28,12 +28,17 @@ from weightbus.meta import TensorMeta
 from weightbus.plan import plan_buckets
 from weightbus.publisher import SessionFactory, normalize_weights
 from weightbus.transport import make_sink, open_source
-from weightbus.transport.disk import MANIFEST_NAME, DiskManifest, DiskSource, read_manifest
-from weightbus.transport.hf_dir import HfDirSource
-from weightbus.transport.shm_arena import ParamArena
-from weightbus.transport.shm_direct import MappedTarget
-from weightbus.transport.shm_slots import SHM_DIR, Slot
-from weightbus.transport.slices import check_slices, rank_regions
+from weightbus.transport.arena import ParamArena
+from weightbus.transport.disk import (
+    MANIFEST_NAME,
+    DiskDescription,
+    DiskManifest,
+    DiskSource,
+    read_manifest,
+)
+from weightbus.transport.dist.slices import check_slices, rank_regions
+from weightbus.transport.shared_memory import SHM_DIR, Slot
+from weightbus.transport.shm.direct import MappedTarget
 from weightbus.wire import PROTOCOL_VERSION, DirectTarget, Message, ProtocolError, decode
 from weightbus.wire.messages import SliceSpec
 
@@ -222,11 +227,11 @@ def disk_session(tmp_path_factory: pytest.TempPathFactory) -> Path:
     weights = [("w", torch.arange(12.0).reshape(3, 4)), ("b", torch.ones(5, dtype=torch.int8))]
     sink = make_sink("disk", root=tmp_path_factory.mktemp("disk"))
     session = SessionFactory(4096).session(normalize_weights(weights), "v1", step=None)
-    return Path(sink.prepare(session, dict(weights))["path"])
+    return Path(sink.prepare(session, dict(weights)).path)
 
 
 def _read_session(directory: Path) -> None:
-    source = DiskSource({"path": str(directory)})
+    source = DiskSource(DiskDescription(path=str(directory)))
     source.begin(timeout_s=1.0)
     for batch in source.batches(timeout_s=1.0):
         batch.release()
@@ -292,7 +297,7 @@ def test_checkpoint_headers_read_or_raise_value_error(
     description = {"path": str(directory), "version": "v"}
     description |= data.draw(NAMES)
     with contextlib.suppress(ValueError):
-        HfDirSource(description).begin(timeout_s=1.0)
+        open_source("hf_dir", description).begin(timeout_s=1.0)
 
 
 # --- direct-write offers of engine ranks (read by the publisher) ---

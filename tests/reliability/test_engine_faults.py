@@ -15,10 +15,12 @@ from update_harness import weights_state
 from weightbus import Publisher, PushError
 from weightbus.models.config import tiny_config
 from weightbus.models.loader import random_hf_weights
-from weightbus.transport.shm import ShmSink
-from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR
+from weightbus.transport.shared_memory import ARENA_PREFIX, SHM_DIR
+from weightbus.transport.shm.sink import ShmSink
 from weightbus.wire import BucketReady
 
+# every test starts `weightbus serve` or another process (tiers: tests/conftest.py)
+pytestmark = pytest.mark.e2e
 PROMPT = [2, 7, 1, 8]
 HOLD_TIMEOUT_S = 60.0  # bound of the test's own waits on the publisher it holds
 

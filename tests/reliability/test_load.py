@@ -18,11 +18,9 @@ CI runs the bounded size (100 completions across 4 updates per pause mode). The 
 """
 
 import os
-from pathlib import Path
 
 import pytest
-import torch
-from engine_harness import ServedEngine, make_hf_model
+from engine_harness import ServedEngine
 from load_checks import (
     assert_clients_see_versions_in_order,
     assert_finish,
@@ -38,6 +36,8 @@ from update_harness import weights_state
 from weightbus import Publisher
 
 FULL_ENV = "WEIGHTBUS_LOAD_FULL"
+# `hf_model` and `engine` (tests/conftest.py): this checkpoint, served at TP 2
+HF_CASE = "llama3_rope_kv1"
 SIZES = {
     "bounded": LoadSize(num_completions=100, num_updates=4),
     "full": LoadSize(num_completions=500, num_updates=10),
@@ -46,22 +46,6 @@ PAUSE_MODES = ("drain", "in_place", "abort")
 # Bound of one run's load phase (measured: ~3 s bounded, ~12 s full on an idle 2-core
 # machine); generous for a loaded one, and a hang fails the test instead of stalling it.
 RUN_TIMEOUT_S = {"bounded": 150.0, "full": 600.0}
-
-
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    path = tmp_path_factory.mktemp("llama")
-    return path, make_hf_model("llama3_rope_kv1", path)
-
-
-@pytest.fixture(scope="module")
-def engine(hf_model, tmp_path_factory: pytest.TempPathFactory):
-    path, _ = hf_model
-    served = ServedEngine(
-        "--model", str(path), "--tp", "2", log_path=tmp_path_factory.mktemp("log") / "serve.log"
-    )
-    yield served
-    served.stop()
 
 
 @pytest.fixture(scope="module")

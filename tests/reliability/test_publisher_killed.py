@@ -21,7 +21,7 @@ from update_harness import weights_state
 from weightbus import Publisher
 from weightbus.models.config import tiny_config
 from weightbus.models.loader import random_hf_weights
-from weightbus.transport.shm_slots import SHM_DIR, SLOT_PREFIX
+from weightbus.transport.shared_memory import SHM_DIR, SLOT_PREFIX
 
 PROMPT = [5, 6, 7]
 ENGINE_TIMEOUT_S = 3  # the killed Publisher's timeout_s: how long the engine waits for it
@@ -33,8 +33,8 @@ ENGINE_TIMEOUT_S = 3  # the killed Publisher's timeout_s: how long the engine wa
 _PUBLISHER = textwrap.dedent(
     """
     import os, signal, sys, threading
-    import weightbus.transport.shm as shm
-    import weightbus.transport.shm_direct as shm_direct
+    import weightbus.transport.shm.sink as shm
+    import weightbus.transport.shm.direct as shm_direct
     from weightbus import Publisher
     from weightbus.models.config import tiny_config
     from weightbus.models.loader import random_hf_weights
@@ -84,13 +84,6 @@ CASES = [
     ("direct", "before_first_bucket"),
     ("direct", "after_last_bucket"),
 ]
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory):
-    served = ServedEngine("--tp", "2", log_path=tmp_path_factory.mktemp("log") / "serve.log")
-    yield served
-    served.stop()
 
 
 def _greedy_logprobs(engine: ServedEngine) -> list[float]:

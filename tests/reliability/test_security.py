@@ -29,7 +29,7 @@ import weightbus.server.auth
 from weightbus import Publisher
 from weightbus.models.config import tiny_config
 from weightbus.models.loader import random_hf_weights
-from weightbus.transport.shm_slots import SHM_DIR
+from weightbus.transport.shared_memory import SHM_DIR
 
 # weightbus-<kind>-<owner pid>-<64 random bits>[-<more>]
 SHM_NAME = re.compile(r"weightbus-(?P<kind>[a-z-]+?)-(?P<pid>\d+)-(?P<random>[0-9a-f]{16})(-.+)?")

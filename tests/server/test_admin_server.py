@@ -17,6 +17,8 @@ import pytest
 from engine_harness import ServedEngine
 from prometheus_client.parser import text_string_to_metric_families
 
+# every test starts `weightbus serve` or another process (tiers: tests/conftest.py)
+pytestmark = pytest.mark.e2e
 TOKEN = "test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 UPDATE = {"version": "v1", "transport": "disk", "source": {"path": "/x"}}

@@ -11,22 +11,18 @@ from dataclasses import dataclass
 
 import pytest
 from engine_harness import ServedEngine
-from update_harness import targets_and_reference, weights_state
+from update_harness import weights_state
 
 from weightbus import Publisher, PushError
 from weightbus.models.config import tiny_config
 from weightbus.models.loader import random_hf_weights
-from weightbus.transport.dist_group import get_group, group_names
+from weightbus.transport.dist.group import get_group, group_names
 
 PROMPT = [4, 2, 42]
-SEED = 5  # the reference engine starts with these weights; the others receive them
+# `engines` (tests/update/conftest.py): the reference engine starts with these weights; the
+# others receive them
+SEED = 5
 BUCKET_BYTES = 64 * 1024  # the 512 KiB embedding travels in chunks
-
-
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory):
-    with targets_and_reference(tmp_path_factory.mktemp("log"), SEED) as started:
-        yield started
 
 
 def _greedy(engine: ServedEngine) -> dict:

@@ -1,32 +1,16 @@
 """`hf_dir`: reloading a Hugging Face checkpoint directory into a real TP-2 engine."""
 
-from pathlib import Path
-
 import pytest
 import torch
-from engine_harness import ServedEngine, make_hf_model
+from engine_harness import ServedEngine
 from update_harness import KiB, engine_greedy, hf_greedy, trained_copy, weights_state
 
 from weightbus import Publisher
 
+# `hf_model` and `engine` (tests/conftest.py): this checkpoint, served at TP 2
+HF_CASE = "llama_tied_bias_sharded"
 # float32 engine vs transformers: TP-2 partial sums round differently at ~1e-6 (see e2e tests)
 LOGPROB_ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    path = tmp_path_factory.mktemp("llama")
-    return path, make_hf_model("llama_tied_bias_sharded", path)
-
-
-@pytest.fixture(scope="module")
-def engine(hf_model, tmp_path_factory: pytest.TempPathFactory):
-    path, _ = hf_model
-    served = ServedEngine(
-        "--model", str(path), "--tp", "2", log_path=tmp_path_factory.mktemp("log") / "serve.log"
-    )
-    yield served
-    served.stop()
 
 
 def _update(engine: ServedEngine, source: dict, version: str) -> dict:
@@ -74,7 +58,20 @@ def test_missing_directory_is_400_and_nothing_changes(engine, tmp_path):
     assert (after["version"], after["fingerprint"]) == (before["version"], before["fingerprint"])
 
 
-def test_description_without_version_is_400(engine, tmp_path):
-    answer = _update(engine, {"path": str(tmp_path)}, "no-version")
-    assert answer["status"] == 400
-    assert "hf_dir source needs {'path': DIR, 'version': V}" in answer["error"]["message"]
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ({"path": "/x"}, "hf_dir source: Object missing required field `version`"),
+        ({"path": 3, "version": "v"}, "Expected `str`, got `int` - at `source.path`"),
+        ({"path": "/x", "version": "v", "shards": 2}, "unknown field `shards`"),
+    ],
+    ids=["missing", "wrong type", "unknown"],
+)
+def test_malformed_description_is_422_naming_the_field(engine, source, message):
+    # the transport's typed description is decoded at the HTTP edge: nothing reaches the ranks
+    before = weights_state(engine)
+    answer = _update(engine, source, "malformed")
+    assert answer["status"] == 422
+    assert message in answer["error"]["message"]
+    after = weights_state(engine)
+    assert (after["version"], after["fingerprint"]) == (before["version"], before["fingerprint"])

@@ -14,13 +14,6 @@ from weightbus.models.loader import random_hf_weights
 PROMPT = [5, 6, 7, 8]
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory):
-    served = ServedEngine("--tp", "2", log_path=tmp_path_factory.mktemp("log") / "serve.log")
-    yield served
-    served.stop()
-
-
 def _tiny_weights(seed: int) -> list:
     return list(random_hf_weights(tiny_config(), seed))
 

@@ -19,7 +19,7 @@ from weightbus import Publisher, PushError
 from weightbus.digest import fingerprint
 from weightbus.models.config import tiny_config
 from weightbus.models.loader import random_hf_weights
-from weightbus.publisher.publisher import DISK_ROOT_PREFIX
+from weightbus.transport.disk import DISK_ROOT_PREFIX
 
 TOKEN = "s3cret-admin-token"
 PROMPT = [9, 8, 7]
@@ -57,7 +57,7 @@ _KILLED_PUBLISHER = textwrap.dedent(
 
     url, token, version = sys.argv[1:]
     with Publisher([url], token=token, timeout_s=60) as pub:
-        print(pub._owned_root, flush=True)
+        print(pub.sink.root, flush=True)
         pub.push(list(random_hf_weights(tiny_config(), 7)), version=version, pause_mode="drain")
     """
 )

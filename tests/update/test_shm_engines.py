@@ -10,21 +10,17 @@ import time
 
 import pytest
 from engine_harness import ServedEngine
-from update_harness import targets_and_reference, weights_state
+from update_harness import weights_state
 
 from weightbus import Publisher
 from weightbus.models.config import tiny_config
 from weightbus.models.loader import random_hf_weights
-from weightbus.transport.shm_slots import SHM_DIR, SLOT_PREFIX
+from weightbus.transport.shared_memory import SHM_DIR, SLOT_PREFIX
 
 PROMPT = [4, 2, 42]
-SEED = 5  # the reference engine starts with these weights; the others receive them
-
-
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory):
-    with targets_and_reference(tmp_path_factory.mktemp("log"), SEED) as started:
-        yield started
+# `engines` (tests/update/conftest.py): the reference engine starts with these weights; the
+# others receive them
+SEED = 5
 
 
 def _greedy(engine: ServedEngine) -> dict:
@@ -133,7 +129,7 @@ def test_killed_publisher_engine_times_out_keeps_serving_and_next_push_works(eng
 _HANGING_DIRECT_PUBLISHER = textwrap.dedent(
     """
     import sys, threading
-    import weightbus.transport.shm_direct as shm_direct
+    import weightbus.transport.shm.direct as shm_direct
     from weightbus import Publisher
     from weightbus.models.config import tiny_config
     from weightbus.models.loader import random_hf_weights

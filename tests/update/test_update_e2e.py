@@ -6,33 +6,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import PROMPT, ServedEngine, make_hf_model
+from engine_harness import PROMPT, ServedEngine
 from update_harness import KiB, engine_greedy, hf_greedy, trained_copy, weights_state
 
 from weightbus import Publisher, PushError
 from weightbus.publisher import SessionFactory, normalize_weights
-from weightbus.transport import make_sink
+from weightbus.transport import encode_description, make_sink
 from weightbus.transport.disk import MANIFEST_NAME
 
+# `hf_model` and `engine` (tests/conftest.py): this checkpoint, served at TP 2
+HF_CASE = "qwen2_untied"
 # float32 engine vs transformers on the same weights: fused projections and the TP-2 split
 # sums round differently at ~1e-6; logprobs of a 101-token vocabulary stay within 1e-4.
 LOGPROB_ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    path = tmp_path_factory.mktemp("qwen2")
-    return path, make_hf_model("qwen2_untied", path)
-
-
-@pytest.fixture(scope="module")
-def engine(hf_model, tmp_path_factory: pytest.TempPathFactory):
-    path, _ = hf_model
-    served = ServedEngine(
-        "--model", str(path), "--tp", "2", log_path=tmp_path_factory.mktemp("log") / "serve.log"
-    )
-    yield served
-    served.stop()
 
 
 @pytest.fixture
@@ -152,7 +138,8 @@ def test_duplicated_names_are_refused_before_anything_is_sent(engine, hf_model, 
 def _prepared_session(tmp_path: Path, weights, version: str) -> tuple[dict, str]:
     sink = make_sink("disk", root=tmp_path / "manual")
     session = SessionFactory(64 * KiB).session(normalize_weights(weights), version, None)
-    return sink.prepare(session, dict(normalize_weights(weights))), session.plan.plan_hash
+    description = sink.prepare(session, dict(normalize_weights(weights)))
+    return encode_description(description), session.plan.plan_hash
 
 
 def _post_update(engine: ServedEngine, source: dict, version: str, **extra) -> dict:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from weightbus.bench.weights import llama_shape
+from weightbus.bench.llama_weights import llama_shape
 
 START_TIMEOUT_S = 120.0
 ROUND_TIMEOUT_S = 600.0

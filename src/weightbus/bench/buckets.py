@@ -9,8 +9,8 @@ import os
 
 import torch
 
+from weightbus.bench.llama_weights import llama_weights
 from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
-from weightbus.bench.weights import llama_weights
 from weightbus.digest import fingerprint
 from weightbus.meta import metas_of
 from weightbus.plan import FlatBucket, plan_buckets

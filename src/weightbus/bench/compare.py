@@ -11,7 +11,7 @@ engine from it (`weightbus serve --tp N --dtype bfloat16`), then time in interle
 
 Adding a row is one line in `cases()`. Reports median seconds, GB/s, the ratio to the floor,
 speed-ups over each baseline and the extra peak RSS of the publisher and the receiving processes;
-writes JSON and a PNG.
+writes JSON and, when matplotlib is installed (`weightbus[bench]`), a PNG.
 """
 
 import argparse
@@ -31,9 +31,9 @@ from safetensors.torch import save_file
 
 from weightbus.bench.baselines import BroadcastCase, PickleCase
 from weightbus.bench.engine import start_engine, stop_engine
+from weightbus.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.bench.memory import child_pids, reset_peak, rss_bytes
 from weightbus.bench.timing import print_table
-from weightbus.bench.weights import hf_config, llama_shape, llama_weights
 from weightbus.publisher import Publisher
 from weightbus.transport import transport_names
 from weightbus.units import byte_size_arg, format_bytes
@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds (median of N)")
     parser.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
     parser.add_argument("--json", default="bench.json", help="results file (bench.json)")
-    parser.add_argument("--plot", default="bench.png", help="plot file (bench.png)")
+    parser.add_argument(
+        "--plot", default="bench.png", help="plot file (bench.png; needs matplotlib)"
+    )
     parser.add_argument(
         "--quick", action="store_true", help=f"CI smoke run: --sizes {QUICK_SIZES} --repeat 1"
     )
@@ -349,8 +351,26 @@ def run(args: argparse.Namespace) -> int:
         "results": results,
     }
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    if _plot(results, args.plot):
+        print(f"\nwrote {args.json} and {args.plot}")
+    else:
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _plot(results: list[dict], path: str) -> bool:
+    """Write the PNG; False (and one line saying how to get it) when matplotlib is missing."""
     from weightbus.bench.plot import plot_results
 
-    plot_results(results, args.plot)
-    print(f"\nwrote {args.json} and {args.plot}")
-    return 0
+    try:
+        plot_results(results, path)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "matplotlib":
+            raise
+        print(
+            f"weightbus bench: plot skipped ({path}): matplotlib is not installed; "
+            "pip install 'weightbus[bench]' to get it",
+            file=sys.stderr,
+        )
+        return False
+    return True

@@ -27,10 +27,10 @@ import torch
 from safetensors.torch import save_file
 
 from weightbus.bench.engine import start_engine, stop_engine
+from weightbus.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
-from weightbus.bench.weights import hf_config, llama_shape, llama_weights
 from weightbus.publisher import Publisher
-from weightbus.transport.dist_group import (
+from weightbus.transport.dist.group import (
     WeightsGroup,
     create_publisher_group,
     destroy_group,

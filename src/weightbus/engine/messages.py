@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from weightbus.wire import PauseMode, VerifyLevel
+
 PROTOCOL_VERSION = 1
 
 
@@ -64,8 +66,6 @@ class RequestError(msgspec.Struct, tag="error", frozen=True):
     message: str
 
 
-PauseMode = Literal["drain", "in_place", "abort"]
-VerifyLevel = Literal["full", "none"]
 MemoryTag = Literal["kv_cache", "weights"]
 WeightsStatus = Literal["NORMAL", "UPDATING", "CLEARING", "CLEARED", "FAILED"]
 

@@ -1,15 +1,31 @@
 """A rank's side of `/v1/init_weights_group` and `/v1/destroy_weights_group`.
 
-Every rank applies the request at the same step boundary (`Action.WEIGHTS_GROUP`); joining
-blocks until the whole group formed or `timeout_s` passed. The outcome is a `RankResult`, which
-the worker all-gathers like an update's verdicts, so rank 0 answers once for the engine.
+Every rank applies the request at the same step boundary (`Action.WEIGHTS_GROUP`) through the
+`dist` transport's rank set-up (`weightbus.transport.rank_setup`); joining blocks until the
+whole group formed or `timeout_s` passed. The outcome is a `RankResult`, which the worker
+all-gathers like an update's verdicts, so rank 0 answers once for the engine.
 """
+
+import msgspec
 
 from weightbus.engine import messages
 from weightbus.models.llama import LlamaForCausalLM
 from weightbus.receiver import RankResult
-from weightbus.transport.dist_group import destroy_group, join_group
-from weightbus.wire.messages import RankLayout, SliceSpec
+from weightbus.transport import decode_setup_request, rank_setup
+from weightbus.wire.messages import SliceSpec
+
+_FIELDS = {
+    "init": (
+        "group_name",
+        "master_addr",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "backend",
+        "timeout_s",
+    ),
+    "destroy": ("group_name",),
+}
 
 
 def slice_specs(model: LlamaForCausalLM) -> list[SliceSpec]:
@@ -25,22 +41,11 @@ def apply_weights_group(
 ) -> RankResult:
     """Join or leave the group the request names; never raises, the result says what failed."""
     result = RankResult()
+    fields = msgspec.structs.asdict(request)
+    raw = {"action": request.action, **{name: fields[name] for name in _FIELDS[request.action]}}
     try:
-        if request.action == "destroy":
-            destroy_group(request.group_name)
-            return result
-        group_rank = request.rank_offset + tp_rank
-        join_group(
-            name=request.group_name,
-            master_addr=request.master_addr,
-            master_port=request.master_port,
-            group_rank=group_rank,
-            world_size=request.world_size,
-            timeout_s=request.timeout_s,
-            layout=RankLayout(
-                group_rank=group_rank, tp_rank=tp_rank, tp_size=tp_size, slices=slices
-            ),
-        )
+        setup_request = decode_setup_request("dist", raw)
+        rank_setup("dist")(setup_request, tp_rank=tp_rank, tp_size=tp_size, slices=slices)
     except TimeoutError as exc:
         result.timed_out = True
         result.fail(str(exc))

@@ -31,12 +31,13 @@ from weightbus.engine.scheduler import Scheduler
 from weightbus.engine.sequence import SamplingParams, Sequence
 from weightbus.engine.update_control import Action, StepAction, UpdateController, mask_to_tags
 from weightbus.engine.verdicts import all_flags, gather_verdicts
-from weightbus.engine.weights import WeightsManager
 from weightbus.engine.weights_group import apply_weights_group, slice_specs
+from weightbus.engine.weights_manager import WeightsManager
 from weightbus.layers.attention import AttentionMetadata
 from weightbus.layers.parallel import destroy_tp_group, init_tp_group
 from weightbus.log import setup_logging
 from weightbus.meta import dtype_from_name
+from weightbus.models.config import ModelConfig
 from weightbus.models.loader import resolve_config, weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -86,14 +87,28 @@ class Worker:
         self.config = config
         self.is_driver = config.tp_rank == 0
         self.tp_size = config.tp_size
-        init_tp_group(
-            tp_rank=config.tp_rank,
-            tp_size=config.tp_size,
-            store_host=config.store_host,
-            store_port=config.store_port,
-            timeout_s=config.dist_timeout_s,
-        )
+        self._join_tp_group()
         model_config = resolve_config(config.model)
+        self._load_model(model_config)
+        self._init_step_state()
+        if self.is_driver:
+            self._init_driver(model_config)
+        # every rank has loaded its shard before rank 0 reports ready
+        dist.barrier()
+        if self.is_driver:
+            self._report_ready(model_config)
+
+    def _join_tp_group(self) -> None:
+        init_tp_group(
+            tp_rank=self.config.tp_rank,
+            tp_size=self.config.tp_size,
+            store_host=self.config.store_host,
+            store_port=self.config.store_port,
+            timeout_s=self.config.dist_timeout_s,
+        )
+
+    def _load_model(self, model_config: ModelConfig) -> None:
+        config = self.config
         self.runner = ModelRunner(
             config=model_config,
             source=config.model,
@@ -111,42 +126,46 @@ class Worker:
         )
         # what this rank loads of each tensor, for `dist` scatter (taken while weights exist)
         self.slices = slice_specs(self.runner.model)
+
+    def _init_step_state(self) -> None:
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         self.batch: list[Sequence] = []
         self.stopping = False
         self.step_action = StepAction()
         self.update_request: messages.UpdateWeights | None = None
-        if self.is_driver:
-            self.scheduler = Scheduler(
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=config.max_model_len,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+
+    def _init_driver(self, model_config: ModelConfig) -> None:
+        # rank 0 only: the scheduler, the API-server link and the weights status
+        config = self.config
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            vocab_size=model_config.vocab_size,
+            eos_token_ids=model_config.eos_token_ids,
+        )
+        self._connect()
+        self.control = UpdateController(
+            version=config.weight_version,
+            fingerprint=weights_fingerprint(
+                config.model, model_config, config.seed, dtype_from_name(config.dtype)
+            ),
+            send=self._send,
+            abort=self._abort_sequences,
+        )
+
+    def _report_ready(self, model_config: ModelConfig) -> None:
+        self._send(
+            messages.Ready(
+                protocol_version=messages.PROTOCOL_VERSION,
+                tp_size=self.config.tp_size,
                 vocab_size=model_config.vocab_size,
-                eos_token_ids=model_config.eos_token_ids,
+                max_model_len=self.config.max_model_len,
+                eos_token_ids=list(model_config.eos_token_ids),
+                weight_version=self.config.weight_version,
             )
-            self._connect()
-            self.control = UpdateController(
-                version=config.weight_version,
-                fingerprint=weights_fingerprint(
-                    config.model, model_config, config.seed, dtype_from_name(config.dtype)
-                ),
-                send=self._send,
-                abort=self._abort_sequences,
-            )
-        # every rank has loaded its shard before rank 0 reports ready
-        dist.barrier()
-        if self.is_driver:
-            self._send(
-                messages.Ready(
-                    protocol_version=messages.PROTOCOL_VERSION,
-                    tp_size=config.tp_size,
-                    vocab_size=model_config.vocab_size,
-                    max_model_len=config.max_model_len,
-                    eos_token_ids=list(model_config.eos_token_ids),
-                    weight_version=config.weight_version,
-                )
-            )
-            self.control.publish_state()
+        )
+        self.control.publish_state()
 
     def _connect(self) -> None:
         requests_addr, outputs_addr = ipc_addresses(self.config.ipc_dir)

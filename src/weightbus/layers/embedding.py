@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.functional import embedding, linear
 
 from weightbus.layers.parallel import all_gather_last_dim, all_reduce, get_tp
-from weightbus.layers.shard import ShardCopy, check_full_shape
+from weightbus.plan.shard import ShardCopy, check_full_shape
 
 
 class VocabParallelEmbedding(nn.Module):

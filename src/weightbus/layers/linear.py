@@ -4,7 +4,7 @@ Column-parallel layers split the output features over ranks, row-parallel layers
 features and sum the partial products. Fused layers (`QKVParallelLinear`,
 `MergedColumnParallelLinear`) hold several Hugging Face matrices stacked along the output
 dimension; their loader takes a `shard_id` that says which one arrives. Every loader checks the
-full (unsharded) shape, then applies its `shard_copy` (`layers/shard.py`): its rank's slice is
+full (unsharded) shape, then applies its `shard_copy` (`plan/shard.py`): its rank's slice is
 copied into the existing parameter storage, never reallocated and never aliased.
 """
 
@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.functional import linear
 
 from weightbus.layers.parallel import all_reduce, divide, get_tp
-from weightbus.layers.shard import ShardCopy, check_full_shape
+from weightbus.plan.shard import ShardCopy, check_full_shape
 
 
 def _new_param(*shape: int) -> nn.Parameter:

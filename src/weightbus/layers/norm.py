@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from weightbus.layers.shard import ShardCopy, check_full_shape
+from weightbus.plan.shard import ShardCopy, check_full_shape
 
 
 class RMSNorm(nn.Module):

@@ -20,8 +20,8 @@ from weightbus.layers.linear import (
 )
 from weightbus.layers.norm import RMSNorm
 from weightbus.layers.rotary import RotaryEmbedding
-from weightbus.layers.shard import ShardCopy
 from weightbus.models.config import ModelConfig
+from weightbus.plan.shard import ShardCopy
 
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

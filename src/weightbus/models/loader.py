@@ -3,12 +3,10 @@
 import contextlib
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
-import msgspec
 import torch
-from safetensors import safe_open
 
+from weightbus.checkpoint import iter_safetensors
 from weightbus.digest import fingerprint
 from weightbus.models.config import ModelConfig, tiny_config
 from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
@@ -16,7 +14,6 @@ from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
 logger = logging.getLogger(__name__)
 
 TINY = "tiny"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def resolve_config(model: str) -> ModelConfig:
@@ -43,53 +40,6 @@ def create_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> Lla
     """An unloaded model for this process's tensor-parallel rank, parameters in `dtype`."""
     with _default_dtype(dtype):
         return LlamaForCausalLM(config).eval()
-
-
-class _Index(msgspec.Struct):
-    """What weightbus reads of `model.safetensors.index.json` (other keys are ignored)."""
-
-    weight_map: dict[str, str]
-
-
-def _indexed_files(index: Path) -> list[str]:
-    try:
-        weight_map = msgspec.json.decode(index.read_bytes(), type=_Index).weight_map
-    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{index} is not a safetensors index: {exc}") from None
-    names = sorted(set(weight_map.values()))
-    outside = [name for name in names if name != Path(name).name or name in ("", ".", "..")]
-    if outside:
-        raise ValueError(f"{index} names files outside its directory: {outside}")
-    return names
-
-
-def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The checkpoint files of a directory: those of the index when present, else all.
-
-    Raises:
-        FileNotFoundError: no safetensors file (or one the index names is missing).
-        ValueError: the index is malformed or names files outside the directory.
-    """
-    model_dir = Path(model_dir)
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        files = [model_dir / name for name in _indexed_files(index)]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{INDEX_FILE} names missing files: {missing}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
-    return files
-
-
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, tensor)` of every tensor in a Hugging Face directory, one file open at a time."""
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
 
 
 def random_hf_weights(config: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -120,7 +70,7 @@ def load_model(model: LlamaForCausalLM, source: str, seed: int = 0) -> None:
 
     Raises:
         ValueError: a tensor is unknown, has the wrong shape, or is missing (names listed).
-        FileNotFoundError: see `safetensors_files`.
+        FileNotFoundError: see `weightbus.checkpoint.safetensors_files`.
     """
     weights = random_hf_weights(model.config, seed) if source == TINY else iter_safetensors(source)
     loaded = model.load_weights(weights)

@@ -17,6 +17,8 @@ from weightbus.plan.bucket import ALIGN_BYTES, BucketEntry, align_up
 
 # Bumped whenever the layout rules change, so old and new planners never agree by accident.
 PLAN_FORMAT = 1
+# The bucket size publishers plan with unless told otherwise (and transport buffers' size).
+DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True, slots=True)

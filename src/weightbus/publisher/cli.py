@@ -33,8 +33,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from weightbus.checkpoint import iter_safetensors
     from weightbus.meta import dtype_from_name
-    from weightbus.models.loader import iter_safetensors
     from weightbus.publisher import Publisher, PushError
 
     try:

@@ -1,17 +1,19 @@
-"""A one-line progress bar for long pushes, shown only when stderr is a terminal."""
+"""A one-line progress bar for long pushes (tqdm), shown only when stderr is a terminal."""
 
 import sys
-import time
 from typing import TextIO
 
-from weightbus.units import format_bytes
+from tqdm import tqdm
 
 # Pushes shorter than this never draw a bar: it would only flicker.
 SHOW_AFTER_S = 1.0
 
 
 class PushProgress:
-    """Counts bytes handed to the transport and redraws one status line on a terminal.
+    """Counts bytes handed to the transport and draws a tqdm bar on a terminal.
+
+    The bar shows bytes (unit-scaled), rate and ETA. Off a terminal (logs, CI, an engine's
+    pipes) no bar is created at all.
 
     Args:
         version: the version being pushed (shown in the line).
@@ -25,28 +27,28 @@ class PushProgress:
         self.done_bytes = 0
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = self.stream.isatty()
-        self.started = time.monotonic()
-        self.drawn = False
+        self._bar = (
+            tqdm(
+                desc=f"push {version}",
+                total=self.total_bytes,
+                unit="B",
+                unit_scale=True,
+                file=self.stream,
+                delay=SHOW_AFTER_S,
+                leave=True,
+                dynamic_ncols=True,
+            )
+            if self.enabled
+            else None
+        )
 
     def advance(self, nbytes: int) -> None:
         """Account for `nbytes` more bytes sent."""
         self.done_bytes += nbytes
-        if self.enabled and time.monotonic() - self.started >= SHOW_AFTER_S:
-            self._draw()
-
-    def _draw(self) -> None:
-        fraction = min(self.done_bytes / self.total_bytes, 1.0)
-        bar = "#" * int(30 * fraction)
-        line = (
-            f"\rpush {self.version} [{bar:<30}] {100 * fraction:5.1f}% "
-            f"{format_bytes(self.done_bytes)} / {format_bytes(self.total_bytes)}"
-        )
-        self.stream.write(line)
-        self.stream.flush()
-        self.drawn = True
+        if self._bar is not None:
+            self._bar.update(nbytes)
 
     def close(self) -> None:
         """End the line if one was drawn."""
-        if self.drawn:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()

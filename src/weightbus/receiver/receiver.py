@@ -10,21 +10,19 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from weightbus.digest import fingerprint_of_digests, tensor_digest
 from weightbus.meta import TensorMeta, dtype_name
 from weightbus.plan import plan_buckets
-from weightbus.receiver.prefetch import Prefetcher
 from weightbus.transport import BucketSource, ReceivedBatch
-from weightbus.wire import UpdateBegin
+from weightbus.transport.prefetch import Prefetcher
+from weightbus.wire import UpdateBegin, VerifyLevel
 
 logger = logging.getLogger(__name__)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[str]]
-VerifyLevel = Literal["full", "none"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

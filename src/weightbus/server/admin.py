@@ -33,6 +33,7 @@ from weightbus.server.protocol import (
     WeightsInfo,
     error_responses,
 )
+from weightbus.wire import PauseMode
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ async def control(
     config: AdminConfig,
     action: ControlAction,
     *,
-    mode: messages.PauseMode = "drain",
+    mode: PauseMode = "drain",
     tags: list[messages.MemoryTag] | None = None,
 ) -> ControlResponse:
     """Send one `Control` to rank 0 and answer with its `ControlResult`.
@@ -240,13 +241,24 @@ def admin_router(config: AdminConfig) -> APIRouter:
         The router to include in the app.
     """
     router = APIRouter(responses=error_responses(401, 403))  # with a token set
+    _add_update_route(router, config)
+    _add_state_routes(router)
+    _add_weights_group_routes(router, config)
+    _add_generation_routes(router, config)
+    _add_memory_routes(router, config)
+    return router
 
+
+def _add_update_route(router: APIRouter, config: AdminConfig) -> None:
     @router.post("/v1/update_weights", responses=_ACTION_ERRORS)
     async def update_weights_route(
         body: UpdateWeightsRequest, request: Request
     ) -> UpdateWeightsResponse:
         return await update_weights(body, request, config)
 
+
+def _add_state_routes(router: APIRouter) -> None:
+    # answered from the client's mirror of rank 0's reports: no message to rank 0
     @router.get("/v1/weights")
     async def weights_route(request: Request) -> WeightsInfo:
         state = _client(request).weights
@@ -263,6 +275,8 @@ def admin_router(config: AdminConfig) -> APIRouter:
             served_model_name=request.app.state.served_model_name,
         )
 
+
+def _add_weights_group_routes(router: APIRouter, config: AdminConfig) -> None:
     @router.post("/v1/init_weights_group", responses=_ACTION_ERRORS)
     async def init_weights_group_route(
         body: InitWeightsGroupRequest, request: Request
@@ -281,6 +295,8 @@ def admin_router(config: AdminConfig) -> APIRouter:
         )
         return await weights_group(request, config, message)
 
+
+def _add_generation_routes(router: APIRouter, config: AdminConfig) -> None:
     @router.post("/v1/pause_generation", responses=_ACTION_ERRORS)
     async def pause_route(body: PauseRequest, request: Request) -> ControlResponse:
         return await control(request, config, "pause", mode=body.mode)
@@ -292,6 +308,8 @@ def admin_router(config: AdminConfig) -> APIRouter:
         del body  # no fields (the body may be left out); validated to refuse unknown ones
         return await control(request, config, "continue")
 
+
+def _add_memory_routes(router: APIRouter, config: AdminConfig) -> None:
     @router.post("/v1/release_memory", responses=_ACTION_ERRORS)
     async def release_route(body: MemoryRequest, request: Request) -> ControlResponse:
         return await control(request, config, "release", tags=list(body.tags))
@@ -299,5 +317,3 @@ def admin_router(config: AdminConfig) -> APIRouter:
     @router.post("/v1/resume_memory", responses=_ACTION_ERRORS)
     async def resume_route(body: MemoryRequest, request: Request) -> ControlResponse:
         return await control(request, config, "resume", tags=list(body.tags))
-
-    return router

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,7 +24,7 @@ from weightbus.server.auth import TokenAuth
 from weightbus.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from weightbus.server.completions import run_completion
 from weightbus.server.engine_client import EngineClient
-from weightbus.server.errors import APIError, error_response
+from weightbus.server.errors import APIError, error_response, validation_detail
 from weightbus.server.metrics import CONTENT_TYPE, Metrics
 from weightbus.server.protocol import (
     CompletionRequest,
@@ -110,15 +109,10 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(exc.status_code, message, headers=exc.headers)
 
 
-def _bytes_text(data: bytes) -> str:
-    return data.decode("utf-8", "backslashreplace")
-
-
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    # a body of another content type arrives as bytes, which need not be UTF-8
-    detail = jsonable_encoder(errors, custom_encoder={bytes: _bytes_text})
+    # the errors echo the input (up to the body limit): answer with a bounded copy
+    detail, num_omitted = validation_detail(exc.errors())
+    first = detail[0] if detail else {}
     if first.get("type") == "json_invalid":  # loc is ("body", character offset)
         position = first["loc"][-1]
         reason = first.get("ctx", {}).get("error", "")
@@ -126,13 +120,14 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if loc:
         message = f"invalid field '{loc[0]}': {first.get('msg')}"
-    elif first.get("loc") == ("body",) and isinstance(exc.body, bytes) and exc.body:
+    elif tuple(first.get("loc", ())) == ("body",) and isinstance(exc.body, bytes) and exc.body:
         # FastAPI parses only JSON content types: any other body arrives as raw bytes
         content_type = request.headers.get("content-type", "none")
         message = f"invalid request body: Content-Type must be application/json, got {content_type}"
     else:
         message = f"invalid request body: {first.get('msg')}"
-    return error_response(422, message, loc[0] if loc else None, detail=detail)
+    omitted = {"detail_omitted": num_omitted} if num_omitted else {}
+    return error_response(422, message, loc[0] if loc else None, detail=detail, **omitted)
 
 
 def _stop_reason(hooks: EngineHooks) -> str | None:

@@ -173,6 +173,70 @@ async def _all_or_none(coros: list) -> list[_Generation]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _engine_requests(
+    body: CompletionRequest, prompts: list[list[int]], completion_id: str
+) -> list[messages.AddRequest]:
+    # one engine request per prompt, `<completion id>-<choice index>`
+    return [
+        messages.AddRequest(
+            request_id=f"{completion_id}-{i}",
+            prompt_token_ids=ids,
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            num_logprobs=body.logprobs,
+            ignore_eos=body.ignore_eos,
+        )
+        for i, ids in enumerate(prompts)
+    ]
+
+
+async def _generate_all(
+    client: EngineClient,
+    tokenizer: Tokenizer,
+    requests: list[messages.AddRequest],
+    stops: list[str],
+    request_timeout_s: float,
+) -> list[_Generation]:
+    try:
+        async with asyncio.timeout(request_timeout_s):
+            return await _all_or_none([_generate(client, tokenizer, r, stops) for r in requests])
+    except EngineDeadError as exc:
+        raise APIError(503, f"engine unavailable: {exc}") from None
+    except TimeoutError:
+        raise APIError(504, f"generation took longer than {request_timeout_s:.0f} s") from None
+
+
+def _choice(
+    index: int,
+    gen: _Generation,
+    body: CompletionRequest,
+    tokenizer: Tokenizer,
+    serving_version: str,
+) -> CompletionChoice:
+    return CompletionChoice(
+        index=index,
+        text=gen.text,
+        token_ids=gen.token_ids,
+        logprobs=None if body.logprobs is None else _logprobs(gen, tokenizer, body.logprobs),
+        finish_reason=gen.finish_reason or "abort",
+        weight_version=gen.weight_spans[-1].version if gen.weight_spans else serving_version,
+        weight_versions=gen.weight_spans,
+        abort_reason=gen.abort_reason,
+    )
+
+
+def _usage(prompts: list[list[int]], generations: list[_Generation]) -> Usage:
+    num_prompt = sum(len(ids) for ids in prompts)
+    num_completion = sum(len(gen.token_ids) for gen in generations)
+    return Usage(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt + num_completion,
+    )
+
+
 async def run_completion(
     body: CompletionRequest,
     *,
@@ -196,55 +260,18 @@ async def run_completion(
     )
     check_serving(client.weights)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = [
-        messages.AddRequest(
-            request_id=f"{completion_id}-{i}",
-            prompt_token_ids=ids,
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            num_logprobs=body.logprobs,
-            ignore_eos=body.ignore_eos,
-        )
-        for i, ids in enumerate(prompts)
-    ]
+    requests = _engine_requests(body, prompts, completion_id)
     stops = list(body.stop or [])
-    try:
-        async with asyncio.timeout(request_timeout_s):
-            generations = await _all_or_none(
-                [_generate(client, tokenizer, r, stops) for r in requests]
-            )
-    except EngineDeadError as exc:
-        raise APIError(503, f"engine unavailable: {exc}") from None
-    except TimeoutError:
-        raise APIError(504, f"generation took longer than {request_timeout_s:.0f} s") from None
+    generations = await _generate_all(client, tokenizer, requests, stops, request_timeout_s)
+    # a choice ended before its first token reports the version serving now
+    serving_version = client.weights.version
     choices = [
-        CompletionChoice(
-            index=i,
-            text=gen.text,
-            token_ids=gen.token_ids,
-            logprobs=None if body.logprobs is None else _logprobs(gen, tokenizer, body.logprobs),
-            finish_reason=gen.finish_reason or "abort",
-            # a choice ended before its first token reports the version serving now
-            weight_version=gen.weight_spans[-1].version
-            if gen.weight_spans
-            else client.weights.version,
-            weight_versions=gen.weight_spans,
-            abort_reason=gen.abort_reason,
-        )
-        for i, gen in enumerate(generations)
+        _choice(i, gen, body, tokenizer, serving_version) for i, gen in enumerate(generations)
     ]
-    num_prompt = sum(len(ids) for ids in prompts)
-    num_completion = sum(len(gen.token_ids) for gen in generations)
     return CompletionResponse(
         id=completion_id,
         created=int(time.time()),
         model=model_name,
         choices=choices,
-        usage=Usage(
-            prompt_tokens=num_prompt,
-            completion_tokens=num_completion,
-            total_tokens=num_prompt + num_completion,
-        ),
+        usage=_usage(prompts, generations),
     )

@@ -1,8 +1,21 @@
 """Errors of the HTTP API, all answered as `{"error": {message, type, param, code}, ...}`."""
 
+import json
 import math
+from collections.abc import Sequence
+from typing import Any
 
+from fastapi.encoders import jsonable_encoder
 from starlette.responses import JSONResponse
+
+# A 422 answer says what was wrong, it does not echo the request (up to the body limit, 8 MiB):
+# each error's `input` is cut to ECHO_CHARS of its JSON text, every other string (`loc` may name
+# an unknown key, `msg` and `ctx` may quote the input) to TEXT_CHARS, and `detail` lists the
+# first errors up to MAX_DETAIL_ERRORS and DETAIL_CHARS (the first one always).
+ECHO_CHARS = 256
+TEXT_CHARS = 1024
+MAX_DETAIL_ERRORS = 16
+DETAIL_CHARS = 8192
 
 
 class APIError(Exception):
@@ -59,6 +72,62 @@ def json_safe(value: object) -> object:
     if isinstance(value, list | tuple):
         return [json_safe(item) for item in value]
     return value
+
+
+def _clip(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [truncated, {len(text)} characters]"
+
+
+def _clip_strings(value: object) -> object:
+    if isinstance(value, str):
+        return _clip(value, TEXT_CHARS)
+    if isinstance(value, dict):
+        return {_clip_strings(key): _clip_strings(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clip_strings(item) for item in value]
+    return value
+
+
+def _echo(value: object) -> object:
+    # the input itself when short, else the start of its text (a string's own, or its JSON)
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return value if len(text) <= ECHO_CHARS else _clip(text, ECHO_CHARS)
+
+
+def _bytes_text(data: bytes) -> str:
+    return data.decode("utf-8", "backslashreplace")
+
+
+def validation_detail(errors: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The `detail` of a 422 answer: the validation errors, bounded in size.
+
+    Args:
+        errors: FastAPI's `RequestValidationError.errors()` (they carry the offending `input`).
+
+    Returns:
+        The first errors, JSON-able, each `input` cut to `ECHO_CHARS` of its JSON text and every
+        other string to `TEXT_CHARS` (a cut one ends with `... [truncated, N characters]`), at
+        most `MAX_DETAIL_ERRORS` of them and `DETAIL_CHARS` of JSON in all (the first error is
+        always kept); and how many errors were left out.
+    """
+    detail: list[dict[str, Any]] = []
+    size = 0
+    # a body of another content type arrives as bytes, which need not be UTF-8
+    encoded = jsonable_encoder(
+        list(errors[:MAX_DETAIL_ERRORS]), custom_encoder={bytes: _bytes_text}
+    )
+    for error in encoded:
+        bounded = {
+            key: _echo(value) if key == "input" else _clip_strings(value)
+            for key, value in error.items()
+        }
+        size += len(json.dumps(bounded, ensure_ascii=False))
+        if detail and size > DETAIL_CHARS:
+            break
+        detail.append(bounded)
+    return detail, len(errors) - len(detail)
 
 
 def error_response(

@@ -4,10 +4,18 @@ import json
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
-from weightbus.engine.messages import MemoryTag, PauseMode, VerifyLevel, WeightsStatus
-from weightbus.transport import transport_names
+from weightbus.engine.messages import MemoryTag, WeightsStatus
+from weightbus.transport import decode_description, transport_names
+from weightbus.transport.dist.messages import DEFAULT_GROUP_NAME, GROUP_NAME_PATTERN
+from weightbus.wire import PauseMode, VerifyLevel
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
@@ -240,9 +248,13 @@ class UpdateWeightsRequest(AdminRequest):
 
     @field_validator("source")
     @classmethod
-    def _check_source(cls, source: dict[str, Any]) -> dict[str, Any]:
-        # it travels to rank 0 as msgpack: integers must fit in 64 bits
-        try:
+    def _check_source(cls, source: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # the transport's own description type says what `source` may hold (422 naming the
+        # field); ranks decode it again with the same registry function
+        transport = info.data.get("transport")  # absent when the transport was refused
+        if transport is not None:
+            decode_description(transport, source)
+        try:  # it travels to rank 0 as msgpack: integers must fit in 64 bits
             msgspec.msgpack.encode(source)
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"source cannot be sent to the engine: {exc}") from None
@@ -272,9 +284,6 @@ class MemoryRequest(AdminRequest):
         return tags
 
 
-GROUP_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
-
-
 class InitWeightsGroupRequest(AdminRequest):
     """`POST /v1/init_weights_group` body: this engine's ranks join a `dist` weights group as
     group ranks `rank_offset ..` of `world_size` (the publisher, serving the store at
@@ -285,14 +294,14 @@ class InitWeightsGroupRequest(AdminRequest):
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2, le=65536)
     backend: Literal["gloo"] = "gloo"
-    group_name: str = Field("weightbus", pattern=GROUP_NAME_PATTERN)
+    group_name: str = Field(DEFAULT_GROUP_NAME, pattern=GROUP_NAME_PATTERN)
     timeout_s: float = Field(60.0, gt=0, le=MAX_UPDATE_TIMEOUT_S, allow_inf_nan=False)
 
 
 class DestroyWeightsGroupRequest(AdminRequest):
     """`POST /v1/destroy_weights_group` body."""
 
-    group_name: str = Field("weightbus", pattern=GROUP_NAME_PATTERN)
+    group_name: str = Field(DEFAULT_GROUP_NAME, pattern=GROUP_NAME_PATTERN)
 
 
 class ServerInfo(BaseModel):

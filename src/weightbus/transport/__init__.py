@@ -1,75 +1,218 @@
-"""Transports: a registry of sinks (publisher side) and sources (engine side) by name.
+"""Transports: a registry of sinks (publisher side), sources (engine side) and the typed
+description that travels between them, by name.
 
-Implementations are imported only when used, so heavy dependencies (torch.distributed, NIXL)
-load only for the transports a user picks.
+A transport is one module (or subpackage) plus one line in `_REGISTRY`. Its parts are named
+`"module:attribute"` and imported only when used, so heavy dependencies (torch.distributed,
+NIXL) load only for the transports a user picks, and the HTTP edge decodes a description
+without importing the transport's data path.
 """
 
 import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from weightbus.transport.base import BucketSink, BucketSource, PushSession, ReceivedBatch
+import msgspec
 
-# name -> (module, sink class, source class)
-_REGISTRY: dict[str, tuple[str, str, str]] = {
-    "disk": ("weightbus.transport.disk", "DiskSink", "DiskSource"),
-    "dist": ("weightbus.transport.dist", "DistSink", "DistSource"),
-    "hf_dir": ("weightbus.transport.hf_dir", "HfDirSink", "HfDirSource"),
-    "shm": ("weightbus.transport.shm", "ShmSink", "ShmSource"),
+from weightbus.transport.arena import DirectPlacement, ParamArena, direct_placement
+from weightbus.transport.base import (
+    BucketSink,
+    BucketSource,
+    PushSession,
+    ReceivedBatch,
+    SourceDescription,
+)
+from weightbus.transport.shared_memory import remove_stale_slots
+from weightbus.wire import ProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class TransportEntry:
+    """Where the parts of one transport live, each as `"module:attribute"`.
+
+    Attributes:
+        sink: the `BucketSink` class (publisher side).
+        source: the `BucketSource` class (engine rank side).
+        description: the `SourceDescription` struct the sink returns and sources open.
+        direct: sources accept a `DirectPlacement` (ranks' parameters in shared memory).
+        rank_setup: a function `(request, *, tp_rank, tp_size, slices) -> None` every engine
+            rank runs when the publisher sets the transport up (`Publisher.setup_transport`),
+            or None when it needs none.
+        setup_request: the type of that function's `request` (a struct or a union of them).
+    """
+
+    sink: str
+    source: str
+    description: str
+    direct: bool = False
+    rank_setup: str | None = None
+    setup_request: str | None = None
+
+
+_REGISTRY: dict[str, TransportEntry] = {
+    "disk": TransportEntry(
+        sink="weightbus.transport.disk:DiskSink",
+        source="weightbus.transport.disk:DiskSource",
+        description="weightbus.transport.disk:DiskDescription",
+    ),
+    "dist": TransportEntry(
+        sink="weightbus.transport.dist.sink:DistSink",
+        source="weightbus.transport.dist.source:DistSource",
+        description="weightbus.transport.dist.messages:DistDescription",
+        rank_setup="weightbus.transport.dist.setup:apply_rank_setup",
+        setup_request="weightbus.transport.dist.messages:WeightsGroupRequest",
+    ),
+    "hf_dir": TransportEntry(
+        sink="weightbus.transport.hf_dir:HfDirSink",
+        source="weightbus.transport.hf_dir:HfDirSource",
+        description="weightbus.transport.hf_dir:HfDirDescription",
+    ),
+    "shm": TransportEntry(
+        sink="weightbus.transport.shm.sink:ShmSink",
+        source="weightbus.transport.shm.source:ShmSource",
+        description="weightbus.transport.shm.description:ShmDescription",
+        direct=True,
+    ),
 }
-# transports whose sources take a `direct` placement (see `transport/shm_arena.py`)
-_DIRECT = {"shm"}
 
 
 def transport_names() -> list[str]:
-    """Names of the registered transports (CLI choices come from here)."""
+    """Names of the registered transports (CLI and API choices come from here)."""
     return sorted(_REGISTRY)
 
 
-def _lookup(name: str, index: int) -> Any:
+def _entry(name: str) -> TransportEntry:
     try:
-        entry = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise ValueError(
             f"unknown transport {name!r}; available: {', '.join(transport_names())}"
         ) from None
-    return getattr(importlib.import_module(entry[0]), entry[index])
+
+
+def _load(path: str) -> Any:
+    module, attribute = path.split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def make_sink(name: str, **options: Any) -> BucketSink:
-    """A publisher-side sink of transport `name`."""
-    return _lookup(name, 1)(**options)
+    """A publisher-side sink of transport `name`, built with the sink's keyword `options`.
+
+    Raises:
+        ValueError: unknown transport, or options the sink refuses.
+    """
+    return _load(_entry(name).sink)(**options)
 
 
 def accepts_direct(name: str) -> bool:
     """Whether transport `name` can write straight into parameters in shared memory."""
-    return name in _DIRECT
+    return _entry(name).direct
+
+
+def description_type(name: str) -> type[SourceDescription]:
+    """The description struct of transport `name`."""
+    return _load(_entry(name).description)
+
+
+def decode_description(name: str, raw: Mapping[str, Any]) -> SourceDescription:
+    """The typed description of transport `name` from its JSON/msgpack form.
+
+    This is the one place a description is parsed: the engine's HTTP edge (an error is a 422)
+    and every rank (an error fails the update) both call it.
+
+    Raises:
+        ValueError: unknown transport.
+        ProtocolError: a field is missing, unknown, of another type or out of range (the
+            message names it as `source.<field>`).
+    """
+    return _convert(raw, description_type(name), f"{name} source", "source")
+
+
+def _convert(raw: Mapping[str, Any], struct: Any, what: str, root: str) -> Any:
+    try:
+        return msgspec.convert(raw, type=struct)
+    except msgspec.ValidationError as exc:
+        message = str(exc).replace("`$", f"`{root}")
+        raise ProtocolError(f"{what}: {message}") from None
+
+
+def encode_description(description: SourceDescription) -> dict[str, Any]:
+    """The JSON/msgpack form of a description (what `decode_description` reads back)."""
+    return msgspec.to_builtins(description)
 
 
 def open_source(
-    name: str, description: dict, *, rank: int = 0, tp_size: int = 1, direct: Any = None
+    name: str,
+    description: SourceDescription | Mapping[str, Any],
+    *,
+    rank: int = 0,
+    tp_size: int = 1,
+    direct: DirectPlacement | None = None,
 ) -> BucketSource:
     """An engine-side source of transport `name` for the session `description` names.
 
     Args:
+        description: the typed description, or its JSON/msgpack form (decoded here).
         direct: this rank's `DirectPlacement` (parameters in shared memory) to offer;
             ignored by transports that cannot use it.
 
     Raises:
-        ValueError: unknown transport or invalid description.
+        ValueError: unknown transport or invalid description (`ProtocolError`).
     """
-    source_class = _lookup(name, 2)
-    if direct is not None and accepts_direct(name):
+    entry = _entry(name)
+    if not isinstance(description, SourceDescription):
+        description = decode_description(name, description)
+    source_class = _load(entry.source)
+    if direct is not None and entry.direct:
         return source_class(description, rank=rank, tp_size=tp_size, direct=direct)
     return source_class(description, rank=rank, tp_size=tp_size)
+
+
+def _setup_entry(name: str) -> TransportEntry:
+    entry = _entry(name)
+    if entry.rank_setup is None or entry.setup_request is None:
+        raise ValueError(f"transport {name!r} needs no set-up on engine ranks")
+    return entry
+
+
+def rank_setup(name: str) -> Any:
+    """The engine-rank set-up function of transport `name`.
+
+    Raises:
+        ValueError: unknown transport, or one that needs no set-up on the ranks.
+    """
+    return _load(_setup_entry(name).rank_setup)
+
+
+def decode_setup_request(name: str, raw: Mapping[str, Any]) -> Any:
+    """The typed set-up request of transport `name` from its JSON/msgpack form.
+
+    Raises:
+        ValueError: unknown transport, or one that needs no set-up on the ranks.
+        ProtocolError: a field is missing, unknown, of another type or out of range.
+    """
+    request_type = _load(_setup_entry(name).setup_request)
+    return _convert(raw, request_type, f"{name} set-up", "request")
 
 
 __all__ = [
     "BucketSink",
     "BucketSource",
+    "DirectPlacement",
+    "ParamArena",
     "PushSession",
     "ReceivedBatch",
+    "SourceDescription",
+    "TransportEntry",
     "accepts_direct",
+    "decode_description",
+    "decode_setup_request",
+    "description_type",
+    "direct_placement",
+    "encode_description",
     "make_sink",
     "open_source",
+    "rank_setup",
+    "remove_stale_slots",
     "transport_names",
 ]

@@ -3,8 +3,8 @@
 A push session runs in three phases on the publisher:
 
 1. `sink.prepare(session, tensors)` makes the session readable (the disk sink writes every shard
-   and the manifest; streaming sinks set up their buffers) and returns the JSON-able `source`
-   description the engines need to open it;
+   and the manifest; streaming sinks set up their buffers) and returns the typed
+   `SourceDescription` the engines need to open it (`sink.for_engine` adapts it to each one);
 2. the publisher asks every engine to update from that description;
 3. `sink.stream(session, tensors)` sends what is not sent yet (nothing for disk).
 
@@ -12,12 +12,17 @@ Each engine rank opens the description with `open_source` and reads, in order: `
 `UpdateBegin` header), `batches()` (tensors with their digests; each batch's views stay valid
 until its `release()`), then `end()` (the publisher's `UpdateEnd` with its fingerprint).
 Transports never parse model names; planning never touches sockets.
+
+A transport that needs set-up across engines before its first push (the `dist` weights group)
+does it in `sink.setup(engines, ...)`, reaching each engine through the narrow `EngineLink`.
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import msgspec
 import torch
 
 from weightbus.digest import fingerprint_of_digests, tensor_digest
@@ -31,6 +36,40 @@ Progress = Callable[[int], None]
 
 def no_progress(nbytes: int) -> None:
     """Default progress callback: report nothing."""
+
+
+class SourceDescription(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of a transport's description of one session: what its sink returns from `prepare`
+    and what every engine rank opens. Each transport declares one subclass (its fields, types
+    and ranges); `weightbus.transport.decode_description` is the only parser."""
+
+
+class EngineRequestError(RuntimeError):
+    """An engine refused or failed a request; the message is the reason (as the engine or the
+    connection gave it)."""
+
+
+class EngineLink(Protocol):
+    """What a sink's `setup` may ask of one engine (publisher-side engine targets provide it)."""
+
+    url: str
+
+    def tp_size(self, timeout_s: float) -> int:
+        """The engine's number of ranks."""
+
+    def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Have every rank of the engine run the transport's set-up with `info`.
+
+        Raises:
+            EngineRequestError: the engine refused or failed.
+        """
+
+    def teardown_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Undo `setup_transport` on every rank of the engine.
+
+        Raises:
+            EngineRequestError: the engine refused or failed.
+        """
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,17 +169,33 @@ class BucketSink(ABC):
         """How the last session travelled (sinks with several modes name theirs)."""
         return self.name
 
+    def setup(self, engines: Sequence[EngineLink], **options: Any) -> Any:
+        """Set the transport up across `engines` before pushing (most transports need none).
+
+        Raises:
+            ValueError: this transport has no set-up.
+        """
+        raise ValueError(f"transport {self.name!r} needs no set-up")
+
+    def teardown(self, timeout_s: float) -> None:  # noqa: B027 (optional: most need none)
+        """Undo `setup` on the engines and here (a no-op when there was none)."""
+
     @abstractmethod
     def prepare(
         self,
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
         progress: Progress = no_progress,
-    ) -> dict:
-        """Make the session readable; return the `source` description engines open.
+    ) -> SourceDescription:
+        """Make the session readable; return the description engines open.
 
         `progress(nbytes)` is called as bytes are handed over (for a progress bar).
         """
+
+    def for_engine(self, description: SourceDescription, engine_index: int) -> SourceDescription:
+        """The description engine number `engine_index` of the push opens (by default the same
+        for every engine)."""
+        return description
 
     @abstractmethod
     def stream(
@@ -173,8 +228,8 @@ class BucketSource(ABC):
     """Receiver side of a transport, for one session on one rank.
 
     Implementations are built as `Source(description, rank=..., tp_size=...)`, where the
-    description is the dict the publisher's sink returned, plus `"group"`: the index of this
-    engine among the engines of the push.
+    description is the transport's `SourceDescription`, as the sink returned it for this
+    engine (`BucketSink.for_engine`).
     """
 
     @abstractmethod

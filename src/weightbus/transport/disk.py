@@ -13,25 +13,35 @@ pages their weight loaders touch are read: a TP rank reads little more than its 
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from weightbus.checkpoint import save_tensors
 from weightbus.transport.base import (
     BucketSink,
     BucketSource,
     Progress,
     PushSession,
     ReceivedBatch,
+    SourceDescription,
     no_progress,
 )
+from weightbus.transport.shared_memory import private_shm_dir
 from weightbus.wire import UpdateBegin, UpdateEnd
 
+DISK_ROOT_PREFIX = "weightbus-disk-"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+
+class DiskDescription(SourceDescription, frozen=True):
+    """A session directory written by `DiskSink` (on a filesystem the engines share)."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 
 
 class ShardRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,30 +65,20 @@ def _shard_names(session: PushSession) -> list[list[str]]:
     ]
 
 
-def _write_shard(path: Path, names: list[str], tensors: Mapping[str, torch.Tensor]) -> None:
-    seen_storages: set[int] = set()
-    shard = {}
-    for name in names:
-        tensor = tensors[name].detach().to("cpu").contiguous()
-        # safetensors refuses tensors that share memory (tied embeddings): copy repeats.
-        storage = tensor.untyped_storage().data_ptr()
-        shard[name] = tensor.clone() if storage in seen_storages and tensor.numel() else tensor
-        seen_storages.add(storage)
-    save_file(shard, str(path))
-    path.chmod(0o600)  # like the directory: the owner's alone
-
-
 class DiskSink(BucketSink):
     """Writes each push as a session directory under `root`; keeps only the newest one.
 
     Args:
-        root: directory shared with the engines (e.g. under /dev/shm on one host).
+        root: directory shared with the engines; by default a fresh private one under
+            /dev/shm (engines on this host), removed on `close`. Directories that publishers
+            killed before closing left there are removed first.
     """
 
     name = "disk"
 
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str | Path | None = None) -> None:
+        self._owned_root = root is None
+        self.root = private_shm_dir(DISK_ROOT_PREFIX) if root is None else Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._sessions: list[Path] = []
 
@@ -87,7 +87,7 @@ class DiskSink(BucketSink):
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
         progress: Progress = no_progress,
-    ) -> dict:
+    ) -> DiskDescription:
         session.ensure_digests(tensors)
         tmp = self.root / f".tmp-{session.session_id}"
         tmp.mkdir(mode=0o700)
@@ -95,7 +95,7 @@ class DiskSink(BucketSink):
         for index, names in enumerate(_shard_names(session)):
             if names:
                 file = f"shard-{index:05d}.safetensors"
-                _write_shard(tmp / file, names, tensors)
+                save_tensors(tmp / file, names, tensors)
                 shards.append(ShardRecord(file, names))
                 progress(sum(tensors[name].nbytes for name in names))
         manifest = DiskManifest(
@@ -112,7 +112,7 @@ class DiskSink(BucketSink):
         final = self.root / session.session_id
         tmp.rename(final)
         self._drop_old_sessions(keep=final)
-        return {"path": str(final)}
+        return DiskDescription(path=str(final))
 
     def stream(
         self,
@@ -131,6 +131,8 @@ class DiskSink(BucketSink):
     def close(self) -> None:
         self._drop_old_sessions(keep=Path())
         self._sessions = []
+        if self._owned_root:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def read_manifest(directory: Path) -> DiskManifest:
@@ -157,11 +159,8 @@ def read_manifest(directory: Path) -> DiskManifest:
 class DiskSource(BucketSource):
     """Reads a session directory written by `DiskSink`."""
 
-    def __init__(self, description: dict, *, rank: int = 0, tp_size: int = 1) -> None:
-        path = description.get("path") if isinstance(description, dict) else None
-        if not isinstance(path, str) or not path:
-            raise ValueError("disk source needs {'path': <session directory>}")
-        self.directory = Path(path)
+    def __init__(self, description: DiskDescription, *, rank: int = 0, tp_size: int = 1) -> None:
+        self.directory = Path(description.path)
         self._manifest: DiskManifest | None = None
 
     def begin(self, timeout_s: float) -> UpdateBegin:

@@ -17,29 +17,31 @@ against the trainer's digests.
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import torch
 import xxhash
 from safetensors import SafetensorError, safe_open
 
+from weightbus.checkpoint import safetensors_files, save_tensors
 from weightbus.digest import fingerprint_of_digests, tensor_digest
 from weightbus.meta import TensorMeta
-from weightbus.models.loader import safetensors_files
-from weightbus.owners import private_dir
-from weightbus.plan import plan_buckets
+from weightbus.plan import DEFAULT_BUCKET_BYTES, plan_buckets
 from weightbus.transport.base import (
     BucketSink,
     BucketSource,
     Progress,
     PushSession,
     ReceivedBatch,
+    SourceDescription,
     no_progress,
 )
-from weightbus.transport.disk import _write_shard
+from weightbus.transport.shared_memory import private_shm_dir
 from weightbus.wire import UpdateBegin, UpdateEnd, WireMeta
+from weightbus.wire.messages import Hex128, NonNegative, TensorName, Version
 
 CHECKPOINT_NAME = "model.safetensors"
-DEFAULT_BUCKET_BYTES = 256 * 2**20
 # safetensors' dtype codes -> torch dtypes
 _DTYPES = {
     "BOOL": torch.bool,
@@ -57,6 +59,19 @@ _DTYPES = {
 }
 
 
+class HfDirDescription(SourceDescription, frozen=True):
+    """A checkpoint directory to load as `version` (module docstring: who fills what)."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    version: Version
+    step: NonNegative | None = None
+    session_id: Hex128 | None = None
+    bucket_bytes: Annotated[int, msgspec.Meta(gt=0)] = DEFAULT_BUCKET_BYTES
+    names: list[TensorName] | None = None
+    digests: dict[TensorName, Hex128] | None = None
+    fingerprint: Hex128 | None = None
+
+
 class HfDirSink(BucketSink):
     """Saves each push as `<root>/<session_id>/model.safetensors`; keeps only the newest.
 
@@ -68,13 +83,8 @@ class HfDirSink(BucketSink):
     name = "hf_dir"
 
     def __init__(self, root: str | Path | None = None) -> None:
-        shm = Path("/dev/shm")  # noqa: S108 - private_dir makes a private 0700 directory
         self._owned = root is None
-        self.root = Path(
-            private_dir("weightbus-hf-dir-", shm if shm.is_dir() else None)
-            if root is None
-            else root
-        )
+        self.root = private_shm_dir("weightbus-hf-dir-") if root is None else Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._last: Path | None = None
 
@@ -83,28 +93,28 @@ class HfDirSink(BucketSink):
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
         progress: Progress = no_progress,
-    ) -> dict:
+    ) -> HfDirDescription:
         session.ensure_digests(tensors)
         tmp = self.root / f".tmp-{session.session_id}"
         tmp.mkdir(mode=0o700)
         names = [meta.name for meta in session.plan.metas]
-        _write_shard(tmp / CHECKPOINT_NAME, names, tensors)
+        save_tensors(tmp / CHECKPOINT_NAME, names, tensors)
         progress(session.plan.total_bytes)
         final = self.root / session.session_id
         tmp.rename(final)
         if self._last is not None:
             shutil.rmtree(self._last, ignore_errors=True)
         self._last = final
-        return {
-            "path": str(final),
-            "version": session.version,
-            "step": session.step,
-            "session_id": session.session_id,
-            "bucket_bytes": session.plan.bucket_bytes,
-            "names": names,
-            "digests": dict(session.digests),
-            "fingerprint": session.fingerprint,
-        }
+        return HfDirDescription(
+            path=str(final),
+            version=session.version,
+            step=session.step,
+            session_id=session.session_id,
+            bucket_bytes=session.plan.bucket_bytes,
+            names=names,
+            digests=dict(session.digests),
+            fingerprint=session.fingerprint,
+        )
 
     def stream(
         self,
@@ -121,13 +131,6 @@ class HfDirSink(BucketSink):
             self._last = None
         if self._owned:
             shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _field(description: dict, key: str, kind: type, default: object = None) -> object:
-    value = description.get(key, default)
-    if value is not default and not isinstance(value, kind):
-        raise ValueError(f"hf_dir source: {key!r} must be a {kind.__name__}")
-    return value
 
 
 def _read_metas(files: list[Path]) -> dict[str, tuple[TensorMeta, Path]]:
@@ -150,25 +153,15 @@ def _read_metas(files: list[Path]) -> dict[str, tuple[TensorMeta, Path]]:
 class HfDirSource(BucketSource):
     """Reads a Hugging Face checkpoint directory on one rank (description: module docstring)."""
 
-    def __init__(self, description: dict, *, rank: int = 0, tp_size: int = 1) -> None:
-        path = description.get("path") if isinstance(description, dict) else None
-        self.version = description.get("version") if isinstance(description, dict) else None
-        if not isinstance(path, str) or not path or not isinstance(self.version, str):
-            raise ValueError("hf_dir source needs {'path': DIR, 'version': V}")
-        self.directory = Path(path)
-        self.names = _field(description, "names", list)
-        if self.names is not None and not all(isinstance(name, str) for name in self.names):
-            raise ValueError("hf_dir source: 'names' must be a list of tensor names")
-        self.given_digests = _field(description, "digests", dict)
-        if self.given_digests is not None and not all(
-            isinstance(name, str) and isinstance(digest, str)
-            for name, digest in self.given_digests.items()
-        ):
-            raise ValueError("hf_dir source: 'digests' must map tensor names to digests")
-        self.given_fingerprint = _field(description, "fingerprint", str)
-        self.bucket_bytes = _field(description, "bucket_bytes", int, DEFAULT_BUCKET_BYTES)
-        self.step = _field(description, "step", int)
-        self.session_id = _field(description, "session_id", str) or xxhash.xxh3_128_hexdigest(
+    def __init__(self, description: HfDirDescription, *, rank: int = 0, tp_size: int = 1) -> None:
+        self.directory = Path(description.path)
+        self.version = description.version
+        self.names = description.names
+        self.given_digests = description.digests
+        self.given_fingerprint = description.fingerprint
+        self.bucket_bytes = description.bucket_bytes
+        self.step = description.step
+        self.session_id = description.session_id or xxhash.xxh3_128_hexdigest(
             f"{self.directory}\0{self.version}".encode()
         )
         self._files: dict[str, Path] = {}

@@ -21,6 +21,9 @@ Hex128 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 Text = Annotated[str, msgspec.Meta(max_length=64 * 1024)]
 DtypeName = Literal[tuple(DTYPES_BY_NAME)]  # type: ignore[valid-type]
 Shape = Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=64)]
+# How running requests meet an update (see the design), and how much a receiver checks.
+PauseMode = Literal["drain", "in_place", "abort"]
+VerifyLevel = Literal["full", "none"]
 
 
 class WireEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

@@ -23,15 +23,16 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from weightbus.store import serve_store
+from weightbus.transport.deadlines import remaining_s
+from weightbus.transport.dist.messages import DEFAULT_GROUP_NAME, Backend
 from weightbus.wire import MAX_MESSAGE_BYTES, Message, ProtocolError, decode
 from weightbus.wire.messages import RankLayout
 
 logger = logging.getLogger(__name__)
 
-Backend = Literal["gloo"]
-DEFAULT_GROUP_NAME = "weightbus"
-# Tag of the point-to-point messages that carry rank layouts at group creation.
+# Tags of point-to-point messages: rank layouts at group creation, bucket data (scatter).
 _LAYOUT_TAG = 1
+DATA_TAG = 2
 
 
 class GroupBrokenError(ConnectionError):
@@ -272,13 +273,6 @@ def join_group(
 
 
 # --- bounded operations ---
-
-
-def remaining_s(deadline: float, what: str) -> float:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError(f"timed out before {what}")
-    return remaining
 
 
 def wait(group: WeightsGroup, work, deadline: float, what: str) -> None:

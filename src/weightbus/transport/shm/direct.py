@@ -20,11 +20,11 @@ import numpy as np
 import torch
 import xxhash
 
-from weightbus.layers.shard import ShardCopy
 from weightbus.meta import TensorMeta, dtype_from_name, dtype_name
 from weightbus.plan import BucketPlan, Plan
 from weightbus.plan.bucket import BucketEntry, byte_view, check_entry_tensor
-from weightbus.transport.shm_slots import ARENA_PREFIX, Slot
+from weightbus.plan.shard import ShardCopy
+from weightbus.transport.shared_memory import ARENA_PREFIX, Slot
 from weightbus.wire import DirectTarget
 
 logger = logging.getLogger(__name__)

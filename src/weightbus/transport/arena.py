@@ -17,10 +17,10 @@ import msgspec
 import torch
 import xxhash
 
-from weightbus.layers.shard import ShardCopy
 from weightbus.meta import dtype_name
 from weightbus.plan.bucket import ALIGN_BYTES
-from weightbus.transport.shm_slots import ARENA_PREFIX, SHM_DIR
+from weightbus.plan.shard import ShardCopy
+from weightbus.transport.shared_memory import ARENA_PREFIX, SHM_DIR
 from weightbus.wire import DirectTarget, ParamRegion, WireShardCopy
 
 

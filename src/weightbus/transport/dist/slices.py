@@ -15,7 +15,12 @@ import torch
 from weightbus.meta import TensorMeta
 from weightbus.plan import BucketPlan
 from weightbus.plan.bucket import BucketEntry, align_up
-from weightbus.wire.messages import SliceSpec
+from weightbus.wire.messages import RankLayout, SliceSpec
+
+
+def layout_slices(layout: RankLayout) -> dict[str, SliceSpec]:
+    """A rank's slice map by tensor name."""
+    return {spec.name: spec for spec in layout.slices}
 
 
 def _typed_rows(buffer: torch.Tensor, entry: BucketEntry) -> tuple[torch.Tensor, int] | None:

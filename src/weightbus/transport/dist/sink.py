@@ -1,6 +1,6 @@
 """`dist`: buckets travel on a torch.distributed gloo group spanning hosts.
 
-The group (`dist_group.py`) is created once and reused: the publisher is group rank 0, every
+The group (`group.py`) is created once and reused: the publisher is group rank 0, every
 engine rank a member. Per push, on the group, in order:
 
     UpdateBegin -> (BucketSent, bucket data) x buckets -> UpdateEnd
@@ -20,10 +20,10 @@ overlaps sending bucket k. Two modes:
 A rank receives in a background thread, up to `prefetch_depth` buckets ahead of the Receiver.
 """
 
+import contextlib
 import logging
-import queue
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,52 +31,35 @@ import msgspec
 import torch
 
 from weightbus.digest import bytes_digest
-from weightbus.plan import BucketPlan, Plan, plan_buckets
-from weightbus.plan.assemble import ChunkAssembler, unpack_bucket
+from weightbus.plan import BucketPlan
 from weightbus.plan.bucket import BucketEntry, byte_view, check_entry_tensor, pack_entries
-from weightbus.receiver.prefetch import Prefetcher
-from weightbus.transport.base import (
-    BucketSink,
-    BucketSource,
-    Progress,
-    PushSession,
-    ReceivedBatch,
-    no_progress,
-)
-from weightbus.transport.dist_group import (
-    DEFAULT_GROUP_NAME,
+from weightbus.transport.base import BucketSink, EngineLink, Progress, PushSession, no_progress
+from weightbus.transport.dist.group import (
+    DATA_TAG,
     WeightsGroup,
     broadcast_message,
     get_group,
     op_timeout,
-    receive_broadcast_message,
-    remaining_s,
     wait,
 )
-from weightbus.transport.slices import (
-    check_slices,
-    pack_regions,
-    packed_offsets,
-    rank_regions,
-    unpack_regions,
+from weightbus.transport.dist.messages import (
+    DEFAULT_GROUP_NAME,
+    MAX_PREFETCH_DEPTH,
+    Backend,
+    DistDescription,
+    WeightsGroupError,
+    WeightsGroupInfo,
 )
-from weightbus.wire import Message, ProtocolError, UpdateBegin, UpdateEnd
+from weightbus.transport.dist.setup import form_group, leave_group
+from weightbus.transport.dist.slices import check_slices, layout_slices, pack_regions, rank_regions
 from weightbus.wire.messages import BucketSent, SliceSpec
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["auto", "broadcast", "scatter"]
 MODES = ("auto", "broadcast", "scatter")
-# Tag of point-to-point bucket data (scatter); layouts use another tag at group creation.
-_DATA_TAG = 2
-# Receive buffers besides the prefetch queue's: the one being received, the one the Receiver
-# queued and the one it loads (when its prefetch thread holds one more, receiving waits).
-_BUFFERS_BESIDES_PREFETCH = 3
-
-
-def _slices(group: WeightsGroup, group_rank: int) -> dict[str, SliceSpec]:
-    return {spec.name: spec for spec in group.layouts[group_rank].slices}
-
+# Bound of leaving the group at `close` (engines that do not answer by then are left as is).
+CLOSE_TIMEOUT_S = 10.0
 
 def choose_mode(group: WeightsGroup, mode: Mode) -> Literal["broadcast", "scatter"]:
     """The mode of a push: `mode` unless `auto`, which scatters when every rank has tp > 1."""
@@ -97,7 +80,7 @@ class _ScatterTarget:
 def _scatter_targets(group: WeightsGroup) -> list[_ScatterTarget]:
     targets: dict[tuple, _ScatterTarget] = {}
     for group_rank in sorted(group.layouts):
-        slices = _slices(group, group_rank)
+        slices = layout_slices(group.layouts[group_rank])
         key = tuple(sorted(slices.items()))
         targets.setdefault(key, _ScatterTarget(slices, [])).group_ranks.append(group_rank)
     return list(targets.values())
@@ -118,7 +101,8 @@ class _InFlight:
 
 
 class DistSink(BucketSink):
-    """Publisher side of `dist` (the group must be initialised: `Publisher.init_weights_group`).
+    """Publisher side of `dist`. `setup` forms the weights group (`Publisher.setup_transport`,
+    or its SGLang-style name `Publisher.init_weights_group`); every push reuses it.
 
     Args:
         group_name: the weights group to push on.
@@ -136,13 +120,53 @@ class DistSink(BucketSink):
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        if not 1 <= prefetch_depth <= MAX_PREFETCH_DEPTH:
+            raise ValueError(
+                f"prefetch_depth must be in [1, {MAX_PREFETCH_DEPTH}], got {prefetch_depth}"
+            )
         self.group_name = group_name
         self.requested_mode = mode
         self.prefetch_depth = prefetch_depth
         self.sent_bytes: dict[int, int] = {}
         self._session_mode: tuple[str, str] = ("", "broadcast")
+        self._members: Sequence[EngineLink] = ()  # the engines of the group this sink formed
+
+    def setup(
+        self,
+        engines: Sequence[EngineLink],
+        *,
+        master_addr: str,
+        master_port: int = 0,
+        backend: Backend = "gloo",
+        timeout_s: float = 60.0,
+    ) -> WeightsGroupInfo:
+        """Form the weights group with every rank of `engines` (again: re-form it, e.g. after a
+        failed push left it broken). See `setup.form_group`.
+
+        Raises:
+            WeightsGroupError: an engine or this process could not join (each one named).
+        """
+        self._members = ()
+        info = form_group(
+            engines,
+            name=self.group_name,
+            master_addr=master_addr,
+            master_port=master_port,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+        self._members = tuple(engines)
+        logger.info("weights group %r formed: %d members", info.name, info.world_size)
+        return info
+
+    def teardown(self, timeout_s: float) -> None:
+        """Leave the weights group here and on every engine.
+
+        Raises:
+            WeightsGroupError: an engine did not confirm (this process has left regardless).
+        """
+        members, self._members = self._members, ()
+        leave_group(members, name=self.group_name, timeout_s=timeout_s)
 
     def _group(self) -> WeightsGroup:
         group = get_group(self.group_name)
@@ -154,21 +178,21 @@ class DistSink(BucketSink):
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
         progress: Progress = no_progress,
-    ) -> dict:
+    ) -> DistDescription:
         group = self._group()
         mode = choose_mode(group, self.requested_mode)
         if mode == "scatter":
             shapes = {meta.name: meta.shape for meta in session.plan.metas}
-            for group_rank in group.layouts:
-                check_slices(_slices(group, group_rank), shapes)
+            for layout in group.layouts.values():
+                check_slices(layout_slices(layout), shapes)
         self._session_mode = (session.session_id, mode)
         session.ensure_digests(tensors)  # each bucket's message carries its tensors' digests
-        return {
-            "group_name": self.group_name,
-            "session_id": session.session_id,
-            "mode": mode,
-            "prefetch_depth": self.prefetch_depth,
-        }
+        return DistDescription(
+            group_name=self.group_name,
+            session_id=session.session_id,
+            mode=mode,
+            prefetch_depth=self.prefetch_depth,
+        )
 
     @property
     def mode(self) -> str:
@@ -199,7 +223,10 @@ class DistSink(BucketSink):
             self.sent_bytes = push.sent_bytes
 
     def close(self) -> None:
-        """Nothing to free: the group belongs to the Publisher, buffers to the group."""
+        """Leave the group this sink formed (bounded: engines that do not answer are left)."""
+        if self._members:
+            with contextlib.suppress(WeightsGroupError):
+                self.teardown(timeout_s=CLOSE_TIMEOUT_S)
 
 
 class _Push:
@@ -301,7 +328,7 @@ class _Push:
         message = msgspec.structs.replace(message, rank_digests=by_rank)
         pending.ops += broadcast_message(self.group, message, self.deadline)
         for group_rank, packed in sends:
-            pending.ops.append((self.group.pg.send([packed], group_rank, _DATA_TAG), packed))
+            pending.ops.append((self.group.pg.send([packed], group_rank, DATA_TAG), packed))
             self.sent_bytes[group_rank] += packed.numel()
 
 
@@ -312,139 +339,3 @@ def _completed_digests(session: PushSession, bucket: BucketPlan) -> dict[str, st
         for e in bucket.entries
         if e.tensor_offset + e.nbytes == e.tensor_nbytes
     }
-
-
-class _BufferPool:
-    """Receive buffers handed out to batches and returned by their `release()`."""
-
-    def __init__(self, group: WeightsGroup, count: int, nbytes: int) -> None:
-        self.buffers = [group.buffer(("recv", index), nbytes) for index in range(count)]
-        self._free: queue.Queue[int] = queue.Queue()
-        for index in range(count):
-            self._free.put(index)
-
-    def acquire(self, deadline: float) -> int:
-        try:
-            return self._free.get(timeout=remaining_s(deadline, "a free receive buffer"))
-        except queue.Empty:
-            raise TimeoutError("no receive buffer was released in time") from None
-
-    def release(self, index: int) -> None:
-        self._free.put(index)
-
-
-def _description_fields(description: dict) -> tuple[str, str, str, int]:
-    try:
-        name = description["group_name"]
-        session_id = description["session_id"]
-        mode = description["mode"]
-        prefetch_depth = description.get("prefetch_depth", 1)
-    except (KeyError, TypeError):
-        raise ValueError(
-            "dist source needs {'group_name', 'session_id', 'mode', 'prefetch_depth'}"
-        ) from None
-    if mode not in ("broadcast", "scatter"):
-        raise ValueError(f"dist mode must be 'broadcast' or 'scatter', got {mode!r}")
-    if not (isinstance(prefetch_depth, int) and 1 <= prefetch_depth <= 64):
-        raise ValueError(f"dist prefetch_depth must be an integer in [1, 64], got {prefetch_depth}")
-    return str(name), str(session_id), mode, prefetch_depth
-
-
-class DistSource(BucketSource):
-    """Engine-rank side of `dist` for one session, on the live group the description names."""
-
-    def __init__(self, description: dict, *, rank: int = 0, tp_size: int = 1) -> None:
-        name, self.session_id, self.mode, self.prefetch_depth = _description_fields(description)
-        self.group = get_group(name)
-        self.group.check_usable()
-        self._plan: Plan | None = None
-        self._ended = False
-
-    def _recv(self, expected: type[Message], deadline: float) -> Message:
-        message = receive_broadcast_message(self.group, deadline, f"a {expected.__name__}")
-        if getattr(message, "session_id", None) != self.session_id:
-            raise ProtocolError(
-                f"{type(message).__name__} of session {getattr(message, 'session_id', None)} "
-                f"arrived, expected session {self.session_id}"
-            )
-        if not isinstance(message, expected):
-            raise ProtocolError(f"expected {expected.__name__}, got {type(message).__name__}")
-        return message
-
-    def begin(self, timeout_s: float) -> UpdateBegin:
-        header = self._recv(UpdateBegin, time.monotonic() + timeout_s)
-        self._plan = plan_buckets((m.to_meta() for m in header.tensors), header.bucket_bytes)
-        return header
-
-    def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
-        assert self._plan is not None, "begin() first"
-        deadline = time.monotonic() + timeout_s
-        prefetcher = Prefetcher(self._receive(self._plan, deadline), self.prefetch_depth, "dist")
-        try:
-            while True:
-                try:
-                    batch = prefetcher.get(deadline - time.monotonic())
-                except StopIteration:
-                    return
-                yield batch
-        finally:
-            prefetcher.close()
-
-    def _receive(self, plan: Plan, deadline: float) -> Iterator[ReceivedBatch]:
-        count = self.prefetch_depth + _BUFFERS_BESIDES_PREFETCH
-        pool = _BufferPool(self.group, count, plan.bucket_bytes)
-        assembler = ChunkAssembler(buffers=self.group.assembly_buffers)
-        for bucket in plan.buckets:
-            message = self._recv(BucketSent, deadline)
-            if message.bucket_index != bucket.index:
-                raise ProtocolError(
-                    f"bucket {message.bucket_index} arrived, expected {bucket.index}"
-                )
-            index = pool.acquire(deadline)
-            buffer = pool.buffers[index]
-            if self.mode == "scatter":
-                nbytes = self._receive_slices(bucket, buffer, message, deadline)
-            else:
-                nbytes = self._receive_whole(bucket, buffer, deadline)
-            yield ReceivedBatch(
-                tensors=list(unpack_bucket(bucket, buffer, assembler)),
-                digests=dict(message.digests),
-                nbytes=nbytes,
-                release=lambda index=index: pool.release(index),
-            )
-
-    def _receive_whole(self, bucket: BucketPlan, buffer: torch.Tensor, deadline: float) -> int:
-        what = f"bucket {bucket.index}"
-        timeout = op_timeout(deadline, what)
-        ops = [
-            self.group.pg.broadcast(buffer[entry.offset : entry.end], 0, timeout)
-            for entry in bucket.entries
-            if entry.nbytes
-        ]
-        for work in ops:
-            wait(self.group, work, deadline, what)
-        return bucket.nbytes
-
-    def _receive_slices(
-        self, bucket: BucketPlan, buffer: torch.Tensor, message: BucketSent, deadline: float
-    ) -> int:
-        group = self.group
-        regions = rank_regions(bucket, buffer, _slices(group, group.group_rank))
-        _, nbytes = packed_offsets(regions)
-        packed = group.buffer(("packed",), nbytes)
-        wait(group, group.pg.recv([packed], 0, _DATA_TAG), deadline, f"bucket {bucket.index}")
-        expected = message.rank_digests.get(group.group_rank)
-        if expected is None or bytes_digest(packed) != expected:
-            raise ValueError(f"bucket {bucket.index}: the bytes received are corrupted (digest)")
-        unpack_regions(packed, regions)
-        return nbytes
-
-    def end(self, timeout_s: float) -> UpdateEnd:
-        end = self._recv(UpdateEnd, time.monotonic() + timeout_s)
-        self._ended = True
-        return end
-
-    def close(self) -> None:
-        # a session left midway leaves this member at another step of the stream than the rest
-        if not self._ended and self.group.broken is None:
-            self.group.broken = "a push ended midway on this rank"

@@ -24,9 +24,13 @@ from weightbus.meta import TensorMeta
 from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
 from weightbus.models.loader import create_model
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
-from weightbus.transport import open_source
-from weightbus.transport.shm_arena import DirectPlacement, ParamArena, direct_placement
-from weightbus.transport.shm_slots import remove_stale_slots
+from weightbus.transport import (
+    DirectPlacement,
+    ParamArena,
+    direct_placement,
+    open_source,
+    remove_stale_slots,
+)
 
 logger = logging.getLogger(__name__)
 

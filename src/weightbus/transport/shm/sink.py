@@ -1,4 +1,4 @@
-"""`shm`: co-located engines read buckets straight from shared-memory slots.
+"""`shm`, publisher side: co-located engines read buckets straight from shared-memory slots.
 
 The publisher owns `num_slots` slots (ping-pong) created once and reused by every push, and a
 ZMQ ROUTER socket in a private `ipc://` directory. Each engine rank maps the slots once, joins a
@@ -10,27 +10,19 @@ other slot meanwhile, and writes each bucket once whatever the number of engines
 
 import logging
 import shutil
-import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import msgspec
 import torch
 import zmq
 
-from weightbus.plan import BucketPlan, Plan, plan_buckets
-from weightbus.plan.assemble import ChunkAssembler, unpack_bucket
-from weightbus.transport.base import (
-    BucketSink,
-    BucketSource,
-    Progress,
-    PushSession,
-    ReceivedBatch,
-    no_progress,
-)
-from weightbus.transport.shm_arena import DirectPlacement
-from weightbus.transport.shm_direct import DirectWriter, MappedTarget
-from weightbus.transport.shm_slots import SLOT_PREFIX, Slot, private_ipc_dir, remove_stale_slots
+from weightbus.plan import BucketPlan
+from weightbus.transport.base import BucketSink, Progress, PushSession, no_progress
+from weightbus.transport.deadlines import remaining_ms
+from weightbus.transport.shared_memory import Slot, private_ipc_dir, remove_stale_slots
+from weightbus.transport.shm.description import ShmDescription
+from weightbus.transport.shm.direct import DirectWriter, MappedTarget
 from weightbus.wire import (
     BucketReady,
     DirectReady,
@@ -41,8 +33,6 @@ from weightbus.wire import (
     SlotAck,
     TensorsWritten,
     UpdateAbort,
-    UpdateBegin,
-    UpdateEnd,
     WireEntry,
     decode,
 )
@@ -52,13 +42,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_NUM_SLOTS = 2
 # How often a wait on the receivers checks whether the push was abandoned.
 ABANDON_CHECK_MS = 100
-
-
-def _remaining_ms(deadline: float, what: str) -> int:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError(f"timed out waiting for {what}")
-    return max(1, int(remaining * 1000))
 
 
 class _Receivers:
@@ -158,16 +141,20 @@ class ShmSink(BucketSink):
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
         progress: Progress = no_progress,
-    ) -> dict:
+    ) -> ShmDescription:
         self._name_slots(session.plan.bucket_bytes)
         if not self.direct:
             self._create_slots()  # every session streams through them
-        return {
-            "endpoint": self.endpoint,
-            "session_id": session.session_id,
-            "slots": list(self._slot_names),
-            "slot_bytes": self._slot_bytes,
-        }
+        return ShmDescription(
+            endpoint=self.endpoint,
+            session_id=session.session_id,
+            slots=list(self._slot_names),
+            slot_bytes=self._slot_bytes,
+        )
+
+    def for_engine(self, description: ShmDescription, engine_index: int) -> ShmDescription:
+        # each engine's ranks say which engine they belong to: the sink waits for all of them
+        return msgspec.structs.replace(description, group=engine_index)
 
     def stream(
         self,
@@ -286,7 +273,7 @@ class ShmSink(BucketSink):
     def _receive(self, receivers: _Receivers, deadline: float, what: str) -> None:
         if receivers.session.abandoned is not None:
             raise ValueError(f"stopped waiting for {what}: {receivers.session.abandoned}")
-        if not self._socket.poll(min(_remaining_ms(deadline, what), ABANDON_CHECK_MS)):
+        if not self._socket.poll(min(remaining_ms(deadline, what), ABANDON_CHECK_MS)):
             return
         identity, data = self._socket.recv_multipart()
         try:
@@ -328,204 +315,3 @@ def _bucket_message(
         entries=[WireEntry.of(entry) for entry in bucket.entries],
         digests=digests,
     )
-
-
-# Slots mapped by this process, by name: each rank maps a publisher's slots once and reuses
-# the mapping while the same file stands under that name.
-_mapped: dict[str, Slot] = {}
-_mapped_lock = threading.Lock()
-# Tensors larger than a bucket are reassembled into buffers kept across pushes: a fresh
-# allocation per push would fault in its pages (~5x slower than copying into warm memory).
-_assembly_buffers: dict[tuple, torch.Tensor] = {}
-
-
-def _map_slots(names: list[str], slot_bytes: int) -> list[Slot]:
-    with _mapped_lock:
-        return _map_slots_locked(names, slot_bytes)
-
-
-def _map_slots_locked(names: list[str], slot_bytes: int) -> list[Slot]:
-    slots = []
-    for name in names:
-        slot = _mapped.get(name)
-        if slot is not None and slot.current_identity() != slot.identity:
-            raise ValueError(f"stale mapping: shared-memory slot {name} was replaced")
-        if slot is None or slot.nbytes < slot_bytes:
-            slot = _mapped[name] = Slot.open(name, slot_bytes)
-        slots.append(slot)
-    for name in set(_mapped) - set(names):  # a new publisher session: forget the old slots
-        _mapped.pop(name).close()
-    return slots
-
-
-def _description_fields(description: dict) -> tuple[str, str, list[str], int, int]:
-    try:
-        endpoint = description["endpoint"]
-        session_id = description["session_id"]
-        names = description["slots"]
-        slot_bytes = description["slot_bytes"]
-        group = description.get("group", 0)
-    except (KeyError, TypeError):
-        raise ValueError(
-            "shm source needs {'endpoint', 'session_id', 'slots', 'slot_bytes', 'group'}"
-        ) from None
-    if not (isinstance(endpoint, str) and endpoint.startswith("ipc://")):
-        raise ValueError(f"shm endpoint must be an ipc:// address, got {endpoint!r}")
-    if not (isinstance(names, list) and len(names) >= 2 and all(isinstance(n, str) for n in names)):
-        raise ValueError("shm source needs a list of at least two slot names")
-    for name in names:
-        if not name.startswith(SLOT_PREFIX) or "/" in name:
-            raise ValueError(f"{name!r} is not a weightbus shared-memory file")
-    if not (isinstance(slot_bytes, int) and slot_bytes > 0 and isinstance(group, int)):
-        raise ValueError("shm slot_bytes must be a positive integer and group an integer")
-    return endpoint, str(session_id), names, slot_bytes, group
-
-
-class ShmSource(BucketSource):
-    """Engine-rank side of `shm` for one session.
-
-    Args:
-        direct: this rank's parameters in shared memory, offered for direct writes; the
-            publisher decides (`UpdateBegin.direct`).
-    """
-
-    def __init__(
-        self,
-        description: dict,
-        *,
-        rank: int = 0,
-        tp_size: int = 1,
-        direct: DirectPlacement | None = None,
-    ) -> None:
-        endpoint, self.session_id, names, slot_bytes, self.group = _description_fields(description)
-        self.rank = rank
-        self.tp_size = tp_size
-        self._placement = direct
-        self._direct = False
-        self._slot_names, self._slot_bytes = names, slot_bytes
-        self.slots: list[Slot] = []  # mapped at begin, for a session through the slots
-        self._context = zmq.Context.instance()
-        self._endpoint = endpoint
-        # Messages are read by the Receiver's prefetch thread, acks are sent by the thread that
-        # loads: ZMQ sockets are single-threaded, so each direction has its own socket.
-        self._socket = self._context.socket(zmq.DEALER)
-        try:
-            self._socket.connect(endpoint)
-        except zmq.ZMQError as exc:  # e.g. a path too long for a unix socket
-            self._socket.close(linger=0)
-            raise ValueError(f"shm endpoint {endpoint!r} cannot be connected: {exc}") from None
-        self._ack_socket: zmq.Socket | None = None
-        self._plan: Plan | None = None
-
-    def _recv(self, expected: type[Message], timeout_s: float) -> Message:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self._socket.poll(_remaining_ms(deadline, f"a {expected.__name__}")):
-                continue
-            message = decode(self._socket.recv())
-            if getattr(message, "session_id", None) != self.session_id:
-                continue  # a message of an earlier session: never read its slots
-            if isinstance(message, UpdateAbort):
-                raise ValueError(f"the publisher aborted the session: {message.reason}")  # noqa: TRY004 - a peer stopped, not a wrong type
-            if not isinstance(message, expected):
-                # a peer breaking the protocol, not a caller passing a wrong type
-                raise ProtocolError(f"expected {expected.__name__}, got {type(message).__name__}")
-            return message
-
-    def begin(self, timeout_s: float) -> UpdateBegin:
-        hello = ReceiverHello(
-            session_id=self.session_id,
-            group=self.group,
-            rank=self.rank,
-            tp_size=self.tp_size,
-            direct=None if self._placement is None else self._placement.target,
-        )
-        self._socket.send(hello.encode())
-        header = self._recv(UpdateBegin, timeout_s)
-        if header.direct and self._placement is None:
-            raise ProtocolError("the publisher chose direct mode, which this rank did not offer")
-        self._direct = header.direct
-        if header.direct:
-            self._confirm_direct()
-        else:
-            self.slots = _map_slots(self._slot_names, self._slot_bytes)
-        metas = [meta.to_meta() for meta in header.tensors]
-        self._plan = plan_buckets(metas, header.bucket_bytes)
-        return header
-
-    def _confirm_direct(self) -> None:
-        # sent before begin() returns: the Receiver marks the target touched right after
-        ready = DirectReady(session_id=self.session_id, group=self.group, rank=self.rank)
-        self._socket.send(ready.encode())
-
-    def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
-        assert self._plan is not None, "begin() first"
-        if self._direct:
-            yield from self._written(timeout_s)
-            return
-        deadline = time.monotonic() + timeout_s
-        assembler = ChunkAssembler(buffers=_assembly_buffers)
-        for bucket in self._plan.buckets:
-            ready = self._recv(BucketReady, deadline - time.monotonic())
-            slot = self._check(ready, bucket)
-            tensors = list(unpack_bucket(bucket, self.slots[slot].tensor, assembler))
-            yield ReceivedBatch(
-                tensors=tensors,
-                digests=dict(ready.digests),
-                nbytes=bucket.payload_bytes,
-                release=self._acker(ready),
-            )
-
-    def _written(self, timeout_s: float) -> Iterator[ReceivedBatch]:
-        """Direct mode: the publisher's notices of what it wrote into this rank's parameters."""
-        assert self._plan is not None
-        assert self._placement is not None
-        deadline = time.monotonic() + timeout_s
-        regions = self._placement.regions
-        for bucket in self._plan.buckets:
-            written = self._recv(TensorsWritten, deadline - time.monotonic())
-            names = bucket.finished_names()
-            if written.bucket_index != bucket.index or set(written.digests) != set(names):
-                raise ValueError(f"written tensors of bucket {bucket.index} do not match the plan")
-            yield ReceivedBatch(
-                tensors=[],
-                digests=dict(written.digests),
-                nbytes=bucket.payload_bytes,
-                placed=[(name, regions.get(name)) for name in names],
-                placed_digests=dict(written.slice_digests),
-            )
-
-    def _check(self, ready: BucketReady, bucket: BucketPlan) -> int:
-        if ready.bucket_index != bucket.index:
-            raise ValueError(f"bucket {ready.bucket_index} arrived, expected {bucket.index}")
-        if ready.slot >= len(self.slots):
-            raise ValueError(f"bucket {bucket.index} names slot {ready.slot} of {len(self.slots)}")
-        if [e.to_entry() for e in ready.entries] != list(bucket.entries):
-            raise ValueError(f"bucket {bucket.index} does not match the plan of the session")
-        if bucket.nbytes > self.slots[ready.slot].nbytes:
-            raise ValueError(f"bucket {bucket.index} exceeds its slot")
-        return ready.slot
-
-    def _acker(self, ready: BucketReady):
-        ack = SlotAck(
-            session_id=self.session_id,
-            bucket_index=ready.bucket_index,
-            slot=ready.slot,
-            rank=self.rank,
-            group=self.group,
-        ).encode()
-        return lambda: self._send_ack(ack)
-
-    def _send_ack(self, frame: bytes) -> None:
-        if self._ack_socket is None:
-            self._ack_socket = self._context.socket(zmq.DEALER)
-            self._ack_socket.connect(self._endpoint)
-        self._ack_socket.send(frame)
-
-    def end(self, timeout_s: float) -> UpdateEnd:
-        return self._recv(UpdateEnd, timeout_s)
-
-    def close(self) -> None:
-        self._socket.close(linger=1000)
-        if self._ack_socket is not None:
-            self._ack_socket.close(linger=1000)

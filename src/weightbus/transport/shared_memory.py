@@ -1,8 +1,9 @@
-"""POSIX shared-memory slots: files under /dev/shm, created 0600, mapped once, reused.
+"""weightbus files under /dev/shm: `shm` slots and parameter arenas, created 0600, mapped once.
 
-Names are `weightbus-shm-<pid>-<random>-<index>`: unguessable, and they tell which process owns
-them, so slots of a publisher that died without closing (SIGKILL) are found and removed by the
-next publisher on the host (`remove_stale_slots`).
+Names are `weightbus-shm-<pid>-<random>-<index>` (a publisher's slots) and
+`weightbus-params-<pid>-<random>` (a rank's parameters, `arena.py`): unguessable, and they tell
+which process owns them, so files of a process that died without closing (SIGKILL) are found and
+removed by the next publisher or engine on the host (`remove_stale_slots`).
 """
 
 import logging
@@ -27,6 +28,20 @@ ARENA_PREFIX = "weightbus-params-"  # a rank's parameters offered for direct wri
 def private_ipc_dir() -> Path:
     """A new 0700 directory for a publisher's sockets, named after its owner like the slots."""
     return private_dir(SLOT_PREFIX)
+
+
+def private_shm_dir(prefix: str) -> Path:
+    """A new 0700 directory `<prefix><pid>-<random>-...` under /dev/shm (the temporary
+    directory where there is none), after removing those of dead owners with that prefix.
+
+    Its unguessable name and mode make a world-writable /dev/shm safe for a session's files.
+    """
+    parent = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
+    for path in parent.glob(f"{prefix}*-*"):
+        if path.is_dir() and owner_is_dead(path.name, prefix):
+            logger.info("removing %s, left by a dead process", path)
+            shutil.rmtree(path, ignore_errors=True)
+    return private_dir(prefix, parent)
 
 
 def remove_stale_slots() -> list[str]:

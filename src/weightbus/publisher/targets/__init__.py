@@ -1,0 +1,19 @@
+"""Engine targets: the engines a Publisher pushes to (`base.EngineTarget`), one module each."""
+
+from weightbus.publisher.targets.base import (
+    EngineResult,
+    EngineTarget,
+    EngineWeights,
+    UpdateOrder,
+)
+from weightbus.publisher.targets.http import HttpEngineTarget
+from weightbus.transport.base import EngineRequestError
+
+__all__ = [
+    "EngineRequestError",
+    "EngineResult",
+    "EngineTarget",
+    "EngineWeights",
+    "HttpEngineTarget",
+    "UpdateOrder",
+]

@@ -1,0 +1,122 @@
+"""The engine-target seam: what the Publisher needs of "an engine I can push to".
+
+A target is narrow on purpose (as checkpoint-engine reaches its engine through one callback):
+it takes one update order and blocks until the engine committed it or refused, reads back the
+version the engine serves, and relays a transport's set-up to its ranks. How the engine pauses
+is part of the order (`pause_mode`); how it stages, loads and commits is the target's business.
+The reference engine's HTTP API (`http.py`) is one implementation; another engine is one new
+module implementing `EngineTarget`.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import msgspec
+
+from weightbus.transport import SourceDescription
+from weightbus.transport.base import EngineRequestError
+from weightbus.wire import PauseMode, VerifyLevel
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateOrder:
+    """One engine's part of a push: receive `version` from the transport session `source`.
+
+    Attributes:
+        transport: the registered transport's name.
+        source: the description this engine's ranks open (typed; `encode_description` gives
+            its JSON form).
+        plan_hash: the plan every rank must recompute from the stream's header.
+        verify: `full` checks every digest on the ranks; `none` only the fingerprint.
+        timeout_s: bound of the update on the engine.
+    """
+
+    version: str
+    step: int | None
+    transport: str
+    source: SourceDescription
+    plan_hash: str
+    pause_mode: PauseMode
+    atomic: bool
+    verify: VerifyLevel
+    force: bool
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """What one engine reported after committing."""
+
+    url: str
+    version: str
+    fingerprint: str
+    nbytes: int
+    seconds: float
+    phases: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineWeights:
+    """The version an engine serves, read back from it."""
+
+    url: str
+    version: str
+    fingerprint: str | None
+    status: str
+    step: int | None = None
+    history: list[dict] = field(default_factory=list)
+
+
+class EngineTarget(ABC):
+    """An engine the Publisher pushes to. Every method is called from the Publisher's threads,
+    at most one `update` at a time per target; each blocks for at most its `timeout_s`.
+
+    Attributes:
+        url: names the engine in results and errors.
+    """
+
+    url: str
+
+    @abstractmethod
+    def update(self, order: UpdateOrder) -> EngineResult:
+        """Ask the engine to receive `order` and block until it committed.
+
+        Raises:
+            EngineRequestError: the engine refused, failed or did not answer (the reason).
+        """
+
+    @abstractmethod
+    def weights(self, timeout_s: float) -> EngineWeights:
+        """The version, fingerprint and status the engine serves now.
+
+        Raises:
+            EngineRequestError: the engine did not answer.
+        """
+
+    @abstractmethod
+    def tp_size(self, timeout_s: float) -> int:
+        """The engine's number of ranks (a transport's set-up sizes its group with it).
+
+        Raises:
+            EngineRequestError: the engine did not answer.
+        """
+
+    def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Have every rank run transport `transport`'s set-up (`info` is its request).
+
+        Raises:
+            EngineRequestError: the engine refused or failed; by default it has no set-up for
+                any transport.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot set up transport {transport!r}")
+
+    def teardown_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Undo `setup_transport` on every rank.
+
+        Raises:
+            EngineRequestError: the engine refused or failed.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot set up transport {transport!r}")
+
+    def close(self) -> None:  # noqa: B027 (optional hook: most targets hold nothing)
+        """Free what the target holds (connections)."""

@@ -1,0 +1,116 @@
+"""An engine that speaks weightbus's HTTP control plane: the reference engine (`weightbus serve`),
+in the conventions of SGLang's `/v1/update_weights` and `/v1/init_weights_group`."""
+
+import httpx
+import msgspec
+
+from weightbus.publisher.targets.base import EngineResult, EngineTarget, EngineWeights, UpdateOrder
+from weightbus.transport import encode_description
+from weightbus.transport.base import EngineRequestError
+
+# Margin on top of an update's own timeout for the HTTP answer to travel back.
+HTTP_MARGIN_S = 10.0
+# What each transport's set-up and tear-down is called on this API (SGLang's names).
+_SETUP_ROUTES = {"dist": ("/v1/init_weights_group", "/v1/destroy_weights_group")}
+# The field that tags a set-up request's kind (`WeightsGroupRequest`): the route carries it.
+SETUP_TAG_FIELD = "action"
+
+
+def error_reason(response: httpx.Response) -> str:
+    """`HTTP <status>: <message>` of an error answer, with the offending tensors if named."""
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:500]}"
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else body
+    names = body.get("names") if isinstance(body, dict) else None
+    suffix = f" (tensors: {names})" if names else ""
+    return f"HTTP {response.status_code}: {message}{suffix}"
+
+
+class HttpEngineTarget(EngineTarget):
+    """An engine reached at `url` over weightbus's HTTP API.
+
+    Args:
+        url: the engine's base URL.
+        token: bearer token of the admin routes, if the engine requires one.
+        client: an HTTP client to share between targets (the target then does not close it).
+    """
+
+    def __init__(
+        self, url: str, *, token: str | None = None, client: httpx.Client | None = None
+    ) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._owns_client = client is None
+        self._http = client if client is not None else httpx.Client(headers=headers)
+
+    def _request(self, method: str, path: str, timeout_s: float, **kwargs: object) -> dict:
+        try:
+            response = self._http.request(method, f"{self.url}{path}", timeout=timeout_s, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineRequestError(f"{type(exc).__name__}: {exc}") from None
+        if response.status_code != 200:
+            raise EngineRequestError(error_reason(response))
+        return response.json()
+
+    def update(self, order: UpdateOrder) -> EngineResult:
+        body = {
+            "version": order.version,
+            "step": order.step,
+            "transport": order.transport,
+            "source": encode_description(order.source),
+            "plan_hash": order.plan_hash,
+            "timeout_s": order.timeout_s,
+            "pause_mode": order.pause_mode,
+            "atomic": order.atomic,
+            "verify": order.verify,
+            "force": order.force,
+        }
+        answer = self._request(
+            "POST", "/v1/update_weights", order.timeout_s + HTTP_MARGIN_S, json=body
+        )
+        return EngineResult(
+            url=self.url,
+            version=answer["version"],
+            fingerprint=answer.get("fingerprint"),
+            nbytes=answer.get("bytes", 0),
+            seconds=answer.get("seconds", 0.0),
+            phases=answer.get("phases", {}),
+        )
+
+    def weights(self, timeout_s: float) -> EngineWeights:
+        answer = self._request("GET", "/v1/weights", timeout_s)
+        return EngineWeights(
+            url=self.url,
+            version=answer["version"],
+            fingerprint=answer["fingerprint"],
+            status=answer["status"],
+            step=answer.get("step"),
+            history=answer.get("history", []),
+        )
+
+    def tp_size(self, timeout_s: float) -> int:
+        return self._request("GET", "/v1/server_info", timeout_s)["tp_size"]
+
+    def _setup_route(self, transport: str, index: int) -> str:
+        routes = _SETUP_ROUTES.get(transport)
+        if routes is None:
+            raise EngineRequestError(f"the engine's HTTP API has no set-up for {transport!r}")
+        return routes[index]
+
+    def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        self._post_setup(self._setup_route(transport, 0), info, timeout_s)
+
+    def teardown_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        self._post_setup(self._setup_route(transport, 1), info, timeout_s)
+
+    def _post_setup(self, path: str, info: msgspec.Struct, timeout_s: float) -> None:
+        body = msgspec.to_builtins(info)
+        body.pop(SETUP_TAG_FIELD, None)  # the route says which action it is
+        self._request("POST", path, timeout_s, json=body)
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._http.close()

@@ -1,0 +1,82 @@
+"""The layering contracts (`[tool.importlinter]` in pyproject.toml) hold, and the checker that
+`make test` runs catches a core module importing the reference engine."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+pytestmark = pytest.mark.e2e  # runs the checker as a child process
+
+
+def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
+    """Run the contracts of pyproject.toml against the package under `tree/src`."""
+    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(tree / "pyproject.toml"), "--no-cache"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def package_copy(tmp_path: Path) -> Path:
+    shutil.copytree(
+        ROOT / "src" / "weightbus",
+        tmp_path / "src" / "weightbus",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_the_contracts_hold(package_copy: Path):
+    result = _lint_imports(package_copy)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 4 kept, 0 broken." in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "bad_import", "contract"),
+    [
+        (
+            "transport/disk.py",
+            "from weightbus.models.loader import create_model",
+            "The core never imports the reference engine, the apps or the integrations BROKEN",
+        ),
+        (
+            "plan/planner.py",
+            "from weightbus.wire import ProtocolError",
+            "Core layers only look down: the path of a weight BROKEN",
+        ),
+        (
+            "transport/hf_dir.py",
+            "from weightbus.transport.disk import DiskSink",
+            "Transports do not import each other (shared parts live in transport/ itself) BROKEN",
+        ),
+        (
+            "integrations/__init__.py",
+            "import weightbus.server.api",
+            "Integrations import the core only BROKEN",
+        ),
+    ],
+    ids=["core imports engine", "upward import", "transport imports transport", "integration"],
+)
+def test_a_deliberate_bad_import_fails_the_check(
+    package_copy: Path, module: str, bad_import: str, contract: str
+):
+    path = package_copy / "src" / "weightbus" / module
+    path.write_text(f"{path.read_text()}\n{bad_import}  # noqa: F401, E402\n")
+    result = _lint_imports(package_copy)
+    assert result.returncode != 0
+    assert contract in result.stdout
+    assert "Contracts: 3 kept, 1 broken." in result.stdout
