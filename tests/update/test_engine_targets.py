@@ -4,58 +4,14 @@ not one (an in-process CPU mirror built on the Receiver) together, bit-exactly."
 import pytest
 import torch
 
-from helpers import TensorDictTarget, assert_bit_identical
+from helpers import MirrorTarget, assert_bit_identical
 from weightbus import Publisher, PushError
 from weightbus.models.config import tiny_config
 from weightbus.models.loader import random_hf_weights
-from weightbus.publisher import (
-    EngineRequestError,
-    EngineResult,
-    EngineTarget,
-    EngineWeights,
-    UpdateOrder,
-)
-from weightbus.receiver import Receiver, UpdateRequest
-from weightbus.transport import open_source
 
 # `engines` (tests/update/conftest.py): `tp2` and `tp1` start with the tiny model's seed-0
 # weights; `reference_tp2` with these
 SEED = 11
-
-
-class MirrorTarget(EngineTarget):
-    """A CPU copy of the weights, updated in place by this process's Receiver."""
-
-    def __init__(self, url: str, tensors: dict[str, torch.Tensor], *, refuse: str = "") -> None:
-        self.url = url
-        self.target = TensorDictTarget(tensors)
-        self.refuse = refuse
-        self.version, self.fingerprint = "initial", None
-
-    def update(self, order: UpdateOrder) -> EngineResult:
-        if self.refuse:
-            raise EngineRequestError(self.refuse)
-        receiver = Receiver(load_weights=self.target.load_weights, expected=self.target.expected())
-        source = open_source(order.transport, order.source)
-        request = UpdateRequest(
-            version=order.version,
-            plan_hash=order.plan_hash,
-            verify=order.verify,
-            timeout_s=order.timeout_s,
-        )
-        result = receiver.receive(source, request)
-        if not result.ok:
-            raise EngineRequestError("; ".join(result.errors))
-        self.version, self.fingerprint = order.version, result.fingerprint
-        return EngineResult(self.url, order.version, result.fingerprint, result.nbytes, 0.0, {})
-
-    def weights(self, timeout_s: float) -> EngineWeights:
-        return EngineWeights(
-            url=self.url, version=self.version, fingerprint=self.fingerprint, status="NORMAL"
-        )
-
-    def tp_size(self, timeout_s: float) -> int:
-        return 1
 
 
 def _zeros(weights: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -5,11 +5,20 @@ A transport is one module (or subpackage) plus one line in `_REGISTRY`. Its part
 `"module:attribute"` and imported only when used, so heavy dependencies (torch.distributed,
 NIXL) load only for the transports a user picks, and the HTTP edge decodes a description
 without importing the transport's data path.
+
+A transport that lives in another package registers through the `weightbus.transports` entry
+point group (name -> a `TransportEntry`), so every process that looks it up finds it: the
+publisher, the engine's API server and every rank. `register_transport` adds one in this
+process only (tests, notebooks).
 """
 
 import importlib
+import logging
+import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Any
 
 import msgspec
@@ -24,6 +33,8 @@ from weightbus.transport.base import (
 )
 from weightbus.transport.shared_memory import remove_stale_slots
 from weightbus.wire import ProtocolError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +86,53 @@ _REGISTRY: dict[str, TransportEntry] = {
     ),
 }
 
+ENTRY_POINT_GROUP = "weightbus.transports"
+_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_plugins_lock = threading.Lock()
+_plugins_loaded = False
+
+
+def register_transport(name: str, entry: TransportEntry) -> None:
+    """Add transport `name` to this process's registry.
+
+    Raises:
+        ValueError: the name is taken, or not 1-32 of `[a-z0-9_]` starting with a letter.
+    """
+    if not _NAME_PATTERN.match(name):
+        raise ValueError(f"transport name {name!r}: use 1-32 of [a-z0-9_], starting with a letter")
+    if name in _REGISTRY:
+        raise ValueError(f"transport {name!r} is already registered")
+    _REGISTRY[name] = entry
+
+
+def _load_plugins() -> None:
+    """Register the `weightbus.transports` entry points once (each names a `TransportEntry`)."""
+    global _plugins_loaded  # noqa: PLW0603 - a process-wide, load-once registry
+    if _plugins_loaded:  # the common case: no lock once loaded
+        return
+    with _plugins_lock:
+        if _plugins_loaded:
+            return
+        _plugins_loaded = True
+        for point in entry_points(group=ENTRY_POINT_GROUP):
+            # a broken plugin must not take the built-in transports down with it
+            try:
+                entry = point.load()
+                if not isinstance(entry, TransportEntry):
+                    raise TypeError(f"{point.value} is a {type(entry).__name__}")  # noqa: TRY301
+                register_transport(point.name, entry)
+            except (ImportError, AttributeError, TypeError, ValueError) as exc:
+                logger.warning("transport plugin %r not registered: %s", point.name, exc)
+
 
 def transport_names() -> list[str]:
     """Names of the registered transports (CLI and API choices come from here)."""
+    _load_plugins()
     return sorted(_REGISTRY)
 
 
 def _entry(name: str) -> TransportEntry:
+    _load_plugins()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -196,6 +247,7 @@ def decode_setup_request(name: str, raw: Mapping[str, Any]) -> Any:
 
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "BucketSink",
     "BucketSource",
     "DirectPlacement",
@@ -213,6 +265,7 @@ __all__ = [
     "make_sink",
     "open_source",
     "rank_setup",
+    "register_transport",
     "remove_stale_slots",
     "transport_names",
 ]

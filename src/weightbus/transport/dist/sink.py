@@ -1,4 +1,4 @@
-"""`dist`: buckets travel on a torch.distributed gloo group spanning hosts.
+"""`dist`, publisher side: buckets travel on a torch.distributed gloo group spanning hosts.
 
 The group (`group.py`) is created once and reused: the publisher is group rank 0, every
 engine rank a member. Per push, on the group, in order:
@@ -21,7 +21,6 @@ A rank receives in a background thread, up to `prefetch_depth` buckets ahead of 
 """
 
 import contextlib
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,12 +53,12 @@ from weightbus.transport.dist.setup import form_group, leave_group
 from weightbus.transport.dist.slices import check_slices, layout_slices, pack_regions, rank_regions
 from weightbus.wire.messages import BucketSent, SliceSpec
 
-logger = logging.getLogger(__name__)
 
 Mode = Literal["auto", "broadcast", "scatter"]
 MODES = ("auto", "broadcast", "scatter")
 # Bound of leaving the group at `close` (engines that do not answer by then are left as is).
 CLOSE_TIMEOUT_S = 10.0
+
 
 def choose_mode(group: WeightsGroup, mode: Mode) -> Literal["broadcast", "scatter"]:
     """The mode of a push: `mode` unless `auto`, which scatters when every rank has tp > 1."""
@@ -156,7 +155,6 @@ class DistSink(BucketSink):
             timeout_s=timeout_s,
         )
         self._members = tuple(engines)
-        logger.info("weights group %r formed: %d members", info.name, info.world_size)
         return info
 
     def teardown(self, timeout_s: float) -> None:
