@@ -155,11 +155,6 @@ def make_sink(name: str, **options: Any) -> BucketSink:
     return _load(_entry(name).sink)(**options)
 
 
-def accepts_direct(name: str) -> bool:
-    """Whether transport `name` can write straight into parameters in shared memory."""
-    return _entry(name).direct
-
-
 def description_type(name: str) -> type[SourceDescription]:
     """The description struct of transport `name`."""
     return _load(_entry(name).description)
@@ -256,7 +251,6 @@ __all__ = [
     "ReceivedBatch",
     "SourceDescription",
     "TransportEntry",
-    "accepts_direct",
     "decode_description",
     "decode_setup_request",
     "description_type",

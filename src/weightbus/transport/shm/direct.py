@@ -9,7 +9,6 @@ chunk, so the digests read bytes that are still in cache. Copies go through nump
 each, GIL released) on a pool as wide as torch's thread count, largest tensors first.
 """
 
-import logging
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,8 +25,6 @@ from weightbus.plan.bucket import BucketEntry, byte_view, check_entry_tensor
 from weightbus.plan.shard import ShardCopy
 from weightbus.transport.shared_memory import ARENA_PREFIX, Slot
 from weightbus.wire import DirectTarget
-
-logger = logging.getLogger(__name__)
 
 # Rows copied and digested together: small enough that the digests read from cache.
 CHUNK_BYTES = 4 << 20
