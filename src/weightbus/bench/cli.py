@@ -17,6 +17,10 @@ SUITES = {
     "engine": ("weightbus.bench.engine", "reference engine tokens/s at batch 1 and 16, TP 1 and 2"),
     "status": ("weightbus.bench.status", "decode step cost of the live-update machinery at rest"),
     "update": ("weightbus.bench.update", "push into real engines: floor, shm, disk, same run"),
+    "vllm": (
+        "weightbus.bench.vllm",
+        "push into a live vLLM server vs save + vLLM reload vs the floor, same run",
+    ),
 }
 
 

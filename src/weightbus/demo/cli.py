@@ -28,6 +28,7 @@ from weightbus.demo.task import prompts, render
 from weightbus.demo.trainer import Trainer
 from weightbus.models.config import tiny_config
 from weightbus.publisher import Publisher, PushError
+from weightbus.publisher.probe import LogprobProbe
 from weightbus.transport import transport_names
 from weightbus.units import format_bytes
 
@@ -46,7 +47,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="initial weights and sampling")
     parser.add_argument("--transport", default="shm", choices=transport_names())
     parser.add_argument(
-        "--engine", default=None, help="URL of a running `weightbus serve --model tiny` to use"
+        "--engine",
+        default=None,
+        help="`vllm`: start a vLLM server (backend weightbus) instead of `weightbus serve`; "
+        "or the URL of a running `weightbus serve --model tiny` to use",
     )
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (a group)")
@@ -99,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     # the engine's ranks need the cores more than the tiny trainer does
     torch.set_num_threads(1)
+    if args.engine == "vllm":
+        return _run_vllm(args)
     trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
     record = DemoRecord(transport=args.transport, tp=None if args.engine else args.tp)
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
@@ -109,10 +115,45 @@ def run(args: argparse.Namespace) -> int:
             print(f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}")
             proc, url = start_engine(tmp, args.tp)
         try:
-            _run_steps(args, trainer, url, record, engine_started=proc is not None)
+            client = RolloutClient(url, max_tokens=args.max_tokens, temperature=args.temperature)
+            token = os.environ.get(TOKEN_ENV) or None
+            publisher = Publisher([url], transport=args.transport, token=token)
+            _run_steps(
+                args, trainer, client=client, publisher=publisher, record=record,
+                engine_started=proc is not None,
+            )  # fmt: skip
         finally:
             if proc is not None:
                 stop_engine(proc)
+    return _finish(record, args)
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    from weightbus.demo.vllm_engine import VllmRolloutClient, start_vllm, vllm_demo_config
+    from weightbus.publisher.targets.vllm import VllmEngineTarget
+
+    trainer = Trainer(vllm_demo_config(), seed=args.seed, lr=args.lr)
+    record = DemoRecord(transport=args.transport, tp=args.tp)
+    with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
+        print(f"starting vLLM: api_server --model <trainer's HF dir> --tp {args.tp} "
+              '--weight-transfer-config \'{"backend": "weightbus"}\'')  # fmt: skip
+        server = start_vllm(trainer, Path(tmp), args.tp)
+        try:
+            client = VllmRolloutClient(
+                server.url, str(server.model_dir), max_tokens=args.max_tokens,
+                temperature=args.temperature,
+            )  # fmt: skip
+            publisher = Publisher([VllmEngineTarget(server.url)], transport=args.transport)
+            _run_steps(
+                args, trainer, client=client, publisher=publisher, record=record,
+                engine_started=True,
+            )  # fmt: skip
+        finally:
+            server.stop()
+    return _finish(record, args)
+
+
+def _finish(record: DemoRecord, args: argparse.Namespace) -> int:
     _summarize(record)
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(record), indent=2) + "\n")
@@ -120,15 +161,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_steps(
-    args: argparse.Namespace, trainer: Trainer, url: str, record: DemoRecord, engine_started: bool
+    args: argparse.Namespace,
+    trainer: Trainer,
+    *,
+    client: RolloutClient,
+    publisher: Publisher,
+    record: DemoRecord,
+    engine_started: bool,
 ) -> None:
-    token = os.environ.get(TOKEN_ENV) or None
     loop = _Loop(
         args=args,
         run_id=secrets.token_hex(3),
         trainer=trainer,
-        client=RolloutClient(url, max_tokens=args.max_tokens, temperature=args.temperature),
-        publisher=Publisher([url], transport=args.transport, token=token),
+        client=client,
+        publisher=publisher,
         record=record,
     )
     try:
@@ -164,12 +210,26 @@ class _Loop:
         if not engine_started:
             self.publisher.push(self.trainer.model, version=f"demo-{self.run_id}-init")
         state = self.client.weights()
+        if state["fingerprint"] is None:  # vLLM: step 1's logprob check proves the policy
+            print(f"engine {state['version']!r} serves the trainer's checkpoint")
+            return state["version"]
         if state["fingerprint"] != expected:
             raise DemoCheckError(
                 f"engine serves fingerprint {state['fingerprint']}, the trainer holds {expected}"
             )
         print(f"engine {state['version']!r} serves the trainer's weights (fingerprint {expected})")
         return state["version"]
+
+    def _probe(self) -> LogprobProbe | None:
+        """Engines that cannot report a fingerprint (vLLM) must reproduce the trainer's
+        logprobs on a fixed sequence after each push."""
+        if all(target.reports_fingerprint for target in self.publisher.targets):
+            return None
+        model = self.trainer.model.eval()
+        try:
+            return LogprobProbe.of_model(model, _probe_ids(self.args), LOGPROB_TOLERANCE)
+        finally:
+            model.train()
 
     def step(self, step: int, version: str) -> str:
         """Rollouts under `version`, one update, one push; returns the pushed version."""
@@ -193,12 +253,12 @@ class _Loop:
             )
         # push
         new_version = f"demo-{self.run_id}-step-{step}"
-        result = self.publisher.push(self.trainer.model, version=new_version)
+        result = self.publisher.push(self.trainer.model, version=new_version, probe=self._probe())
         state = self.client.weights()
         matched = (
             result.fingerprint == self.publisher.fingerprint(self.trainer.model)
             and state["version"] == new_version
-            and state["fingerprint"] == result.fingerprint
+            and state["fingerprint"] in (result.fingerprint, None)  # None: vLLM (probed)
         )
         entry = StepRecord(
             step=step,
@@ -219,6 +279,10 @@ class _Loop:
                 f"{state['fingerprint']}, the trainer pushed {new_version!r} {result.fingerprint}"
             )
         return new_version
+
+
+def _probe_ids(args: argparse.Namespace) -> list[int]:
+    return [*prompts(1)[0], *range(ord("0"), ord("0") + args.max_tokens)]
 
 
 def _print_step(entry: StepRecord, num_steps: int, sample: str) -> None:

@@ -96,7 +96,8 @@ class WeightbusWeightTransferEngine(
             return
         tick = time.perf_counter()
         try:
-            loaded, error = self._load(result, reload_all=update_info.reload_all), ""
+            skip = update_info.skip_unchanged and not update_info.reload_all
+            loaded, error = self._load(result, skip_unchanged=skip), ""
         except WeightbusLoadError as exc:
             loaded, error = 0, str(exc)
         failures = _failures(gather_verdicts(not error, error, tp.cpu_group))
@@ -149,9 +150,8 @@ class WeightbusWeightTransferEngine(
             self._expected = checkpoint_metas(config.model, config.dtype, tied)
         return self._expected
 
-    def _load(self, result: RankResult, *, reload_all: bool) -> int:
-        skip = self.options.skip_unchanged and not reload_all
-        previous = self._loaded_digests if skip else None
+    def _load(self, result: RankResult, *, skip_unchanged: bool) -> int:
+        previous = self._loaded_digests if skip_unchanged else None
         names = changed_tensors(result.digests, previous)
         if not names:
             return 0

@@ -10,6 +10,7 @@ a load that failed after touching the model, or a failed logprob probe, leaves i
 closed) until a good push lands.
 """
 
+import contextlib
 import time
 from typing import Annotated, Any, Protocol
 
@@ -36,17 +37,18 @@ class VllmInitInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     Attributes:
         retie_tied_heads: rebuild a tied LM head's repacked weight after each load (the fix of
             the stale-head case; off only to show what the logprob probe catches).
-        skip_unchanged: load only the blocks whose bytes changed since the last push.
     """
 
     retie_tied_heads: bool = True
-    skip_unchanged: bool = True
 
 
 class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`update_info` of `/update_weights` for backend `weightbus`: one whole push
-    (`reload_all`: load every tensor, even those whose bytes vLLM already holds -- a forced
-    push repairs a model its loader got wrong)."""
+    """`update_info` of `/update_weights` for backend `weightbus`: one whole push.
+
+    `skip_unchanged`: load only the blocks whose bytes differ from the last weightbus load
+    (safe only while weightbus is the one writer of the weights: vLLM's own `reload_weights`
+    changes them behind its back). `reload_all` (a forced push) loads everything.
+    """
 
     transport: str
     source: dict[str, Any]
@@ -54,6 +56,7 @@ class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plan_hash: str
     verify: VerifyLevel = "full"
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    skip_unchanged: bool = False
     reload_all: bool = False
 
 
@@ -63,6 +66,9 @@ class VllmEngineTarget(EngineTarget):
     Args:
         url: the server's base URL.
         init_info: the backend's `VllmInitInfo` (sent once, before the first update).
+        skip_unchanged: ask the workers to reload only the blocks whose bytes changed since
+            their last weightbus load (`VllmUpdateInfo.skip_unchanged`: only while nothing
+            else writes the engine's weights).
         api_key: vLLM's `--api-key`, if set.
         client: an HTTP client to use (the target then does not close it).
     """
@@ -75,11 +81,13 @@ class VllmEngineTarget(EngineTarget):
         url: str,
         *,
         init_info: VllmInitInfo | None = None,
+        skip_unchanged: bool = False,
         api_key: str | None = None,
         client: httpx.Client | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.init_info = init_info or VllmInitInfo()
+        self.skip_unchanged = skip_unchanged
         self._initialized = False
         self._owns_client = client is None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -123,6 +131,7 @@ class VllmEngineTarget(EngineTarget):
             plan_hash=order.plan_hash,
             verify=order.verify,
             timeout_s=order.timeout_s,
+            skip_unchanged=self.skip_unchanged,
             reload_all=order.force,
         )
         phases: dict[str, float] = {}
@@ -182,10 +191,8 @@ class VllmEngineTarget(EngineTarget):
         """End the failed session on every worker: ranks that returned still hold it open
         (only the last rank raises: `worker._raise_on_last_rank`), the one that raised does
         not, and answers this call with "without a matching start" (expected, ignored)."""
-        try:
+        with contextlib.suppress(EngineRequestError):
             self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json={})
-        except EngineRequestError:
-            pass
 
     def _check_probe(self, probe: LogprobProbe, version: str) -> None:
         gap = probe.gap(self.score(probe.token_ids))
