@@ -162,37 +162,56 @@ _KILLED_PUBLISHER = textwrap.dedent(
 
 
 def test_publisher_killed_mid_push_leaves_the_previous_version_and_the_next_push_lands(
-    tied_tp1, tmp_path
+    untied_tp2, tmp_path
 ):
     from safetensors.torch import save_file
 
-    before_tokens = tied_tp1.server.complete(PROMPT)["token_ids"]
-    before_version = _served_version(tied_tp1)
-    model = trained(tied_tp1.model, seed=41)
+    before_tokens = untied_tp2.server.complete(PROMPT)["token_ids"]
+    before_version = _served_version(untied_tp2)
+    model = trained(untied_tp2.model, seed=41)
     path = tmp_path / "state.safetensors"
     save_file(
         {n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"}, path
     )
     publisher = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_PUBLISHER, tied_tp1.url, str(path)],
+        [sys.executable, "-c", _KILLED_PUBLISHER, untied_tp2.url, str(path)],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert publisher.stdout.readline().strip() == "streaming"
     os.kill(publisher.pid, signal.SIGKILL)
     publisher.wait(10)
-    # the ranks give up on the dead stream after its timeout and touch nothing; vLLM stays
-    # paused by the dead publisher until someone resumes it (here: the operator)
-    waiting = threading.Thread(target=lambda: tied_tp1.server.complete(PROMPT))
+    # both ranks give up on the dead stream after its timeout and touch nothing (only the last
+    # rank reports it: no answer is left queued in vLLM's executor); vLLM stays paused by the
+    # dead publisher until someone resumes it (here: the operator)
+    waiting = threading.Thread(target=lambda: untied_tp2.server.complete(PROMPT))
     waiting.start()
     # (resume waits for the ranks, busy until the dead stream times out)
-    httpx.post(f"{tied_tp1.url}/resume", timeout=60).raise_for_status()
+    httpx.post(f"{untied_tp2.url}/resume", timeout=60).raise_for_status()
     waiting.join(60)
-    assert _served_version(tied_tp1) == before_version
-    assert tied_tp1.server.complete(PROMPT)["token_ids"] == before_tokens
-    _push(tied_tp1, model, "after-kill")
-    assert tied_tp1.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
-    tied_tp1.model = model
+    assert _served_version(untied_tp2) == before_version
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
+    _push(untied_tp2, model, "after-kill")
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    untied_tp2.model = model
+
+
+@pytest.mark.parametrize("dist_mode", ["broadcast", "scatter"])
+def test_dist_pushes_reach_every_worker_over_a_weights_group(untied_tp2, dist_mode):
+    model = trained(untied_tp2.model, seed=70 + len(dist_mode))
+    probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
+    target = VllmEngineTarget(untied_tp2.url)
+    options = {"mode": dist_mode}
+    with Publisher([target], transport="dist", timeout_s=60, transport_options=options) as pub:
+        pub.init_weights_group("127.0.0.1")  # every worker joins: group ranks 1 and 2
+        pub.push(model, version=f"over-dist-{dist_mode}", probe=probe)
+        if dist_mode == "scatter":  # vLLM's workers report no slices: each gets all, whole
+            total_bytes = sum(t.nbytes for t in model.state_dict().values())
+            assert sorted(pub.sink.sent_bytes) == [1, 2]
+            assert all(sent >= total_bytes for sent in pub.sink.sent_bytes.values())
+    assert _served_version(untied_tp2) == f"over-dist-{dist_mode}"
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    untied_tp2.model = model
 
 
 @pytest.mark.parametrize("pause_mode", ["drain", "in_place", "abort"])

@@ -43,7 +43,18 @@ class RolloutClient:
         return list(self._pool.map(lambda job: self._complete(*job), jobs))
 
     def _complete(self, prompt: list[int], seed: int) -> Rollout:
-        body = {
+        response = self._http.post("/v1/completions", json=self._request_body(prompt, seed))
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        return Rollout(
+            prompt_ids=prompt,
+            token_ids=choice["token_ids"],
+            engine_logprobs=choice["logprobs"]["token_logprobs"],
+            weight_version=self._version_of(choice),
+        )
+
+    def _request_body(self, prompt: list[int], seed: int) -> dict:
+        return {
             "prompt": prompt,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -51,15 +62,10 @@ class RolloutClient:
             "logprobs": 0,
             "ignore_eos": True,
         }
-        response = self._http.post("/v1/completions", json=body)
-        response.raise_for_status()
-        choice = response.json()["choices"][0]
-        return Rollout(
-            prompt_ids=prompt,
-            token_ids=choice["token_ids"],
-            engine_logprobs=choice["logprobs"]["token_logprobs"],
-            weight_version=choice["weight_version"],
-        )
+
+    def _version_of(self, choice: dict) -> str:
+        """The version that generated a completion (the engine stamps every choice)."""
+        return choice["weight_version"]
 
     def weights(self) -> dict:
         """The engine's `GET /v1/weights` answer."""

@@ -52,26 +52,15 @@ class VllmRolloutClient(RolloutClient):
         self._version = self.weights()["version"]
         return super().sample(prompts, group_size, seed)
 
-    def _complete(self, prompt: list[int], seed: int) -> Rollout:
-        body = {
+    def _request_body(self, prompt: list[int], seed: int) -> dict:
+        return {
+            **super()._request_body(prompt, seed),
             "model": self.model,
-            "prompt": prompt,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "seed": seed,
-            "logprobs": 0,
-            "ignore_eos": True,
             "return_token_ids": True,
         }
-        response = self._http.post("/v1/completions", json=body)
-        response.raise_for_status()
-        choice = response.json()["choices"][0]
-        return Rollout(
-            prompt_ids=prompt,
-            token_ids=choice["token_ids"],
-            engine_logprobs=choice["logprobs"]["token_logprobs"],
-            weight_version=self._version,
-        )
+
+    def _version_of(self, choice: dict) -> str:
+        return self._version
 
     def weights(self) -> dict:
         """The version vLLM serves (`/weight_info`); it cannot report a fingerprint."""

@@ -1,7 +1,9 @@
 """The worker side of backend `weightbus`: one vLLM worker (TP rank) receives a whole push,
 every rank agrees it verified, and only then does vLLM load it.
 
-`update_weights` (one call per push) runs the named steps: `_receive` (a weightbus `Receiver`
+A push arrives as `init_info.push` of `/init_weight_transfer_engine` (the publisher's target
+says why not `/update_weights`; `update_weights` takes the same session for vLLM's own clients).
+`receive_weights` runs the named steps: `_receive` (a weightbus `Receiver`
 over the push's transport, staging every tensor in reusable buffers and checking every digest,
 the plan and the fingerprint against the served checkpoint's tensor list), `gather_verdicts`
 (all ranks' verdicts over vLLM's CPU TP group), `_load` (the blocks that changed, through
@@ -25,9 +27,14 @@ from vllm.distributed.weight_transfer.base import (
 from weightbus.integrations.vllm.reload import reload_weights, unloaded
 from weightbus.integrations.vllm.staging import StagingBuffers, changed_tensors, checkpoint_metas
 from weightbus.integrations.vllm.verdicts import gather_verdicts
-from weightbus.publisher.targets.vllm import UNTOUCHED, VllmInitInfo, VllmUpdateInfo
+from weightbus.publisher.targets.vllm import (
+    UNTOUCHED,
+    VllmInitInfo,
+    VllmTransportSetup,
+    VllmUpdateInfo,
+)
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
-from weightbus.transport import open_source
+from weightbus.transport import decode_setup_request, open_source, rank_setup
 
 # a child of vLLM's logger: vLLM configures handlers for its own tree only
 logger = logging.getLogger("vllm.weightbus")
@@ -71,6 +78,26 @@ class WeightbusWeightTransferEngine(
     def init_transfer_engine(self, init_info: VllmInitInfo) -> None:
         self.options = init_info
         self._expected_metas()  # read the checkpoint's headers now, not on the first push
+        if init_info.setup is not None:
+            self._setup_transport(init_info.setup)
+        if init_info.push is not None:
+            self.receive_weights(init_info.push)
+
+    def _setup_transport(self, setup: VllmTransportSetup) -> None:
+        """Run a transport's rank set-up (`dist`: join the weights group). vLLM's loaders take
+        whole tensors, so this rank reports no slices: a scatter sends it every tensor whole."""
+        tp = get_tp_group()
+        try:
+            request = decode_setup_request(setup.transport, setup.request)
+            rank_setup(setup.transport)(
+                request, tp_rank=tp.rank_in_group, tp_size=tp.world_size, slices=[]
+            )
+            error = ""
+        except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        failures = _failures(gather_verdicts(not error, error, tp.cpu_group))
+        if failures:
+            _raise_on_last_rank(RuntimeError(f"{setup.transport} set-up failed: {failures}"))
 
     def start_weight_update(self) -> None:
         self._staging.begin()
@@ -120,7 +147,7 @@ class WeightbusWeightTransferEngine(
         self.version, self.fingerprint = version, result.fingerprint
 
     def finish_weight_update(self) -> None:
-        """Nothing left: `update_weights` loaded the whole push once every rank verified it."""
+        """Nothing left: the push was loaded whole once every rank verified it."""
 
     def shutdown(self) -> None:
         self._staging.release()
@@ -186,8 +213,7 @@ def _raise_on_last_rank(error: Exception) -> None:
 
     vLLM's executor reads the ranks' answers in rank order and stops at the first failure,
     leaving the later answers queued for the next RPC (measured: the next call then failed
-    with this push's error). Every rank knows the verdicts, so only the last one reports
-    them; the publisher's target then closes the session on every rank (`finish`).
+    with this push's error). Every rank knows the verdicts, so only the last one reports them.
     """
     tp = get_tp_group()
     if tp.rank_in_group == tp.world_size - 1:

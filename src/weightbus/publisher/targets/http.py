@@ -29,6 +29,32 @@ def error_reason(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {message}{suffix}"
 
 
+def request_json(
+    http: httpx.Client,
+    method: str,
+    url: str,
+    path: str,
+    timeout_s: float,
+    *,
+    name_path: bool = False,
+    **kwargs: object,
+) -> dict:
+    """One request whose answer must be 200; its JSON body (`{}` when empty).
+
+    Raises:
+        EngineRequestError: no answer, or another status (`error_reason`; prefixed with the
+            path when `name_path`, for APIs where one update takes several calls).
+    """
+    prefix = f"{path}: " if name_path else ""
+    try:
+        response = http.request(method, f"{url}{path}", timeout=timeout_s, **kwargs)
+    except httpx.HTTPError as exc:
+        raise EngineRequestError(f"{prefix}{type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise EngineRequestError(f"{prefix}{error_reason(response)}")
+    return response.json() if response.content else {}
+
+
 class HttpEngineTarget(EngineTarget):
     """An engine reached at `url` over weightbus's HTTP API.
 
@@ -47,13 +73,7 @@ class HttpEngineTarget(EngineTarget):
         self._http = client if client is not None else httpx.Client(headers=headers)
 
     def _request(self, method: str, path: str, timeout_s: float, **kwargs: object) -> dict:
-        try:
-            response = self._http.request(method, f"{self.url}{path}", timeout=timeout_s, **kwargs)
-        except httpx.HTTPError as exc:
-            raise EngineRequestError(f"{type(exc).__name__}: {exc}") from None
-        if response.status_code != 200:
-            raise EngineRequestError(error_reason(response))
-        return response.json()
+        return request_json(self._http, method, self.url, path, timeout_s, **kwargs)
 
     def update(self, order: UpdateOrder) -> EngineResult:
         body = {

@@ -1,16 +1,24 @@
 """A vLLM server as an engine target: its weight-transfer routes (served with
 `VLLM_SERVER_DEV_MODE=1`) driving the `weightbus` backend on its workers.
 
-One update is vLLM's own sequence: `/pause` (drain -> `wait`, in_place -> `keep`, abort ->
-`abort`), `/start_weight_update`, one `/update_weights` carrying the weightbus session (each
+One update: `/pause` (drain -> `wait`, in_place -> `keep`, abort -> `abort`), then **one**
+`/init_weight_transfer_engine` whose `init_info` carries the whole weightbus session (each
 worker receives it, verifies every digest and the fingerprint, and loads only once every rank
-agreed: `weightbus.integrations.vllm.worker`), `/finish_weight_update` with the version,
-`/resume`. A push its workers refused leaves vLLM serving the previous weights and resumes it;
-a load that failed after touching the model, or a failed logprob probe, leaves it paused (fail
-closed) until a good push lands.
+agreed: `weightbus.integrations.vllm.worker`), then `/start_weight_update` +
+`/finish_weight_update` to set the version, and `/resume`.
+
+Why not `/update_weights`: vLLM's worker wrapper marks a session open on `start` and closes it
+on `finish` or on a rank that raised. vLLM's executor stops reading the ranks' answers at the
+first failure, so only the last rank may fail a call (the others' answers would be read by the
+next call); a failed update then leaves the other ranks' sessions open, and the next `start`
+fails on them -- for good, once a publisher died mid-push and cannot `finish`. The init route
+has no session: a refused push leaves every rank as it was.
+
+A push the workers refused leaves vLLM serving the previous weights and resumes it; a load that
+failed after touching the model, or a failed logprob probe, leaves it paused (fail closed)
+until a good push lands.
 """
 
-import contextlib
 import time
 from typing import Annotated, Any, Protocol
 
@@ -19,7 +27,7 @@ import msgspec
 
 from weightbus.publisher.probe import LogprobProbe
 from weightbus.publisher.targets.base import EngineResult, EngineTarget, EngineWeights, UpdateOrder
-from weightbus.publisher.targets.http import HTTP_MARGIN_S, error_reason
+from weightbus.publisher.targets.http import HTTP_MARGIN_S, request_json
 from weightbus.transport import encode_description
 from weightbus.transport.base import EngineRequestError
 from weightbus.wire import PauseMode, VerifyLevel
@@ -29,17 +37,6 @@ PAUSE_MODES: dict[PauseMode, str] = {"drain": "wait", "in_place": "keep", "abort
 # Workers start every refusal with this: the model was not touched, vLLM serves what it served.
 UNTOUCHED = "refused before loading; vLLM still serves its previous weights"
 _CONTROL_TIMEOUT_S = 30.0
-
-
-class VllmInitInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`init_info` of `/init_weight_transfer_engine` for backend `weightbus`.
-
-    Attributes:
-        retie_tied_heads: rebuild a tied LM head's repacked weight after each load (the fix of
-            the stale-head case; off only to show what the logprob probe catches).
-    """
-
-    retie_tied_heads: bool = True
 
 
 class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -58,6 +55,55 @@ class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
     skip_unchanged: bool = False
     reload_all: bool = False
+
+
+class VllmTransportSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A transport's set-up every worker runs (`dist`: join or leave the weights group):
+    `request` is the transport's typed set-up request in its JSON form."""
+
+    transport: str
+    request: dict[str, Any]
+
+
+class VllmInitInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`init_info` of `/init_weight_transfer_engine` for backend `weightbus`.
+
+    Attributes:
+        retie_tied_heads: rebuild a tied LM head's repacked weight after each load (the fix of
+            the stale-head case; off only to show what the logprob probe catches).
+        setup: a transport set-up to run on every worker (`Publisher.setup_transport`).
+        push: a whole push to receive, verify and load (`VllmEngineTarget.update`).
+    """
+
+    retie_tied_heads: bool = True
+    setup: VllmTransportSetup | None = None
+    push: VllmUpdateInfo | None = None
+
+
+def update_info(order: UpdateOrder, *, skip_unchanged: bool = False) -> VllmUpdateInfo:
+    """The `update_info` of one engine's order (a forced push reloads every tensor)."""
+    return VllmUpdateInfo(
+        transport=order.transport,
+        source=encode_description(order.source),
+        version=order.version,
+        plan_hash=order.plan_hash,
+        verify=order.verify,
+        timeout_s=order.timeout_s,
+        skip_unchanged=skip_unchanged,
+        reload_all=order.force,
+    )
+
+
+def _committed(url: str, version: str, start: float, phases: dict[str, float]) -> EngineResult:
+    """A vLLM engine's result: its ranks verified the fingerprint but cannot report it."""
+    return EngineResult(
+        url=url,
+        version=version,
+        fingerprint=None,
+        nbytes=0,
+        seconds=time.perf_counter() - start,
+        phases=phases,
+    )
 
 
 class VllmEngineTarget(EngineTarget):
@@ -88,7 +134,6 @@ class VllmEngineTarget(EngineTarget):
         self.url = url.rstrip("/")
         self.init_info = init_info or VllmInitInfo()
         self.skip_unchanged = skip_unchanged
-        self._initialized = False
         self._owns_client = client is None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # no keep-alive: uvicorn drops a kept-alive connection after a route raised (500)
@@ -99,13 +144,7 @@ class VllmEngineTarget(EngineTarget):
 
     # requests
     def _request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
-        try:
-            response = self._http.request(method, f"{self.url}{path}", timeout=timeout_s, **kwargs)
-        except httpx.HTTPError as exc:
-            raise EngineRequestError(f"{path}: {type(exc).__name__}: {exc}") from None
-        if response.status_code != 200:
-            raise EngineRequestError(f"{path}: {error_reason(response)}")
-        return response.json() if response.content else {}
+        return request_json(self._http, method, self.url, path, timeout_s, name_path=True, **kwargs)
 
     def _pause(self, mode: PauseMode, timeout_s: float) -> None:
         self._request("POST", "/pause", timeout_s, params={"mode": PAUSE_MODES[mode]})
@@ -113,27 +152,17 @@ class VllmEngineTarget(EngineTarget):
     def _resume(self) -> None:
         self._request("POST", "/resume", _CONTROL_TIMEOUT_S)
 
-    def _ensure_initialized(self) -> None:
-        if not self._initialized:
-            body = {"init_info": msgspec.to_builtins(self.init_info)}
-            self._request("POST", "/init_weight_transfer_engine", _CONTROL_TIMEOUT_S, json=body)
-            self._initialized = True
+    def _init(self, timeout_s: float, **fields: Any) -> None:
+        """One `/init_weight_transfer_engine` with this target's options and `fields`."""
+        init_info = msgspec.structs.replace(self.init_info, **fields)
+        body = {"init_info": msgspec.to_builtins(init_info)}
+        self._request("POST", "/init_weight_transfer_engine", timeout_s + HTTP_MARGIN_S, json=body)
 
     # the EngineTarget seam
     def update(self, order: UpdateOrder) -> EngineResult:
         start = time.perf_counter()
         self._refuse_served_version(order)
-        self._ensure_initialized()
-        info = VllmUpdateInfo(
-            transport=order.transport,
-            source=encode_description(order.source),
-            version=order.version,
-            plan_hash=order.plan_hash,
-            verify=order.verify,
-            timeout_s=order.timeout_s,
-            skip_unchanged=self.skip_unchanged,
-            reload_all=order.force,
-        )
+        info = update_info(order, skip_unchanged=self.skip_unchanged)
         phases: dict[str, float] = {}
         tick = time.perf_counter()
         self._pause(order.pause_mode, order.timeout_s)
@@ -141,25 +170,16 @@ class VllmEngineTarget(EngineTarget):
         tick = time.perf_counter()
         self._load(info, order.timeout_s)
         phases["update_s"] = time.perf_counter() - tick
-        self._request(
-            "POST",
-            "/finish_weight_update",
-            _CONTROL_TIMEOUT_S,
-            json={"weight_version": order.version},
-        )
+        # vLLM's version: a start/finish pair (the backend's are no-ops: nothing can fail)
+        self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
+        body = {"weight_version": order.version}
+        self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json=body)
         self._resume()
         if order.probe is not None:
             tick = time.perf_counter()
             self._check_probe(order.probe, order.version)
             phases["probe_s"] = time.perf_counter() - tick
-        return EngineResult(
-            url=self.url,
-            version=order.version,
-            fingerprint=None,
-            nbytes=0,
-            seconds=time.perf_counter() - start,
-            phases=phases,
-        )
+        return _committed(self.url, order.version, start, phases)
 
     def _refuse_served_version(self, order: UpdateOrder) -> None:
         served = self._request("GET", "/weight_info", _CONTROL_TIMEOUT_S).get("weight_version")
@@ -170,29 +190,15 @@ class VllmEngineTarget(EngineTarget):
             )
 
     def _load(self, info: VllmUpdateInfo, timeout_s: float) -> None:
-        """start + update; on failure resume when the workers said the model is untouched, else
-        stay paused (fail closed: never serve a half-loaded model)."""
+        """The push on every worker; on failure resume when the workers said the model is
+        untouched, else stay paused (fail closed: never serve a half-loaded model)."""
         try:
-            self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
-            self._request(
-                "POST",
-                "/update_weights",
-                timeout_s + HTTP_MARGIN_S,
-                json={"update_info": msgspec.to_builtins(info)},
-            )
+            self._init(timeout_s, push=info)
         except EngineRequestError as exc:
-            self._close_session()
-            if UNTOUCHED in str(exc) or "/start_weight_update" in str(exc):
+            if UNTOUCHED in str(exc):
                 self._resume()
                 raise
             raise EngineRequestError(f"{exc} (vLLM stays paused until a good push)") from None
-
-    def _close_session(self) -> None:
-        """End the failed session on every worker: ranks that returned still hold it open
-        (only the last rank raises: `worker._raise_on_last_rank`), the one that raised does
-        not, and answers this call with "without a matching start" (expected, ignored)."""
-        with contextlib.suppress(EngineRequestError):
-            self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json={})
 
     def _check_probe(self, probe: LogprobProbe, version: str) -> None:
         gap = probe.gap(self.score(probe.token_ids))
@@ -236,6 +242,15 @@ class VllmEngineTarget(EngineTarget):
         answer = self._request("GET", "/get_world_size", timeout_s, params={"include_dp": "false"})
         return int(answer["world_size"])
 
+    def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Every worker runs `transport`'s set-up (`dist`: joins the weights group; the call
+        blocks until the whole group formed or its timeout)."""
+        setup = VllmTransportSetup(transport=transport, request=msgspec.to_builtins(info))
+        self._init(timeout_s, setup=setup)
+
+    def teardown_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        self.setup_transport(transport, info, timeout_s)
+
     def close(self) -> None:
         if self._owns_client:
             self._http.close()
@@ -269,28 +284,15 @@ class VllmClientTarget(EngineTarget):
 
     def update(self, order: UpdateOrder) -> EngineResult:
         start = time.perf_counter()
-        info = VllmUpdateInfo(
-            transport=order.transport,
-            source=encode_description(order.source),
-            version=order.version,
-            plan_hash=order.plan_hash,
-            verify=order.verify,
-            timeout_s=order.timeout_s,
-        )
-        try:
+        info = update_info(order)
+        init_info = msgspec.to_builtins(VllmInitInfo(push=info))
+        try:  # the push rides `init` (see the module's docstring); start/finish set the version
+            self._client.init_weight_transfer_engine(init_info)
             self._client.start_weight_update()
-            self._client.update_weights(msgspec.to_builtins(info))
             self._client.finish_weight_update(order.version)
         except Exception as exc:  # noqa: BLE001 - clients raise their transport's errors (requests, Ray)
             raise EngineRequestError(f"{type(exc).__name__}: {exc}") from None
-        return EngineResult(
-            url=self.url,
-            version=order.version,
-            fingerprint=None,
-            nbytes=0,
-            seconds=time.perf_counter() - start,
-            phases={},
-        )
+        return _committed(self.url, order.version, start, {})
 
     def weights(self, timeout_s: float) -> EngineWeights:
         raise EngineRequestError("a weight-sync client cannot read back the served version")
