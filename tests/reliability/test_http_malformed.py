@@ -51,7 +51,7 @@ MALFORMED = [
 # for routes whose body is required (an optional body may be left out or null)
 MISSING = [
     ("empty", b"", JSON, 422, "invalid request body: Field required"),
-    ("null", b"null", JSON, 422, "invalid request body: Input should be a valid dictionary"),
+    ("null", b"null", JSON, 422, "invalid request body: expected a JSON object, got null"),
 ]
 # values Python's JSON reader accepts that no field holds (and no answer may echo raw)
 UNREPRESENTABLE = ["NaN", "Infinity", "-Infinity", "1e400", '"\\ud800"', '"\\udfff x"']

@@ -21,7 +21,7 @@ from weightbus.engine import messages
 from weightbus.engine.tokenizer import load_tokenizer
 from weightbus.server.admin import AdminConfig, admin_router
 from weightbus.server.auth import TokenAuth
-from weightbus.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from weightbus.server.body_limit import DEFAULT_MAX_BODY_BYTES, NULL_BODY_KEY, BodyLimit
 from weightbus.server.completions import run_completion
 from weightbus.server.engine_client import EngineClient
 from weightbus.server.errors import APIError, error_response, validation_detail
@@ -124,6 +124,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         # FastAPI parses only JSON content types: any other body arrives as raw bytes
         content_type = request.headers.get("content-type", "none")
         message = f"invalid request body: Content-Type must be application/json, got {content_type}"
+    elif request.scope.get(NULL_BODY_KEY):
+        # FastAPI < 0.137 calls a `null` body missing, later ones not a dictionary
+        message = "invalid request body: expected a JSON object, got null"
     else:
         message = f"invalid request body: {first.get('msg')}"
     omitted = {"detail_omitted": num_omitted} if num_omitted else {}

@@ -9,6 +9,10 @@ from weightbus.server.errors import error_response
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
 
+# scope key: the request's body is JSON `null` (set for every bounded request)
+NULL_BODY_KEY = "weightbus.null_body"
+
+
 class _BodyTooLargeError(Exception):
     pass
 
@@ -71,6 +75,8 @@ class BodyLimit:
             return
         if body is None:
             return
+        # a JSON `null` body: FastAPI versions disagree on what to call it (the 422 names it)
+        scope[NULL_BODY_KEY] = body.strip() == b"null"
         await self.app(scope, _replay(body, receive), send)
 
 

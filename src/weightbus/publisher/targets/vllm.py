@@ -111,7 +111,7 @@ class VllmEngineTarget(EngineTarget):
 
     Args:
         url: the server's base URL.
-        init_info: the backend's `VllmInitInfo` (sent once, before the first update).
+        init_info: the backend's options (`VllmInitInfo`), sent with every push and set-up.
         skip_unchanged: ask the workers to reload only the blocks whose bytes changed since
             their last weightbus load (`VllmUpdateInfo.skip_unchanged`: only while nothing
             else writes the engine's weights).
