@@ -163,7 +163,7 @@ class VllmEngineTarget(EngineTarget):
         start = time.perf_counter()
         self._refuse_served_version(order)
         info = update_info(order, skip_unchanged=self.skip_unchanged)
-        phases: dict[str, float] = {}
+        phases: dict[str, float] = {"version_check_s": time.perf_counter() - start}
         tick = time.perf_counter()
         self._pause(order.pause_mode, order.timeout_s)
         phases["pause_s"] = time.perf_counter() - tick
@@ -171,10 +171,14 @@ class VllmEngineTarget(EngineTarget):
         self._load(info, order.timeout_s)
         phases["update_s"] = time.perf_counter() - tick
         # vLLM's version: a start/finish pair (the backend's are no-ops: nothing can fail)
+        tick = time.perf_counter()
         self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
         body = {"weight_version": order.version}
         self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json=body)
+        phases["version_s"] = time.perf_counter() - tick
+        tick = time.perf_counter()
         self._resume()
+        phases["resume_s"] = time.perf_counter() - tick
         if order.probe is not None:
             tick = time.perf_counter()
             self._check_probe(order.probe, order.version)
