@@ -113,3 +113,16 @@ class MirrorTarget(EngineTarget):
 
     def tp_size(self, timeout_s: float) -> int:
         return 1
+
+
+def assert_demo_passed(record: dict, stdout: str, num_steps: int) -> None:
+    """A `weightbus demo --json` record of `num_steps` steps in which every check passed: each
+    push changed the weights, the engine served them, its logprobs matched the trainer's."""
+    steps = record["steps"]
+    assert record["failures"] == []
+    assert [s["step"] for s in steps] == list(range(1, num_steps + 1))
+    assert all(s["fingerprint_matched"] for s in steps)
+    assert len({s["fingerprint"] for s in steps}) == num_steps  # each update changed weights
+    # float32 engine and trainer: on-policy to rounding
+    assert all(s["logprob_gap"] <= 1e-3 for s in steps)
+    assert f"{num_steps}/{num_steps} matched the trainer's" in stdout
