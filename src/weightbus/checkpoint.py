@@ -8,10 +8,27 @@ from pathlib import Path
 
 import msgspec
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from weightbus.meta import TensorMeta
+
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors' dtype names (headers) -> torch dtypes
+SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class _Index(msgspec.Struct):
@@ -74,3 +91,24 @@ def save_tensors(path: Path, names: list[str], tensors: Mapping[str, torch.Tenso
         seen_storages.add(storage)
     save_file(shard, str(path))
     path.chmod(0o600)  # like the directory: the owner's alone
+
+
+def safetensors_metas(files: list[Path]) -> dict[str, tuple[TensorMeta, Path]]:
+    """Every tensor's meta (from the safetensors headers, no data read) and its file.
+
+    Raises:
+        ValueError: a file is not safetensors, or holds a dtype weightbus does not carry.
+    """
+    found: dict[str, tuple[TensorMeta, Path]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as reader:
+                for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    part = reader.get_slice(name)
+                    dtype = SAFETENSORS_DTYPES.get(part.get_dtype())
+                    if dtype is None:
+                        raise ValueError(f"{path.name}: {name!r} has dtype {part.get_dtype()}")
+                    found[name] = (TensorMeta(name, dtype, tuple(part.get_shape())), path)
+        except SafetensorError as exc:
+            raise ValueError(f"cannot read {path}: {exc}") from None
+    return found

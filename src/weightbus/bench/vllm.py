@@ -14,6 +14,7 @@ log line (`weightbus: version ...`), the only channel vLLM leaves a backend.
 import argparse
 import json
 import re
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -176,11 +177,6 @@ def _worker_split(bench: _Bench, version: str) -> dict:
     raise RuntimeError(f"no worker line for version {version} in {bench.server.log_path}")
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def _report(bench: _Bench, results: list[Measurement], args: argparse.Namespace) -> None:
     by_name = {m.name: m for m in results}
     floor = by_name["floor (memcpy)"].median_s
@@ -201,16 +197,16 @@ def _report(bench: _Bench, results: list[Measurement], args: argparse.Namespace)
     split_rows = [
         [
             kind,
-            f"{_median([s['transfer_s'] for s in values]):.3f}",
-            f"{_median([s['load_s'] for s in values]):.3f}",
+            f"{statistics.median([s['transfer_s'] for s in values]):.3f}",
+            f"{statistics.median([s['load_s'] for s in values]):.3f}",
             f"{values[-1]['loaded']}/{values[-1]['tensors']}",
         ]
         for kind, values in splits.items()
     ]
     print_table(["push", "transfer s (rank)", "vLLM load s", "tensors loaded"], split_rows)
-    save_s = _median(bench.baseline["save_s"][-args.repeat :])
-    reload_s = _median(bench.baseline["reload_s"][-args.repeat :])
-    transfer_s = _median([s["transfer_s"] for s in splits["full"]])
+    save_s = statistics.median(bench.baseline["save_s"][-args.repeat :])
+    reload_s = statistics.median(bench.baseline["reload_s"][-args.repeat :])
+    transfer_s = statistics.median([s["transfer_s"] for s in splits["full"]])
     print(
         f"\nsave + reload: save {save_s:.3f} s, reload {reload_s:.3f} s\n"
         f"transfer / floor: {transfer_s / floor:.1f}x (target <= 2.5x); "

@@ -145,7 +145,6 @@ class Publisher:
             for engine in engines
         ]
         self.engines = [target.url for target in self.targets]
-        self._by_url = dict(zip(self.engines, self.targets, strict=True))
         self._pool = ThreadPoolExecutor(max_workers=len(self.targets), thread_name_prefix="push")
 
     @property
@@ -306,7 +305,7 @@ class Publisher:
             progress_bar.close()
         # collect
         tick = time.perf_counter()
-        engines = self._collect(session, futures, stream_error, self._by_url)
+        engines = self._collect(session, futures, stream_error)
         phases["wait_s"] = time.perf_counter() - tick
         seconds = time.perf_counter() - start
         logger.info("pushed %s to %d engine(s) in %.3f s", version, len(engines), seconds)
@@ -362,17 +361,14 @@ class Publisher:
             return f"transport {self.transport}: {exc}"
         return None
 
-    @staticmethod
     def _collect(
-        session: PushSession,
-        futures: dict[str, Future],
-        stream_error: str | None,
-        targets: dict[str, EngineTarget],
+        self, session: PushSession, futures: dict[str, Future], stream_error: str | None
     ) -> list[EngineResult]:
         failures: dict[str, str] = {}
         results: list[EngineResult] = []
         # a failed stream may have left tensors undigested: no engine can match then
         pushed = session.fingerprint if stream_error is None else "(stream failed)"
+        targets = {target.url: target for target in self.targets}
         for url, future in futures.items():
             try:
                 result = future.result()

@@ -280,7 +280,7 @@ class Receiver:
             result.fail(f"fingerprint mismatch: stream {end.fingerprint}, computed {fingerprint}")
             return
         result.fingerprint = fingerprint
-        result.digests = dict(session.digests)
+        result.digests = session.digests
 
 
 def _remaining(deadline: float) -> float:

@@ -22,11 +22,10 @@ from typing import Annotated
 import msgspec
 import torch
 import xxhash
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
-from weightbus.checkpoint import safetensors_files, save_tensors
+from weightbus.checkpoint import safetensors_files, safetensors_metas, save_tensors
 from weightbus.digest import fingerprint_of_digests, tensor_digest
-from weightbus.meta import TensorMeta
 from weightbus.plan import DEFAULT_BUCKET_BYTES, plan_buckets
 from weightbus.transport.base import (
     BucketSink,
@@ -43,20 +42,6 @@ from weightbus.wire.messages import Hex128, NonNegative, TensorName, Version
 
 CHECKPOINT_NAME = "model.safetensors"
 # safetensors' dtype codes -> torch dtypes
-_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 class HfDirDescription(SourceDescription, frozen=True):
@@ -133,23 +118,6 @@ class HfDirSink(BucketSink):
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _read_metas(files: list[Path]) -> dict[str, tuple[TensorMeta, Path]]:
-    """Every tensor's meta (from the safetensors headers, no data read) and its file."""
-    found: dict[str, tuple[TensorMeta, Path]] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as reader:
-                for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    part = reader.get_slice(name)
-                    dtype = _DTYPES.get(part.get_dtype())
-                    if dtype is None:
-                        raise ValueError(f"{path.name}: {name!r} has dtype {part.get_dtype()}")
-                    found[name] = (TensorMeta(name, dtype, tuple(part.get_shape())), path)
-        except SafetensorError as exc:
-            raise ValueError(f"cannot read {path}: {exc}") from None
-    return found
-
-
 class HfDirSource(BucketSource):
     """Reads a Hugging Face checkpoint directory on one rank (description: module docstring)."""
 
@@ -170,7 +138,7 @@ class HfDirSource(BucketSource):
 
     def begin(self, timeout_s: float) -> UpdateBegin:
         try:
-            found = _read_metas(safetensors_files(self.directory))
+            found = safetensors_metas(safetensors_files(self.directory))
         except FileNotFoundError as exc:
             raise ValueError(str(exc)) from None
         order = list(found) if self.names is None else self.names

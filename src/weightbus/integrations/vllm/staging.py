@@ -10,9 +10,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from weightbus.checkpoint import safetensors_files
+from weightbus.checkpoint import safetensors_files, safetensors_metas
 from weightbus.meta import TensorMeta
 
 # The head of a tied model is its embedding: checkpoints may or may not carry it, pushes do not.
@@ -27,34 +26,15 @@ def checkpoint_metas(
 
     Raises:
         FileNotFoundError: `model_dir` holds no safetensors checkpoint.
+        ValueError: a file is not safetensors, or holds a dtype weightbus does not carry.
     """
     metas = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                sliced = f.get_slice(name)
-                saved = _SAFETENSORS_DTYPES[sliced.get_dtype()]
-                served = dtype if saved.is_floating_point else saved
-                metas[name] = TensorMeta(name, served, tuple(sliced.get_shape()))
+    for name, (saved, _) in safetensors_metas(safetensors_files(model_dir)).items():
+        served = dtype if saved.dtype.is_floating_point else saved.dtype
+        metas[name] = TensorMeta(name, served, saved.shape)
     if tied:
         metas.pop(TIED_HEAD, None)
     return metas
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class StagingBuffers:
@@ -62,10 +42,6 @@ class StagingBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self.staged: list[str] = []
-
-    def begin(self) -> None:
-        self.staged = []
 
     def put(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         names = []
@@ -75,7 +51,6 @@ class StagingBuffers:
                 buffer = self._buffers[name] = torch.empty_like(tensor, device="cpu")
             buffer.copy_(tensor)
             names.append(name)
-        self.staged.extend(names)
         return names
 
     def pairs(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
@@ -87,7 +62,6 @@ class StagingBuffers:
 
     def release(self) -> None:
         self._buffers.clear()
-        self.staged = []
 
 
 def load_group(name: str) -> str:

@@ -64,8 +64,6 @@ class WeightbusWeightTransferEngine(
         self._expected: dict | None = None
         # digests of what the model holds, by name; None: not loaded by weightbus (start-up)
         self._loaded_digests: dict[str, str] | None = None
-        self.version: str | None = None
-        self.fingerprint: str | None = None
 
     # typed parsing (vLLM's default is `cls(**dict)`)
     def parse_init_info(self, init_dict: dict[str, Any]) -> VllmInitInfo:
@@ -77,7 +75,6 @@ class WeightbusWeightTransferEngine(
     # lifecycle
     def init_transfer_engine(self, init_info: VllmInitInfo) -> None:
         self.options = init_info
-        self._expected_metas()  # read the checkpoint's headers now, not on the first push
         if init_info.setup is not None:
             self._setup_transport(init_info.setup)
         if init_info.push is not None:
@@ -100,7 +97,7 @@ class WeightbusWeightTransferEngine(
             _raise_on_last_rank(RuntimeError(f"{setup.transport} set-up failed: {failures}"))
 
     def start_weight_update(self) -> None:
-        self._staging.begin()
+        """Nothing to prepare: a push is staged whole before anything is loaded."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class synchronizes an accelerator, which raises on CPU-only hosts
@@ -144,7 +141,6 @@ class WeightbusWeightTransferEngine(
             len(result.digests),
             time.perf_counter() - tick,
         )
-        self.version, self.fingerprint = version, result.fingerprint
 
     def finish_weight_update(self) -> None:
         """Nothing left: the push was loaded whole once every rank verified it."""
