@@ -32,6 +32,7 @@ PROCESS_FIXTURES = frozenset(
     {
         "engine",  # `weightbus serve` (below, and the modules' own `engine`)
         "engines",  # several `weightbus serve` (tests/update/conftest.py)
+        "fleet",  # several `weightbus serve`, restarted after faults (test_fleet.py)
         "tiny_tp2",  # `weightbus serve --tp 2` (test_engine_server.py)
         "observed",  # `weightbus serve`, pushed into over every transport (test_security.py)
         "tp2_results",  # two TP rank processes and a TCPStore (test_model_vs_hf.py)

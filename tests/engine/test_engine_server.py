@@ -47,6 +47,8 @@ def test_health_and_models(tiny_tp2: ServedEngine) -> None:
         "weight_version": "init",
         "weights_status": "NORMAL",
         "generation": "running",
+        "waiting_for_initial_weights": False,
+        "rollback_version": None,
     }
     models = tiny_tp2.client.get("/v1/models").json()
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 1024)]

@@ -8,7 +8,8 @@ The API server answers a request as soon as its result arrives, so a client that
 import pytest
 
 from weightbus.engine import messages
-from weightbus.engine.update_control import Action, UpdateController
+from weightbus.engine.actions import Action
+from weightbus.engine.update_control import UpdateController
 from weightbus.wire import RankVerdict
 
 SESSION_ID = "ab" * 16

@@ -18,6 +18,9 @@ Valid input to some routes changes the engine's state, and the invariant is kept
 - `update_weights`: generated freely. A schema-valid body names a registered transport but no
   session that exists, so rank 0 refuses it (400) and the weights stay as they were: checked
   after every case, which is the point of fuzzing this route.
+- `commit_weights`, `abort_weights`, `rollback_weights`: generated freely. This engine never
+  commits a push, so it holds no staged update and no previous version: each is refused (409)
+  and the weights stay as they were.
 
 Generated completions are capped at `MAX_TOKENS` tokens to bound the run's time.
 """

@@ -19,6 +19,7 @@ import uvicorn
 import zmq
 
 from weightbus.engine import messages
+from weightbus.engine.rollback import NOT_YET
 from weightbus.engine.worker import ipc_addresses
 from weightbus.server.admin import AdminConfig
 from weightbus.server.api import AppConfig, create_app
@@ -39,6 +40,7 @@ def weights_state(**changes: object) -> messages.WeightsState:
         "generation": "running",
         "released": [],
         "history": [],
+        "rollback_unavailable": NOT_YET,
     }
     return messages.WeightsState(**(fields | changes))
 

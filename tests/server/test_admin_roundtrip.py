@@ -98,6 +98,7 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
         "bytes": 4096,
         "seconds": 0.25,
         "phases": {"load_s": 0.125},
+        "staged": False,
     }
     (sent,) = rig.rank0.received_of(messages.UpdateWeights)
     assert re.fullmatch(r"[0-9a-f]{32}", sent.update_id)
@@ -131,6 +132,12 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
                 "bytes": 4096,
             }
         ],
+        "rollback": None,
+        "rollback_unavailable": "no version has been replaced since the engine started",
+        "staged_version": None,
+        "waiting_for_initial_weights": False,
+        "two_phase_aborts": 0,
+        "rollbacks": 0,
     }
     metrics = samples(rig)
     assert metrics[("weightbus_weight_updates_total", ())] == 1
@@ -375,4 +382,10 @@ def test_initial_state_comes_from_ready(rig: InProcessServer) -> None:
         "generation": "running",
         "released": [],
         "history": [],
+        "rollback": None,
+        "rollback_unavailable": "no version has been replaced since the engine started",
+        "staged_version": None,
+        "waiting_for_initial_weights": False,
+        "two_phase_aborts": 0,
+        "rollbacks": 0,
     }

@@ -217,6 +217,12 @@ def test_weights_start_from_ready(engine: ServedEngine) -> None:
         "generation": "running",
         "released": [],
         "history": [],
+        "rollback": None,
+        "rollback_unavailable": "no version has been replaced since the engine started",
+        "staged_version": None,
+        "waiting_for_initial_weights": False,
+        "two_phase_aborts": 0,
+        "rollbacks": 0,
     }
     # null from Ready alone; the worker's first WeightsState fills it in once it sends one
     assert fingerprint is None or HEX32.fullmatch(fingerprint)
@@ -228,6 +234,8 @@ def test_health_reports_the_weights(engine: ServedEngine) -> None:
         "weight_version": "init",
         "weights_status": "NORMAL",
         "generation": "running",
+        "waiting_for_initial_weights": False,
+        "rollback_version": None,
     }
 
 
@@ -252,5 +260,16 @@ def test_metrics_parse_with_zero_counts_and_the_version(engine: ServedEngine) ->
     assert info.labels["version"] == "init"
     assert info.value == 1
     status = {s.labels["status"]: s.value for s in families["weightbus_weights_status"].samples}
-    assert status == {"NORMAL": 1, "UPDATING": 0, "CLEARING": 0, "CLEARED": 0, "FAILED": 0}
+    assert status == {
+        "NORMAL": 1,
+        "UPDATING": 0,
+        "CLEARING": 0,
+        "CLEARED": 0,
+        "FAILED": 0,
+        "WAITING": 0,
+    }
+    for name in ("weightbus_two_phase_aborts", "weightbus_rollbacks"):
+        assert families[name].type == "counter"
+        assert values[(f"{name}_total", ())] == 0
+    assert values[("weightbus_rollback_available", ())] == 0
     assert families["weightbus_completion_requests"].type == "counter"

@@ -135,10 +135,12 @@ _HANGING_DIRECT_PUBLISHER = textwrap.dedent(
     from weightbus.models.loader import random_hf_weights
 
     write_tensor, hang = shm_direct._write_tensor, threading.Event()
+    first = threading.Lock()  # the pool writes tensors in parallel: say it once
 
     def write_then_hang(full, dests, *options):
         result = write_tensor(full, dests, *options)
-        print("written", flush=True)  # one tensor is in the live parameters now
+        if first.acquire(blocking=False):
+            print("written", flush=True)  # one tensor is in the live parameters now
         hang.wait()  # the publisher stalls mid-write until the test kills it
         return result
 

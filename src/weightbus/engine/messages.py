@@ -1,12 +1,12 @@
 """Messages between the API server and rank 0, as msgspec structs over msgpack (never pickle).
 
 API server -> rank 0: `AddRequest`, `AbortRequest`, `Shutdown`, `UpdateWeights`, `Control`,
-`WeightsGroupRequest`.
+`WeightsGroupRequest`, `Decide` (commit or abort a two-phase update), `Rollback`.
 Rank 0 -> API server: `Ready` once, then `StepOutputs` after every step, `RequestError` when a
 request cannot run, `Aborted` when the engine ends requests itself (pause mode `abort`, memory
-release), `UpdateResult` / `ControlResult` answering `UpdateWeights` / `Control` (and
-`WeightsGroupRequest`), and
-`WeightsState` whenever the weights' version, status or memory changes (and once after Ready).
+release), `UpdateResult` answering `UpdateWeights`, `Decide` and `Rollback`, `ControlResult`
+answering `Control` (and `WeightsGroupRequest`), and `WeightsState` whenever the weights'
+version, status or memory changes (and once after Ready).
 Decoding checks every field's type; unknown tags are rejected.
 """
 
@@ -67,13 +67,16 @@ class RequestError(msgspec.Struct, tag="error", frozen=True):
 
 
 MemoryTag = Literal["kv_cache", "weights"]
-WeightsStatus = Literal["NORMAL", "UPDATING", "CLEARING", "CLEARED", "FAILED"]
+# WAITING: started with --wait-for-initial-weights and no version pushed yet.
+WeightsStatus = Literal["NORMAL", "UPDATING", "CLEARING", "CLEARED", "FAILED", "WAITING"]
 
 
 class UpdateWeights(msgspec.Struct, tag="update", frozen=True, kw_only=True):
     """Receive a new weights version (`POST /v1/update_weights`).
 
     `update_id` is a 32-hex-digit id the API server draws; ranks use it in their verdicts.
+    With `two_phase` (atomic only) rank 0 answers once every rank staged and verified the
+    version (`UpdateResult.staged`) and swaps only on a `Decide` to commit.
     """
 
     update_id: str
@@ -86,6 +89,35 @@ class UpdateWeights(msgspec.Struct, tag="update", frozen=True, kw_only=True):
     pause_mode: PauseMode = "drain"
     atomic: bool = True
     verify: VerifyLevel = "full"
+    timeout_s: float = 60.0
+    two_phase: bool = False
+
+
+class Decide(msgspec.Struct, tag="decide", frozen=True, kw_only=True):
+    """Commit or abort the two-phase update (or rollback) of `version` that rank 0 holds staged;
+    answered with an `UpdateResult` whose `update_id` is this `request_id`. A commit names the
+    staged `fingerprint` it expects (None: any)."""
+
+    request_id: str
+    version: str
+    decision: Literal["commit", "abort"]
+    fingerprint: str | None = None
+    reason: str = ""
+    timeout_s: float = 60.0
+
+
+class Rollback(msgspec.Struct, tag="rollback", frozen=True, kw_only=True):
+    """Swap back to the previous version, which the staging memory still holds (no bytes move).
+
+    `version` / `fingerprint`, when set, are what the caller expects to return to (an engine
+    holding another previous version refuses). Answered with an `UpdateResult`.
+    """
+
+    update_id: str
+    version: str | None = None
+    fingerprint: str | None = None
+    pause_mode: PauseMode = "drain"
+    two_phase: bool = False
     timeout_s: float = 60.0
 
 
@@ -121,7 +153,8 @@ class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=Tru
 
     200: committed. 400: the pushed data was wrong (`names` lists the offending tensors).
     409: an update is running, or the version/step is not new. 504: the update timed out.
-    503: the engine cannot take updates (memory released).
+    503: the engine cannot take updates (memory released). `staged`: a two-phase update is
+    staged and verified, and waits for its `Decide`.
     """
 
     update_id: str
@@ -133,6 +166,7 @@ class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=Tru
     phases: dict[str, float] = msgspec.field(default_factory=dict)
     error: str | None = None
     names: list[str] = msgspec.field(default_factory=list)
+    staged: bool = False
 
 
 class ControlResult(msgspec.Struct, tag="control_result", frozen=True, kw_only=True):
@@ -160,6 +194,11 @@ class WeightsState(msgspec.Struct, tag="weights", frozen=True, kw_only=True):
     generation: Literal["running", "paused"]
     released: list[MemoryTag]
     history: list[HistoryEntry]
+    rollback: HistoryEntry | None = None  # the previous version, still held in staging memory
+    rollback_unavailable: str = ""  # why there is no rollback version
+    staged_version: str | None = None  # a two-phase update waiting for its decision
+    two_phase_aborts: int = 0  # staged two-phase updates discarded (aborted or expired)
+    rollbacks: int = 0  # rollbacks committed
 
 
 class Aborted(msgspec.Struct, tag="aborted", frozen=True):
@@ -169,7 +208,16 @@ class Aborted(msgspec.Struct, tag="aborted", frozen=True):
     reason: str
 
 
-ToEngine = AddRequest | AbortRequest | Shutdown | UpdateWeights | Control | WeightsGroupRequest
+ToEngine = (
+    AddRequest
+    | AbortRequest
+    | Shutdown
+    | UpdateWeights
+    | Control
+    | WeightsGroupRequest
+    | Decide
+    | Rollback
+)
 FromEngine = (
     Ready | StepOutputs | RequestError | UpdateResult | ControlResult | WeightsState | Aborted
 )

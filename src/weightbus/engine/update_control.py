@@ -1,22 +1,27 @@
 """Rank 0's weights state machine: versions, status, pause modes, and the action of each step.
 
-Rank 0 owns the status `NORMAL | UPDATING | CLEARING | CLEARED | FAILED`. Each step the worker
-asks `next_action()` what every rank must do at this step boundary; the action travels in the
-step header that rank 0 broadcasts anyway (no extra collective while NORMAL). The worker then
+Rank 0 owns the status `NORMAL | UPDATING | CLEARING | CLEARED | FAILED | WAITING`. Each step
+the worker asks `next_action()` what every rank must do at this step boundary; the action
+travels in the step header that rank 0 broadcasts anyway (no extra collective while NORMAL).
+The worker then
 reports back what happened (`on_staged`, `on_loaded`, `on_committed`, `on_released`, ...), and
 the controller answers the API server (`UpdateResult`, `ControlResult`, `WeightsState`).
+
+Two-phase updates (`UpdateWeights.two_phase`) and rollbacks follow `pending_update`: staged,
+answered "staged", swapped on the caller's `Decide`. `rollback.RollbackSlot` tracks the version
+the staging memory still holds after a swap.
 """
 
-import enum
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import msgspec
 
 from weightbus.engine import messages
+from weightbus.engine.actions import Action, StepAction, tags_to_mask
+from weightbus.engine.control_requests import ControlRequests
+from weightbus.engine.pending_update import PendingUpdate, failure
+from weightbus.engine.rollback import RollbackSlot
 from weightbus.wire import RankVerdict
 
 logger = logging.getLogger(__name__)
@@ -24,65 +29,15 @@ logger = logging.getLogger(__name__)
 HISTORY_LENGTH = 32
 
 
-class Action(enum.IntEnum):
-    """What every rank does at a step boundary (sent in the step header)."""
-
-    NONE = 0
-    BEGIN_STAGED = 1  # start receiving into staging in the background (payload: the request)
-    POLL = 2  # all-reduce "staged receive done / ok"; gather verdicts when all done
-    COMMIT = 3  # swap staged weights in
-    LOAD = 4  # receive into the live weights now (payload: the request)
-    RELEASE = 5  # free memory (tags mask)
-    RESUME = 6  # re-allocate memory (tags mask)
-    ABORT = 7  # discard a staged receive that outlived its timeout
-    WEIGHTS_GROUP = 8  # join or leave a `dist` weights group (payload: the request)
-
-
 # Ranks time out on their own; this margin only catches a rank whose receive never returns.
 STAGED_GRACE_S = 5.0
 _DRAIN_TIMEOUT = "timed out waiting for running requests to drain (pause_mode drain)"
+_WAITING = (
+    "waiting for its initial weights (started with --wait-for-initial-weights): push a version"
+)
 
 
-TAG_BITS = {"kv_cache": 1, "weights": 2}
-
-
-def tags_to_mask(tags: list[str]) -> int:
-    return sum(TAG_BITS[tag] for tag in set(tags))
-
-
-def mask_to_tags(mask: int) -> list[str]:
-    return [tag for tag, bit in TAG_BITS.items() if mask & bit]
-
-
-@dataclass(slots=True)
-class StepAction:
-    action: Action = Action.NONE
-    payload: bytes = b""
-    tags_mask: int = 0
-
-
-@dataclass(slots=True)
-class _PendingUpdate:
-    request: messages.UpdateWeights
-    started_at: float = field(default_factory=time.perf_counter)
-    begun: bool = False  # BEGIN_STAGED or LOAD sent
-    verdicts: list[RankVerdict] | None = None  # all ranks done (atomic, before commit)
-    nbytes: int = 0
-    phases: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def staged(self) -> bool:
-        return self.request.atomic
-
-
-def _failure(verdicts: list[RankVerdict]) -> tuple[int, str, list[str]]:
-    errors = [f"rank {v.rank}: {e}" for v in verdicts for e in v.errors]
-    names = sorted({n for v in verdicts for n in v.names})
-    status = 504 if any(v.timed_out for v in verdicts) else 400
-    return status, "; ".join(errors) or "update failed", names
-
-
-class UpdateController:
+class UpdateController(ControlRequests):
     """Rank 0's view of the weights and of pending update/control requests.
 
     Args:
@@ -90,6 +45,7 @@ class UpdateController:
         fingerprint: its fingerprint.
         send: sends a message to the API server.
         abort: ends requests with `finish_reason: "abort"` and a reason; returns their ids.
+        wait_for_initial_weights: serve nothing (status WAITING) until a version is pushed.
     """
 
     def __init__(
@@ -99,18 +55,25 @@ class UpdateController:
         fingerprint: str | None,
         send: Callable[[object], None],
         abort: Callable[[str, bool], None],
+        wait_for_initial_weights: bool = False,
     ) -> None:
         self.version = version
         self.step: int | None = None
         self.fingerprint = fingerprint
-        self.status: messages.WeightsStatus = "NORMAL"
         self.history: deque[messages.HistoryEntry] = deque(maxlen=HISTORY_LENGTH)
         self.released: set[str] = set()
-        self.weights_valid = True
+        self.waiting = wait_for_initial_weights
+        self.weights_valid = not wait_for_initial_weights
+        self.status: messages.WeightsStatus = self._resting_status()
         self.paused = False
+        self.rollback = RollbackSlot()
+        self.two_phase_aborts = 0
+        self.rollbacks = 0
+        self._serving = self._entry(seconds=0.0, nbytes=0)
         self._send = send
         self._abort = abort
-        self._update: _PendingUpdate | None = None
+        self._update: PendingUpdate | None = None
+        self._discard_staging = False  # an aborted staged receive ended: discard it next step
         # request ids of drain pauses awaiting their reply (several clients may ask at once)
         self._pause_drains: list[str] = []
         self._release: messages.Control | None = None
@@ -125,7 +88,8 @@ class UpdateController:
 
     @property
     def receiving_staged(self) -> bool:
-        return self._update is not None and self._update.begun and self._update.staged
+        update = self._update
+        return update is not None and update.begun and update.atomic and not update.staged_ok
 
     def may_run(self) -> bool:
         """Whether running sequences may take a step."""
@@ -133,22 +97,24 @@ class UpdateController:
             return False
         update = self._update
         # in-place loading pauses the running sequences until the load is done
-        return not (update and not update.staged and update.request.pause_mode == "in_place")
+        return not (update and not update.atomic and update.pause_mode == "in_place")
 
     def may_admit(self) -> bool:
         """Whether waiting sequences may start."""
         if not self.may_run() or self._pause_drains or self._release:
             return False
         update = self._update
-        if update is None or update.request.pause_mode != "drain":
+        if update is None or update.pause_mode != "drain":
             return True
         # drain: atomic updates keep admitting while they receive, and stop once staged
-        return update.staged and update.verdicts is None
+        return update.atomic and not update.staged_ok
 
     def blocked_reason(self) -> str | None:
         """Why new requests cannot be served at all right now, or None."""
         if self.released or self.status in ("CLEARING", "CLEARED"):
             return "memory released: resume memory (and push weights if they were released)"
+        if self.waiting:
+            return _WAITING
         if not self.weights_valid or self.status == "FAILED":
             return "weights failed to update: push a good version"
         return None
@@ -161,109 +127,41 @@ class UpdateController:
         if conflict is not None:
             self._reply_update(request, 409, conflict)
             return
-        self._update = _PendingUpdate(request)
+        self._accept(PendingUpdate.of_push(request))
+
+    def _accept(self, update: PendingUpdate) -> None:
+        self._update = update
         self.status = "UPDATING"
         logger.info(
-            "update to %s accepted (atomic=%s, pause_mode=%s)",
-            request.version,
-            request.atomic,
-            request.pause_mode,
+            "%s to %s accepted (atomic=%s, two_phase=%s, pause_mode=%s)",
+            "rollback" if update.is_rollback else "update",
+            update.version,
+            update.atomic,
+            update.two_phase,
+            update.pause_mode,
         )
         self.publish_state()
 
-    def _conflict(self, request: messages.UpdateWeights) -> str | None:
+    def _busy(self) -> str | None:
         if self._update is not None:
-            return f"an update to {self._update.request.version!r} is already running"
+            return f"an update to {self._update.version!r} is already running"
         if self.status == "CLEARING" or self._release is not None:
             return "a memory release is in progress"
         if self._group_request is not None:
             return "a weights group is being initialised or destroyed"
+        return None
+
+    def _conflict(self, request: messages.UpdateWeights) -> str | None:
+        busy = self._busy()
+        if busy is not None:
+            return busy
+        if request.two_phase and request.atomic and "weights" in self.released:
+            return "the weights memory is released: resume it before a two-phase update"
         if request.version == self.version and self.weights_valid and not request.force:
             return f"version {request.version!r} is already being served (set force to re-push)"
         if request.step is not None and self.step is not None and request.step <= self.step:
             return f"step {request.step} is not above the current step {self.step}"
         return None
-
-    def on_control(self, control: messages.Control) -> None:
-        handler = {
-            "pause": self._on_pause,
-            "continue": self._on_continue,
-            "release": self._on_release,
-            "resume": self._on_resume,
-        }[control.action]
-        handler(control)
-
-    def _on_pause(self, control: messages.Control) -> None:
-        if control.mode == "abort":
-            self._abort("generation paused (mode abort)", True)
-        if control.mode == "drain":
-            self._pause_drains.append(control.request_id)
-            return
-        if control.mode == "in_place":
-            # frozen sequences never finish: a waiting drain would wait for ever
-            self._cancel_drains("pause cancelled by pause_generation (in_place)")
-        self.paused = True
-        self.publish_state()
-        self._reply_control(control.request_id, 200, f"generation paused ({control.mode})")
-
-    def _on_continue(self, control: messages.Control) -> None:
-        self.paused = False
-        self.publish_state()
-        self._cancel_drains("pause cancelled by continue_generation")
-        self._reply_control(control.request_id, 200, "generation continues")
-
-    def _cancel_drains(self, reason: str) -> None:
-        for request_id in self._pause_drains:
-            self._reply_control(request_id, 409, reason)
-        self._pause_drains.clear()
-
-    def _on_release(self, control: messages.Control) -> None:
-        if self._update is not None or self._release is not None:
-            self._reply_control(control.request_id, 409, "an update or release is in progress")
-            return
-        self._release = control
-        self.status = "CLEARING"
-        self.publish_state()
-
-    def _on_resume(self, control: messages.Control) -> None:
-        if self._release is not None or self._resume is not None:
-            self._reply_control(control.request_id, 409, "a memory release is in progress")
-            return
-        self._resume = control
-
-    def on_weights_group(self, request: messages.WeightsGroupRequest, tp_size: int) -> None:
-        """Accept a weights-group change for the next step boundary, or answer 409/400 at once."""
-        if self._update is not None or self._group_request is not None:
-            busy = "an update" if self._update is not None else "another weights-group change"
-            self._reply_control(request.request_id, 409, f"{busy} is in progress")
-            return
-        if request.action == "init" and request.rank_offset + tp_size > request.world_size:
-            self._reply_control(
-                request.request_id,
-                400,
-                f"rank_offset {request.rank_offset} + tp_size {tp_size} exceeds "
-                f"world_size {request.world_size}",
-            )
-            return
-        self._group_request = request
-
-    def on_weights_group_done(
-        self, request: messages.WeightsGroupRequest, verdicts: list[RankVerdict]
-    ) -> None:
-        """Every rank applied the weights-group change; answer with the combined outcome."""
-        if not all(v.ok for v in verdicts):
-            status, error, _ = _failure(verdicts)
-            self._reply_control(request.request_id, status, error)
-            return
-        if request.action == "destroy":
-            message = f"left weights group {request.group_name!r}"
-        else:
-            last = request.rank_offset + len(verdicts) - 1
-            message = (
-                f"joined weights group {request.group_name!r} as ranks "
-                f"{request.rank_offset}..{last} of {request.world_size}"
-            )
-        self._reply_control(request.request_id, 200, message)
 
     # --- the action of this step ---
 
@@ -275,6 +173,9 @@ class UpdateController:
             for request_id in self._pause_drains:
                 self._reply_control(request_id, 200, "generation paused (drain)")
             self._pause_drains.clear()
+        if self._discard_staging:
+            self._discard_staging = False
+            return StepAction(Action.ABORT)
         if self._group_request is not None and self._update is None:
             request, self._group_request = self._group_request, None
             return StepAction(Action.WEIGHTS_GROUP, payload=messages.encode(request))
@@ -288,47 +189,165 @@ class UpdateController:
             return self._update_action(self._update, num_running)
         return StepAction()
 
-    def _update_action(self, update: _PendingUpdate, num_running: int) -> StepAction:
+    def _update_action(self, update: PendingUpdate, num_running: int) -> StepAction:
         if not update.begun:
-            if update.staged and self.weights_valid and "weights" not in self.released:
-                update.begun = True
+            if update.abort_reason is not None:
+                self._finish_update(409, f"aborted: {update.abort_reason}", [])
+                return StepAction()
+            update.begun = True
+            if update.is_rollback:
+                return self._staged_action(update, num_running)
+            assert update.request is not None
+            # staging protects the serving version; with nothing valid serving a one-phase
+            # update loads in place (a two-phase one still stages: it must wait for the decision)
+            valid = self.weights_valid or update.two_phase
+            if update.atomic and valid and "weights" not in self.released:
+                self.rollback.drop(f"a push of {update.version!r} began staging into its memory")
                 return StepAction(Action.BEGIN_STAGED, payload=messages.encode(update.request))
-            # nothing valid is serving: staging would protect nothing, load in place
-            update.request = msgspec.structs.replace(update.request, atomic=False)
-        if update.staged:
+            update.atomic = False
+        if update.atomic:
             return self._staged_action(update, num_running)
         if self._pause_satisfied(update, num_running):
-            update.begun = True
+            self.rollback.drop(f"an in-place push of {update.version!r} replaced the live weights")
+            assert update.request is not None
             return StepAction(Action.LOAD, payload=messages.encode(update.request))
-        if self._drain_expired(update):
+        if update.expired(time.perf_counter()):
             self._finish_update(504, _DRAIN_TIMEOUT, [])
         return StepAction()
 
-    def _staged_action(self, update: _PendingUpdate, num_running: int) -> StepAction:
-        if update.verdicts is None:
-            elapsed_s = time.perf_counter() - update.started_at
-            if elapsed_s > update.request.timeout_s + STAGED_GRACE_S:
-                self._finish_update(504, f"update timed out after {elapsed_s:.1f} s", [])
-                return StepAction(Action.ABORT)
-            return StepAction(Action.POLL)
+    def _staged_action(self, update: PendingUpdate, num_running: int) -> StepAction:
+        now = time.perf_counter()
+        if not update.staged_ok:
+            return self._receiving_action(update, now)
+        if update.awaiting_decision:
+            return self._awaiting_action(update, now)
         if self._pause_satisfied(update, num_running):
-            return StepAction(Action.COMMIT)
-        if self._drain_expired(update):
-            self._finish_update(504, _DRAIN_TIMEOUT, [])
-            return StepAction(Action.ABORT)
+            if update.two_phase and update.prepared_at is None:
+                self._answer_staged(update, now)
+                return StepAction()
+            return StepAction(Action.ROLLBACK if update.is_rollback else Action.COMMIT)
+        if update.expired(now):
+            self._finish_update(504, _DRAIN_TIMEOUT, [], reply_to=update.commit_id)
+            return self._discard_action(update)
         return StepAction()
+
+    def _awaiting_action(self, update: PendingUpdate, now: float) -> StepAction:
+        if update.expired(now):
+            return self._discard_two_phase(update, f"no decision within {update.timeout_s} s")
+        return StepAction()
+
+    def _receiving_action(self, update: PendingUpdate, now: float) -> StepAction:
+        elapsed_s = now - update.started_at
+        if elapsed_s > update.timeout_s + STAGED_GRACE_S:
+            self._finish_update(504, f"update timed out after {elapsed_s:.1f} s", [])
+            return StepAction(Action.ABORT)
+        return StepAction(Action.POLL)
 
     @staticmethod
-    def _drain_expired(update: _PendingUpdate) -> bool:
-        """The update's `timeout_s` covers waiting for running requests to drain."""
-        return time.perf_counter() - update.started_at > update.request.timeout_s
+    def _discard_action(update: PendingUpdate) -> StepAction:
+        # a rollback's staging still holds the previous version: nothing to discard
+        return StepAction() if update.is_rollback else StepAction(Action.ABORT)
 
-    def _pause_satisfied(self, update: _PendingUpdate, num_running: int) -> bool:
-        mode = update.request.pause_mode
+    def _pause_satisfied(self, update: PendingUpdate, num_running: int) -> bool:
+        mode = update.pause_mode
         if mode == "abort" and num_running:
-            self._abort(f"weights update to {update.request.version!r} (pause_mode abort)", False)
+            self._abort(f"weights update to {update.version!r} (pause_mode abort)", False)
             return True
         return mode != "drain" or num_running == 0
+
+    # --- two-phase decisions and rollbacks ---
+
+    def on_rollback(self, request: messages.Rollback) -> None:
+        """Accept a rollback to the version the staging memory holds, or answer 409 at once."""
+        refusal = self._busy() or self.rollback.refusal(request.version, request.fingerprint)
+        if refusal is None and "weights" in self.released:
+            refusal = "the weights memory is released"
+        if refusal is not None:
+            self._reply(request.update_id, 409, request.version or self.version, refusal)
+            return
+        assert self.rollback.previous is not None
+        self._accept(PendingUpdate.of_rollback(request, self.rollback.previous))
+
+    def on_decide(self, decision: messages.Decide) -> None:
+        """Commit or abort the two-phase update of `decision.version`."""
+        update = self._update
+        if update is None or update.version != decision.version or not update.two_phase:
+            pending = f"; pending: {update.version!r}" if update is not None else ""
+            error = f"no two-phase update of version {decision.version!r} is pending{pending}"
+            self._reply(decision.request_id, 409, decision.version, error)
+            return
+        if decision.decision == "abort":
+            self._on_abort_decision(update, decision)
+            return
+        error = None
+        if not update.awaiting_decision:
+            error = (
+                f"version {update.version!r} is not staged yet"
+                if update.commit_id is None
+                else (f"a commit of version {update.version!r} is already running")
+            )
+        elif decision.fingerprint not in (None, self._staged_fingerprint(update)):
+            error = (
+                f"staged fingerprint {self._staged_fingerprint(update)} != "
+                f"{decision.fingerprint} named by the commit"
+            )
+        if error is not None:
+            self._reply(decision.request_id, 409, decision.version, error)
+            return
+        update.commit_id, update.decided_at = decision.request_id, time.perf_counter()
+
+    def _on_abort_decision(self, update: PendingUpdate, decision: messages.Decide) -> None:
+        reason = decision.reason or "aborted by the caller"
+        if update.commit_id is not None:
+            error = f"version {update.version!r} is already being committed"
+            self._reply(decision.request_id, 409, decision.version, error)
+            return
+        if update.awaiting_decision:
+            if self._discard_two_phase(update, reason).action == Action.ABORT:
+                self._discard_staging = True
+            message = f"discarded staged version {update.version!r}"
+        else:  # still receiving: discarded when the receive ends
+            update.abort_reason = reason
+            message = f"version {update.version!r} will be discarded when its receive ends"
+        self._send(
+            messages.UpdateResult(
+                update_id=decision.request_id,
+                status_code=200,
+                version=update.version,
+                error=message,
+            )
+        )
+
+    def _discard_two_phase(self, update: PendingUpdate, reason: str) -> StepAction:
+        """Drop a staged two-phase update that will not be committed."""
+        self.two_phase_aborts += 1
+        logger.warning("two-phase update to %s discarded: %s", update.version, reason)
+        self._update = None
+        self.status = self._resting_status()
+        self.publish_state()
+        return self._discard_action(update)
+
+    def _answer_staged(self, update: PendingUpdate, now: float) -> None:
+        update.prepared_at = now
+        self.publish_state()
+        self._send(
+            messages.UpdateResult(
+                update_id=update.update_id,
+                status_code=200,
+                version=update.version,
+                fingerprint=self._staged_fingerprint(update),
+                nbytes=update.nbytes,
+                seconds=now - update.started_at,
+                phases=dict(update.phases),
+                staged=True,
+            )
+        )
+
+    @staticmethod
+    def _staged_fingerprint(update: PendingUpdate) -> str | None:
+        if update.verdicts is not None:
+            return update.verdicts[0].fingerprint
+        return update.fingerprint
 
     # --- outcomes reported by the worker ---
 
@@ -337,17 +356,35 @@ class UpdateController:
         update = self._update
         assert update is not None
         update.nbytes, update.phases = nbytes, phases
-        if all(v.ok for v in verdicts):
+        ok = all(v.ok for v in verdicts)
+        if ok and update.abort_reason is None:
             update.verdicts = verdicts
             return
-        status, error, names = _failure(verdicts)
+        if ok:  # the caller aborted it while it was received
+            self._discard_staging = True
+            self.two_phase_aborts += 1
+            self._finish_update(409, f"aborted: {update.abort_reason}", [])
+            return
+        status, error, names = failure(verdicts)
         self._finish_update(status, error, names)
 
     def on_committed(self) -> None:
+        """Every rank swapped the staged version in (a push's or a rollback's)."""
         update = self._update
         assert update is not None
-        assert update.verdicts is not None
-        self._commit(update, update.verdicts)
+        replaced = self._serving if self.weights_valid else None
+        # the state `_commit` publishes says what the staging memory now holds
+        if update.is_rollback:
+            self.rollbacks += 1
+            self.rollback.drop(
+                f"version {update.version!r} was restored by a rollback from "
+                f"{self.version!r}; a rollback does not undo another"
+            )
+        elif replaced is not None:
+            self.rollback.hold(replaced)
+        else:
+            self.rollback.drop("the weights it replaced were not valid")
+        self._commit(update, self._staged_fingerprint(update))
 
     def on_loaded(self, verdicts: list[RankVerdict], nbytes: int, phases: dict) -> None:
         """Every rank finished loading in place."""
@@ -355,39 +392,39 @@ class UpdateController:
         assert update is not None
         update.nbytes, update.phases = nbytes, phases
         if all(v.ok for v in verdicts):
-            self._commit(update, verdicts)
+            self._commit(update, verdicts[0].fingerprint)
             return
-        status, error, names = _failure(verdicts)
+        status, error, names = failure(verdicts)
         if any(v.touched for v in verdicts):
             # the live weights are half-written: fail closed until a good update lands
             self.weights_valid = False
-            self._abort(f"weights update to {update.request.version!r} failed", True)
+            self._abort(f"weights update to {update.version!r} failed", True)
         # else the checks refused the stream before a byte was written: the old weights serve
         self._finish_update(status, error, names)
 
-    def _commit(self, update: _PendingUpdate, verdicts: list[RankVerdict]) -> None:
-        request = update.request
-        seconds = time.perf_counter() - update.started_at
-        self.version, self.step = request.version, request.step
-        self.fingerprint = verdicts[0].fingerprint
-        self.weights_valid = True
-        self.history.append(
-            messages.HistoryEntry(
-                version=self.version,
-                step=self.step,
-                fingerprint=self.fingerprint,
-                committed_at=time.time(),
-                seconds=seconds,
-                nbytes=update.nbytes,
-            )
+    def _entry(self, *, seconds: float, nbytes: int) -> messages.HistoryEntry:
+        return messages.HistoryEntry(
+            version=self.version,
+            step=self.step,
+            fingerprint=self.fingerprint,
+            committed_at=time.time(),
+            seconds=seconds,
+            nbytes=nbytes,
         )
+
+    def _commit(self, update: PendingUpdate, fingerprint: str | None) -> None:
+        seconds = time.perf_counter() - update.started_at
+        self.version, self.step, self.fingerprint = update.version, update.step, fingerprint
+        self.weights_valid, self.waiting = True, False
+        self._serving = self._entry(seconds=seconds, nbytes=update.nbytes)
+        self.history.append(self._serving)
         logger.info("committed version %s in %.3f s", self.version, seconds)
         self._update = None
         self.status = self._resting_status()
         self.publish_state()
         self._send(
             messages.UpdateResult(
-                update_id=request.update_id,
+                update_id=update.commit_id or update.update_id,
                 status_code=200,
                 version=self.version,
                 fingerprint=self.fingerprint,
@@ -397,43 +434,29 @@ class UpdateController:
             )
         )
 
-    def _finish_update(self, status_code: int, error: str, names: list[str]) -> None:
+    def _finish_update(
+        self, status_code: int, error: str, names: list[str], reply_to: str | None = None
+    ) -> None:
         update = self._update
         assert update is not None
         self._update = None
         self.status = self._resting_status()
-        logger.warning("update to %s failed (%d): %s", update.request.version, status_code, error)
+        logger.warning("update to %s failed (%d): %s", update.version, status_code, error)
         self.publish_state()
-        self._reply_update(update.request, status_code, error, names)
-
-    def on_released(self, mask: int) -> None:
-        assert self._release is not None
-        tags = mask_to_tags(mask)
-        self.released.update(tags)
-        if "weights" in tags:
-            self.weights_valid = False
-        self.status = self._resting_status()
-        self.publish_state()
-        self._reply_control(self._release.request_id, 200, f"released {sorted(tags)}")
-        self._release = None
-
-    def on_resumed(self, mask: int) -> None:
-        assert self._resume is not None
-        self.released.difference_update(mask_to_tags(mask))
-        self.status = self._resting_status()
-        message = "resumed" if self.weights_valid else "resumed; push weights before generating"
-        self.publish_state()
-        self._reply_control(self._resume.request_id, 200, message)
-        self._resume = None
+        self._reply(reply_to or update.update_id, status_code, update.version, error, names)
 
     def _resting_status(self) -> messages.WeightsStatus:
         if self.released:
             return "CLEARED"
+        if self.waiting:
+            return "WAITING"
         return "NORMAL" if self.weights_valid else "FAILED"
 
     # --- messages to the API server ---
 
     def state(self) -> messages.WeightsState:
+        update = self._update
+        staged = update.version if update is not None and update.awaiting_decision else None
         return messages.WeightsState(
             version=self.version,
             step=self.step,
@@ -442,23 +465,32 @@ class UpdateController:
             generation="paused" if self.paused else "running",
             released=sorted(self.released),
             history=list(self.history),
+            rollback=self.rollback.previous,
+            rollback_unavailable=self.rollback.unavailable,
+            staged_version=staged,
+            two_phase_aborts=self.two_phase_aborts,
+            rollbacks=self.rollbacks,
         )
 
     def publish_state(self) -> None:
         self._send(self.state())
 
-    def _reply_update(
+    def _reply_update(self, request: messages.UpdateWeights, status_code: int, error: str) -> None:
+        self._reply(request.update_id, status_code, request.version, error)
+
+    def _reply(
         self,
-        request: messages.UpdateWeights,
+        update_id: str,
         status_code: int,
+        version: str,
         error: str,
         names: list[str] | None = None,
     ) -> None:
         self._send(
             messages.UpdateResult(
-                update_id=request.update_id,
+                update_id=update_id,
                 status_code=status_code,
-                version=request.version,
+                version=version,
                 error=error,
                 names=names or [],
             )

@@ -4,7 +4,8 @@ The worker calls these at step boundaries, on every rank alike:
 - `begin_staged` starts receiving into the staging model in a background thread (atomic
   updates: generation goes on with the live weights meanwhile); `staged_result` polls it;
   `commit_staged` swaps staging and live parameters (pointer swaps, no copy); `discard_staged`
-  forgets a failed attempt.
+  forgets a failed attempt. After a swap the staging memory holds the version it replaced, so
+  `roll_back` swaps it back in (until the next staged receive writes there).
 - `load_in_place` receives straight into the live parameters (generation is paused).
 - `release` / `resume` free and re-allocate memory (`weights`, `kv_cache`).
 
@@ -180,11 +181,20 @@ class WeightsManager:
 
     def commit_staged(self) -> None:
         """Make the staged weights live (the previous live ones become the next staging)."""
-        assert self._staging is not None
         assert self.staged_result() is not None
+        self._swap()
+        self._staged = None
+
+    def roll_back(self) -> None:
+        """Make the previous version live again: the staging memory holds it since the last
+        swap (rank 0 checks that nothing wrote there since)."""
+        assert self._staged is None, "a staged receive is running"
+        self._swap()
+
+    def _swap(self) -> None:
+        assert self._staging is not None
         _swap_parameters(self.runner.model, self._staging)
         self._live_arena, self._staging_arena = self._staging_arena, self._live_arena
-        self._staged = None
 
     def discard_staged(self, timeout_s: float = 5.0) -> None:
         """Forget a staged receive (its thread ends by its own timeout if still running)."""

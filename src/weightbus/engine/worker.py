@@ -25,11 +25,12 @@ import torch.distributed as dist
 import zmq
 
 from weightbus.engine import messages
+from weightbus.engine.actions import Action, StepAction, mask_to_tags
 from weightbus.engine.model_runner import ModelInput, ModelRunner
 from weightbus.engine.sampler import SampleResult, sample
 from weightbus.engine.scheduler import Scheduler
 from weightbus.engine.sequence import SamplingParams, Sequence
-from weightbus.engine.update_control import Action, StepAction, UpdateController, mask_to_tags
+from weightbus.engine.update_control import UpdateController
 from weightbus.engine.verdicts import all_flags, gather_verdicts
 from weightbus.engine.weights_group import apply_weights_group, slice_specs
 from weightbus.engine.weights_manager import WeightsManager
@@ -73,6 +74,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     parent_pid: int
     weight_version: str = "init"
     shm_weights: bool = True
+    wait_for_initial_weights: bool = False
 
 
 def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
@@ -152,6 +154,7 @@ class Worker:
             ),
             send=self._send,
             abort=self._abort_sequences,
+            wait_for_initial_weights=config.wait_for_initial_weights,
         )
 
     def _report_ready(self, model_config: ModelConfig) -> None:
@@ -243,6 +246,10 @@ class Worker:
             self.control.on_control(message)
         elif isinstance(message, messages.WeightsGroupRequest):
             self.control.on_weights_group(message, self.tp_size)
+        elif isinstance(message, messages.Decide):
+            self.control.on_decide(message)
+        elif isinstance(message, messages.Rollback):
+            self.control.on_rollback(message)
         elif isinstance(message, messages.AbortRequest):
             self.scheduler.abort(message.request_id)
         else:
@@ -351,6 +358,7 @@ class Worker:
             Action.BEGIN_STAGED: lambda: self.weights.begin_staged(self.update_request),
             Action.POLL: self._poll_staged,
             Action.COMMIT: self._commit_staged,
+            Action.ROLLBACK: self._roll_back,
             Action.ABORT: self.weights.discard_staged,
             Action.LOAD: self._load_in_place,
             Action.RELEASE: lambda: self._release(action.tags_mask),
@@ -368,6 +376,11 @@ class Worker:
 
     def _commit_staged(self) -> None:
         self.weights.commit_staged()
+        if self.is_driver:
+            self.control.on_committed()
+
+    def _roll_back(self) -> None:
+        self.weights.roll_back()
         if self.is_driver:
             self.control.on_committed()
 

@@ -1,6 +1,7 @@
 """Trainer side of an update: the Publisher and the engine targets it pushes to."""
 
-from weightbus.publisher.publisher import Publisher, PushError, PushResult
+from weightbus.publisher.publisher import Publisher
+from weightbus.publisher.results import FleetVersion, PushError, PushResult
 from weightbus.publisher.session import SessionFactory, normalize_weights
 from weightbus.publisher.targets import (
     EngineRequestError,
@@ -8,6 +9,7 @@ from weightbus.publisher.targets import (
     EngineTarget,
     EngineWeights,
     HttpEngineTarget,
+    RollbackOrder,
     UpdateOrder,
 )
 from weightbus.transport.dist.messages import WeightsGroupError, WeightsGroupInfo
@@ -17,10 +19,12 @@ __all__ = [
     "EngineResult",
     "EngineTarget",
     "EngineWeights",
+    "FleetVersion",
     "HttpEngineTarget",
     "Publisher",
     "PushError",
     "PushResult",
+    "RollbackOrder",
     "SessionFactory",
     "UpdateOrder",
     "WeightsGroupError",

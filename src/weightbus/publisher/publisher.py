@@ -6,21 +6,28 @@ readable), `_request_all` (every engine target gets its order, in parallel), `_s
 sends what is not sent yet), `_collect` (every engine committed the same fingerprint, or one
 `PushError` naming each engine that did not and why). No transport is named here: each one's
 specifics live behind its sink, each engine's behind its `EngineTarget`.
+
+An atomic push to several engines is two-phase (`two_phase.py`): every engine stages and
+verifies, then all commit or none does. `rollback` swaps the fleet back the same way, and
+`add_engine` / `remove_engine` change the fleet between pushes (a newcomer is brought to the
+fleet's version first, by a push of its own).
 """
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from weightbus.plan import DEFAULT_BUCKET_BYTES
+from weightbus.publisher.fleet import FleetMembership
 from weightbus.publisher.probe import LogprobProbe
 from weightbus.publisher.progress import PushProgress
+from weightbus.publisher.results import FleetVersion, PushError, PushOptions, PushResult
 from weightbus.publisher.session import NameMap, SessionFactory, Weights, normalize_weights
 from weightbus.publisher.targets import (
     EngineRequestError,
@@ -30,6 +37,7 @@ from weightbus.publisher.targets import (
     HttpEngineTarget,
     UpdateOrder,
 )
+from weightbus.publisher.two_phase import Settled, abort_staged, commit_all, settle
 from weightbus.transport import BucketSink, PushSession, SourceDescription, make_sink
 from weightbus.transport.base import Progress
 from weightbus.transport.dist.messages import WeightsGroupInfo
@@ -39,52 +47,6 @@ logger = logging.getLogger(__name__)
 
 # Bound of the HTTP calls `close` makes (leaving a transport's set-up) and of reading versions.
 _CONTROL_TIMEOUT_S = 10.0
-
-
-class PushError(RuntimeError):
-    """One or more engines did not commit a push.
-
-    Attributes:
-        failures: engine URL -> reason.
-        transport_error: why the publisher's side of the transport failed, if it did.
-    """
-
-    def __init__(
-        self, version: str, failures: dict[str, str], transport_error: str | None = None
-    ) -> None:
-        self.version = version
-        self.failures = failures
-        self.transport_error = transport_error
-        details = "; ".join(f"{url}: {reason}" for url, reason in failures.items())
-        if transport_error:
-            details += f"; publisher: {transport_error}"
-        super().__init__(
-            f"push of version {version!r} failed on {len(failures)} engine(s): {details}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class PushResult:
-    """A committed push: every engine serves `version` with `fingerprint`."""
-
-    version: str
-    fingerprint: str
-    nbytes: int
-    seconds: float
-    engines: list[EngineResult]
-    phases: dict[str, float] = field(default_factory=dict)
-    mode: str = ""  # how the bytes travelled: the transport, or "shm direct" / "shm slots"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Options:
-    """How engines apply a push (the `push` arguments every order carries)."""
-
-    pause_mode: PauseMode
-    atomic: bool
-    verify: VerifyLevel
-    force: bool
-    probe: LogprobProbe | None = None
 
 
 def _abandon_on_answer(session: PushSession, url: str) -> Callable[[Future], None]:
@@ -103,8 +65,8 @@ def _abandon_on_answer(session: PushSession, url: str) -> Callable[[Future], Non
     return answered
 
 
-class Publisher:
-    """Trainer-side handle on a set of engines.
+class Publisher(FleetMembership):
+    """Trainer-side handle on a fleet of engines.
 
     Args:
         engines: the engines to push to: base URLs of engines speaking weightbus's HTTP API
@@ -115,6 +77,13 @@ class Publisher:
         token: bearer token of the engines' admin routes (URL engines), if they require one.
         timeout_s: bound of one push on every engine.
         transport_options: keyword arguments of the transport's sink (e.g. `root` for disk).
+
+    Attributes:
+        fleet_version: what every member serves since this Publisher's last commit (None
+            before the first).
+
+    Pushes, rollbacks and membership changes from several threads run one at a time; a joining
+    engine's catch-up push runs beside them.
 
     Raises:
         ValueError: no engines, an unknown transport, or a non-positive timeout.
@@ -136,16 +105,30 @@ class Publisher:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.transport = transport
         self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self._token = token
+        self._transport_options = dict(transport_options or {})
+        self._setup_options: dict[str, Any] | None = None
         self._sessions = SessionFactory(bucket_bytes)
-        self._sink: BucketSink = make_sink(transport, **(transport_options or {}))
+        self._sink: BucketSink = make_sink(transport, **self._transport_options)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(headers=headers)
-        self.targets = [
-            HttpEngineTarget(engine, client=self._http) if isinstance(engine, str) else engine
-            for engine in engines
-        ]
-        self.engines = [target.url for target in self.targets]
-        self._pool = ThreadPoolExecutor(max_workers=len(self.targets), thread_name_prefix="push")
+        self.targets = [self._target(engine) for engine in engines]
+        self._pool = self._new_pool()
+        self._lock = threading.RLock()
+        self.fleet_version: FleetVersion | None = None
+
+    def _target(self, engine: str | EngineTarget) -> EngineTarget:
+        return HttpEngineTarget(engine, client=self._http) if isinstance(engine, str) else engine
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        # each engine may have an update and an abort (or a commit) in flight at once
+        return ThreadPoolExecutor(max_workers=2 * len(self.targets) + 2, thread_name_prefix="push")
+
+    @property
+    def engines(self) -> list[str]:
+        """The members' URLs, in push order."""
+        return [target.url for target in self.targets]
 
     @property
     def sink(self) -> BucketSink:
@@ -161,16 +144,20 @@ class Publisher:
     def close(self) -> None:
         """Free the transport (files, shared memory, sockets, its set-up on the engines), the
         targets and the HTTP connections."""
-        self._sink.close()
-        self._pool.shutdown(wait=True)
+        self._close_transport()
         for target in self.targets:
             target.close()
+
+    def _close_transport(self) -> None:
+        self._sink.close()
+        self._pool.shutdown(wait=True)
         self._http.close()
 
     def setup_transport(self, **options: Any) -> Any:
         """Set the transport up across every engine before pushing (the `dist` weights group:
         `master_addr`, `master_port`, `backend`, `timeout_s`; see `DistSink.setup`). Calling it
-        again re-does it (e.g. after a failed push left a weights group broken).
+        again re-does it (e.g. after a failed push left a weights group broken); membership
+        changes re-do it with the same options.
 
         Returns:
             What the transport's set-up reports (`WeightsGroupInfo` for `dist`).
@@ -178,11 +165,16 @@ class Publisher:
         Raises:
             ValueError: the transport needs no set-up.
         """
-        return self._sink.setup(self.targets, **options)
+        with self._lock:
+            info = self._sink.setup(self.targets, **options)
+            self._setup_options = options
+            return info
 
     def teardown_transport(self, timeout_s: float = 60.0) -> None:
         """Undo `setup_transport` here and on every engine."""
-        self._sink.teardown(timeout_s)
+        with self._lock:
+            self._setup_options = None
+            self._sink.teardown(timeout_s)
 
     def init_weights_group(
         self,
@@ -251,6 +243,7 @@ class Publisher:
         name_map: NameMap | None = None,
         progress: Progress | None = None,
         probe: LogprobProbe | None = None,
+        two_phase: bool | None = None,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed.
 
@@ -269,26 +262,76 @@ class Publisher:
             probe: logprobs every engine must reproduce after loading (`LogprobProbe.of_model`
                 on the pushed model): catches engines that verified the bytes but serve
                 something else. Needs targets that score probes (`VllmEngineTarget`).
+            two_phase: every engine stages and verifies, then all commit or none does. None
+                (default): two-phase for atomic pushes to several engines when every target
+                supports it (else one-phase, logged).
 
         Returns:
-            The committed version, its fingerprint and per-engine results.
+            The committed version, its fingerprint and per-engine results; `gone` names engines
+            that failed after the commit point (removed from this Publisher).
 
         Raises:
-            PushError: an engine refused, failed or timed out (each one named with its reason).
-            ValueError: a probe for targets that cannot score one.
+            PushError: an engine refused, failed or timed out (each one named with its reason);
+                two-phase: no engine committed.
+            ValueError: a probe for targets that cannot score one; `two_phase` with an in-place
+                push or targets that cannot stage and commit on a later word.
         """
-        start = time.perf_counter()
-        if probe is not None:
-            unable = [t.url for t in self.targets if not t.scores_probes]
+        with self._lock:
+            use_two_phase = self._two_phase(two_phase, atomic)
+            if probe is not None:
+                unable = [t.url for t in self.targets if not t.scores_probes]
+                if unable:
+                    raise ValueError(f"probe: these engines cannot score a logprob probe: {unable}")
+            options = PushOptions(
+                pause_mode=pause_mode,
+                atomic=atomic,
+                verify=verify,
+                force=force,
+                probe=probe,
+                two_phase=use_two_phase,
+            )
+            return self._push(
+                weights,
+                version=version,
+                step=step,
+                options=options,
+                name_map=name_map,
+                progress=progress,
+            )
+
+    def _two_phase(self, requested: bool | None, atomic: bool) -> bool:
+        unable = [t.url for t in self.targets if not t.supports_two_phase]
+        if requested:
+            if not atomic:
+                raise ValueError(
+                    "two_phase needs atomic=True: an in-place push writes the live weights, "
+                    "so there is nothing to commit on a later word"
+                )
             if unable:
-                raise ValueError(f"probe: these engines cannot score a logprob probe: {unable}")
-        options = _Options(
-            pause_mode=pause_mode, atomic=atomic, verify=verify, force=force, probe=probe
-        )
+                raise ValueError(f"two_phase: these engines cannot stage and commit: {unable}")
+            return True
+        if requested is None and atomic and len(self.targets) > 1:
+            if unable:
+                logger.warning("one-phase push: %s cannot take part in a two-phase commit", unable)
+                return False
+            return True
+        return False
+
+    def _push(
+        self,
+        weights: Weights,
+        *,
+        version: str,
+        step: int | None,
+        options: "PushOptions",
+        name_map: NameMap | None,
+        progress: Progress | None,
+    ) -> PushResult:
+        start = time.perf_counter()
         phases: dict[str, float] = {}
         # normalize + plan
         tensors = dict(normalize_weights(weights, name_map))
-        session = self._plan(tensors, version, step, verify)
+        session = self._plan(tensors, version, step, options.verify)
         phases["plan_s"] = time.perf_counter() - start
         progress_bar = PushProgress(version, session.plan.total_bytes)
         advance = _both(progress_bar.advance, progress)
@@ -303,10 +346,16 @@ class Publisher:
             phases["stream_s"] = time.perf_counter() - tick
         finally:
             progress_bar.close()
-        # collect
+        # collect (two-phase: every engine staged), then commit
         tick = time.perf_counter()
-        engines = self._collect(session, futures, stream_error)
+        staged = self._collect(session, futures, stream_error, options.two_phase)
         phases["wait_s"] = time.perf_counter() - tick
+        engines, gone = staged, {}
+        if options.two_phase:
+            tick = time.perf_counter()
+            engines, gone = self._commit(staged, version, session.fingerprint)
+            phases["commit_s"] = time.perf_counter() - tick
+        self.fleet_version = FleetVersion(version, step, session.fingerprint)
         seconds = time.perf_counter() - start
         logger.info("pushed %s to %d engine(s) in %.3f s", version, len(engines), seconds)
         return PushResult(
@@ -317,6 +366,8 @@ class Publisher:
             engines=engines,
             phases=phases,
             mode=self._sink.mode,
+            two_phase=options.two_phase,
+            gone=gone,
         )
 
     def _plan(
@@ -331,7 +382,7 @@ class Publisher:
         )
 
     def _request_all(
-        self, session: PushSession, description: SourceDescription, options: _Options
+        self, session: PushSession, description: SourceDescription, options: PushOptions
     ) -> dict[str, Future]:
         """Hand every target its order (in parallel); an early answer abandons the stream."""
         futures = {}
@@ -348,6 +399,7 @@ class Publisher:
                 force=options.force,
                 timeout_s=self.timeout_s,
                 probe=options.probe,
+                two_phase=options.two_phase,
             )
             futures[target.url] = self._pool.submit(target.update, order)
         for url, future in futures.items():
@@ -362,30 +414,56 @@ class Publisher:
         return None
 
     def _collect(
-        self, session: PushSession, futures: dict[str, Future], stream_error: str | None
+        self,
+        session: PushSession,
+        futures: dict[str, Future],
+        stream_error: str | None,
+        two_phase: bool,
     ) -> list[EngineResult]:
-        failures: dict[str, str] = {}
-        results: list[EngineResult] = []
         # a failed stream may have left tensors undigested: no engine can match then
         pushed = session.fingerprint if stream_error is None else "(stream failed)"
-        targets = {target.url: target for target in self.targets}
-        for url, future in futures.items():
-            try:
-                result = future.result()
-            except EngineRequestError as exc:
-                failures[url] = str(exc)
-                continue
-            if result.fingerprint is None and not targets[url].reports_fingerprint:
-                result = dataclasses.replace(result, fingerprint=pushed)
-            if result.fingerprint != pushed:
-                failures[url] = f"committed fingerprint {result.fingerprint} != pushed {pushed}"
-                continue
-            results.append(result)
+        settled = self._settle(futures, session.version, pushed, two_phase)
+        failures = settled.failures
         if stream_error and not failures:
             failures = dict.fromkeys(futures, stream_error)
         if failures:
-            raise PushError(session.version, failures, stream_error)
-        return results
+            aborted = []
+            if two_phase:
+                aborted = abort_staged(self._pool, self.targets, settled, session.version)
+            raise PushError(session.version, failures, stream_error, aborted=aborted)
+        return [settled.results[url] for url in futures]
+
+    def _settle(
+        self, futures: dict[str, Future], version: str, pushed: str, two_phase: bool
+    ) -> Settled:
+        targets = {target.url: target for target in self.targets}
+
+        def check(result: EngineResult) -> tuple[EngineResult, str | None]:
+            if result.fingerprint is None and not targets[result.url].reports_fingerprint:
+                result = dataclasses.replace(result, fingerprint=pushed)
+            if result.fingerprint != pushed:
+                what = "staged" if result.staged else "committed"
+                return result, f"{what} fingerprint {result.fingerprint} != pushed {pushed}"
+            return result, None
+
+        return settle(
+            self._pool, self.targets, futures, version=version, check=check, two_phase=two_phase
+        )
+
+    def _commit(
+        self, staged: list[EngineResult], version: str, fingerprint: str
+    ) -> tuple[list[EngineResult], dict[str, str]]:
+        """Phase two; engines that fail it are past the commit point: they leave the fleet."""
+        members = {target.url: target for target in self.targets}
+        targets = [members[result.url] for result in staged]
+        committed, gone = commit_all(
+            self._pool, targets, version=version, fingerprint=fingerprint, timeout_s=self.timeout_s
+        )
+        if not committed:
+            raise PushError(version, {url: f"commit: {why}" for url, why in gone.items()})
+        for url in gone:
+            self._drop(members[url], f"it failed after the commit point of {version!r}")
+        return committed, gone
 
 
 def _both(first: Progress, second: Progress | None) -> Progress:

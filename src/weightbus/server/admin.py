@@ -1,4 +1,5 @@
-"""Admin routes: weight updates, the weights' state, pausing generation, releasing memory.
+"""Admin routes: weight updates (one- or two-phase, rollback), the weights' state, pausing
+generation, releasing memory.
 
 Each action becomes one message to rank 0 with an id drawn here (`UpdateWeights.update_id`,
 `Control.request_id`, 32 hex digits); the route awaits rank 0's result with that id through
@@ -19,6 +20,8 @@ from weightbus.server.engine_client import EngineClient, EngineDeadError
 from weightbus.server.errors import APIError
 from weightbus.server.metrics import Metrics
 from weightbus.server.protocol import (
+    AbortWeightsRequest,
+    CommitWeightsRequest,
     ContinueRequest,
     ControlAction,
     ControlResponse,
@@ -27,6 +30,7 @@ from weightbus.server.protocol import (
     InitWeightsGroupRequest,
     MemoryRequest,
     PauseRequest,
+    RollbackWeightsRequest,
     ServerInfo,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
@@ -81,17 +85,24 @@ def weights_info(state: messages.WeightsState) -> WeightsInfo:
         fingerprint=state.fingerprint,
         generation=state.generation,
         released=list(state.released),
-        history=[
-            HistoryItem(
-                version=entry.version,
-                step=entry.step,
-                fingerprint=entry.fingerprint,
-                committed_at=entry.committed_at,
-                seconds=entry.seconds,
-                bytes=entry.nbytes,
-            )
-            for entry in state.history
-        ],
+        history=[_history_item(entry) for entry in state.history],
+        rollback=_history_item(state.rollback) if state.rollback is not None else None,
+        rollback_unavailable=state.rollback_unavailable,
+        staged_version=state.staged_version,
+        waiting_for_initial_weights=state.status == "WAITING",
+        two_phase_aborts=state.two_phase_aborts,
+        rollbacks=state.rollbacks,
+    )
+
+
+def _history_item(entry: messages.HistoryEntry) -> HistoryItem:
+    return HistoryItem(
+        version=entry.version,
+        step=entry.step,
+        fingerprint=entry.fingerprint,
+        committed_at=entry.committed_at,
+        seconds=entry.seconds,
+        bytes=entry.nbytes,
     )
 
 
@@ -104,7 +115,9 @@ def _checked_status(status_code: int) -> int:
 
 
 async def _update(
-    client: EngineClient, message: messages.UpdateWeights, wait_s: float
+    client: EngineClient,
+    message: messages.UpdateWeights | messages.Rollback | messages.Decide,
+    wait_s: float,
 ) -> messages.UpdateResult:
     try:
         return await client.update(message, timeout_s=wait_s)
@@ -113,9 +126,47 @@ async def _update(
     except TimeoutError:
         raise APIError(
             504,
-            f"no answer from the engine within {wait_s:.1f} s (update {message.update_id})",
+            f"no answer from the engine within {wait_s:.1f} s ({type(message).__name__})",
             extra={"names": []},
         ) from None
+
+
+async def _answered(
+    request: Request,
+    message: messages.UpdateWeights | messages.Rollback | messages.Decide,
+    wait_s: float,
+) -> messages.UpdateResult:
+    """Send `message` to rank 0; its 200 result, counted in the metrics when it committed.
+
+    Raises:
+        APIError: rank 0's error status with its message and `names`, or 503/504.
+    """
+    metrics = _metrics(request)
+    try:
+        result = await _update(_client(request), message, wait_s)
+    except APIError as exc:
+        metrics.observe_update(exc.status_code)
+        raise
+    status_code = _checked_status(result.status_code)
+    if status_code != 200:
+        metrics.observe_update(status_code)
+        error = result.error or f"update to {result.version!r} failed"
+        raise APIError(status_code, error, extra={"names": list(result.names)})
+    aborted = isinstance(message, messages.Decide) and message.decision == "abort"
+    if not (result.staged or aborted):  # a version was committed
+        metrics.observe_update(200, nbytes=result.nbytes, seconds=result.seconds)
+    return result
+
+
+def _response(result: messages.UpdateResult) -> UpdateWeightsResponse:
+    return UpdateWeightsResponse(
+        version=result.version,
+        fingerprint=result.fingerprint,
+        bytes=result.nbytes,
+        seconds=result.seconds,
+        phases=dict(result.phases),
+        staged=result.staged,
+    )
 
 
 async def update_weights(
@@ -129,33 +180,72 @@ async def update_weights(
         config: bounds of the wait.
 
     Returns:
-        The committed version, its fingerprint, bytes, seconds and per-phase timings.
+        The committed version (or with `two_phase`, the staged one), its fingerprint, bytes,
+        seconds and per-phase timings.
 
     Raises:
         APIError: rank 0's error status (400 with `names`, 409, 503, 504), or 503/504 when the
             engine died or did not answer in time.
     """
-    client, metrics = _client(request), _metrics(request)
     message = messages.UpdateWeights(update_id=secrets.token_hex(16), **body.model_dump())
     logger.info("update %s to %r via %s", message.update_id, body.version, body.transport)
-    try:
-        result = await _update(client, message, body.timeout_s + config.update_margin_s)
-    except APIError as exc:
-        metrics.observe_update(exc.status_code)
-        raise
-    status_code = _checked_status(result.status_code)
-    if status_code != 200:
-        metrics.observe_update(status_code)
-        error = result.error or f"update to {body.version!r} failed"
-        raise APIError(status_code, error, extra={"names": list(result.names)})
-    metrics.observe_update(200, nbytes=result.nbytes, seconds=result.seconds)
-    return UpdateWeightsResponse(
-        version=result.version,
-        fingerprint=result.fingerprint,
-        bytes=result.nbytes,
-        seconds=result.seconds,
-        phases=dict(result.phases),
+    result = await _answered(request, message, body.timeout_s + config.update_margin_s)
+    return _response(result)
+
+
+async def commit_weights(
+    body: CommitWeightsRequest, request: Request, config: AdminConfig
+) -> UpdateWeightsResponse:
+    """`POST /v1/commit_weights`: swap in the staged two-phase update (or rollback).
+
+    Raises:
+        APIError: 409 when no two-phase update of that version is staged (or its fingerprint
+            differs), 504 when the pause mode did not allow the swap in time, 503/504 when the
+            engine died or did not answer.
+    """
+    message = messages.Decide(
+        request_id=secrets.token_hex(16),
+        version=body.version,
+        decision="commit",
+        fingerprint=body.fingerprint,
+        timeout_s=body.timeout_s,
     )
+    result = await _answered(request, message, body.timeout_s + config.update_margin_s)
+    return _response(result)
+
+
+async def abort_weights(
+    body: AbortWeightsRequest, request: Request, config: AdminConfig
+) -> ControlResponse:
+    """`POST /v1/abort_weights`: discard the two-phase update of a version (the engine keeps
+    serving what it served).
+
+    Raises:
+        APIError: 409 when no two-phase update of that version is pending (or it is being
+            committed), 503/504 when the engine died or did not answer.
+    """
+    message = messages.Decide(
+        request_id=secrets.token_hex(16),
+        version=body.version,
+        decision="abort",
+        reason=body.reason,
+    )
+    result = await _answered(request, message, config.control_timeout_s)
+    return ControlResponse(action="abort_weights", message=result.error or "aborted")
+
+
+async def rollback_weights(
+    body: RollbackWeightsRequest, request: Request, config: AdminConfig
+) -> UpdateWeightsResponse:
+    """`POST /v1/rollback_weights`: swap back to the previous version (no bytes move).
+
+    Raises:
+        APIError: 409 naming why no rollback is possible (no previous version held, another
+            one than expected, an update running), 504, or 503/504 when the engine died.
+    """
+    message = messages.Rollback(update_id=secrets.token_hex(16), **body.model_dump())
+    result = await _answered(request, message, body.timeout_s + config.update_margin_s)
+    return _response(result)
 
 
 async def control(
@@ -255,6 +345,22 @@ def _add_update_route(router: APIRouter, config: AdminConfig) -> None:
         body: UpdateWeightsRequest, request: Request
     ) -> UpdateWeightsResponse:
         return await update_weights(body, request, config)
+
+    @router.post("/v1/commit_weights", responses=_ACTION_ERRORS)
+    async def commit_weights_route(
+        body: CommitWeightsRequest, request: Request
+    ) -> UpdateWeightsResponse:
+        return await commit_weights(body, request, config)
+
+    @router.post("/v1/abort_weights", responses=_ACTION_ERRORS)
+    async def abort_weights_route(body: AbortWeightsRequest, request: Request) -> ControlResponse:
+        return await abort_weights(body, request, config)
+
+    @router.post("/v1/rollback_weights", responses=_ACTION_ERRORS)
+    async def rollback_weights_route(
+        body: RollbackWeightsRequest, request: Request
+    ) -> UpdateWeightsResponse:
+        return await rollback_weights(body, request, config)
 
 
 def _add_state_routes(router: APIRouter) -> None:

@@ -214,6 +214,8 @@ def _add_public_routes(app: FastAPI, config: AppConfig) -> None:
                 "weight_version": weights.version,
                 "weights_status": weights.status,
                 "generation": weights.generation,
+                "waiting_for_initial_weights": weights.status == "WAITING",
+                "rollback_version": weights.rollback.version if weights.rollback else None,
             }
         )
 

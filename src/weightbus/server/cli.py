@@ -37,6 +37,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "slots instead of writing straight into the parameters (direct mode)",
     )
     parser.add_argument(
+        "--wait-for-initial-weights",
+        action="store_true",
+        help="serve no completions (503, status WAITING) until a version is pushed: for an "
+        "engine joining a fleet from any checkpoint",
+    )
+    parser.add_argument(
         "--exit-with-parent",
         action="store_true",
         help="stop (as on SIGTERM) when the process that started this one exits, even by "
@@ -65,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
             api_token=token,
             shm_weights=args.shm_weights,
             exit_with_parent=args.exit_with_parent,
+            wait_for_initial_weights=args.wait_for_initial_weights,
         )
         return serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:

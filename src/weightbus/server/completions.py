@@ -56,13 +56,20 @@ def check_serving(weights: messages.WeightsState) -> None:
         weights: the client's mirror of rank 0's weights state.
 
     Raises:
-        APIError: 503 saying why (weights failed to update, or memory released).
+        APIError: 503 saying why (weights failed to update, waiting for the initial weights,
+            or memory released).
     """
     if weights.status == "FAILED":
         raise APIError(
             503,
             f"weights failed to update (version {weights.version!r} is not valid): "
             "push a good version with POST /v1/update_weights",
+        )
+    if weights.status == "WAITING":
+        raise APIError(
+            503,
+            "waiting for its initial weights (started with --wait-for-initial-weights): "
+            "push a version with POST /v1/update_weights",
         )
     if weights.released or weights.status in ("CLEARING", "CLEARED"):
         released = ", ".join(weights.released) or "in progress"

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from weightbus.engine import messages
+from weightbus.engine import messages, rollback
 from weightbus.engine.worker import ipc_addresses
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ def initial_weights_state(ready: messages.Ready) -> messages.WeightsState:
         ready: rank 0's first message.
 
     Returns:
-        `Ready.weight_version`, NORMAL, no fingerprint, generation running, nothing released.
+        `Ready.weight_version`, NORMAL, no fingerprint, generation running, nothing released,
+        no rollback version.
     """
     return messages.WeightsState(
         version=ready.weight_version,
@@ -48,6 +49,7 @@ def initial_weights_state(ready: messages.Ready) -> messages.WeightsState:
         generation="running",
         released=[],
         history=[],
+        rollback_unavailable=rollback.NOT_YET,
     )
 
 
@@ -177,12 +179,16 @@ class EngineClient:
         return True
 
     async def update(
-        self, message: messages.UpdateWeights, *, timeout_s: float
+        self,
+        message: messages.UpdateWeights | messages.Rollback | messages.Decide,
+        *,
+        timeout_s: float,
     ) -> messages.UpdateResult:
-        """Send an `UpdateWeights` to rank 0 and wait for the `UpdateResult` of its `update_id`.
+        """Send an update, rollback or two-phase decision to rank 0 and wait for the
+        `UpdateResult` of its id (`update_id`; a `Decide`'s `request_id`).
 
         Args:
-            message: the update, with a fresh `update_id`.
+            message: the request, with a fresh id.
             timeout_s: bound of the wait for the answer.
 
         Returns:
@@ -192,7 +198,8 @@ class EngineClient:
             EngineDeadError: the engine is gone, or died while the update ran.
             TimeoutError: no answer within `timeout_s`.
         """
-        return await self._call(self._updates, message.update_id, message, timeout_s)
+        key = message.request_id if isinstance(message, messages.Decide) else message.update_id
+        return await self._call(self._updates, key, message, timeout_s)
 
     async def control(
         self, message: messages.Control | messages.WeightsGroupRequest, *, timeout_s: float

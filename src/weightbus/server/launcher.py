@@ -72,6 +72,7 @@ class ServeConfig:
     api_token: str | None = field(default=None, repr=False)
     shm_weights: bool = True
     exit_with_parent: bool = False
+    wait_for_initial_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.model != TINY and not (Path(self.model) / "config.json").is_file():
@@ -163,6 +164,7 @@ class Launcher:
                 idle_wait_s=c.idle_wait_s,
                 parent_pid=os.getpid(),
                 shm_weights=c.shm_weights,
+                wait_for_initial_weights=c.wait_for_initial_weights,
             )
         ).decode()
 

@@ -8,7 +8,12 @@ scrape time, so they cannot drift from `GET /v1/weights`.
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 
 from weightbus.engine import messages
 
@@ -24,6 +29,7 @@ WEIGHTS_STATUSES: tuple[messages.WeightsStatus, ...] = (
     "CLEARING",
     "CLEARED",
     "FAILED",
+    "WAITING",
 )
 # From a small model over shm (tens of ms) to a large one over a slow link (minutes).
 UPDATE_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -60,6 +66,20 @@ class _WeightsCollector:
         for name in WEIGHTS_STATUSES:
             status.add_metric([name], float(state.status == name))
         yield status
+        # counted by rank 0, which alone sees a staged update expire without a decision
+        yield CounterMetricFamily(
+            "weightbus_two_phase_aborts",
+            "Staged two-phase updates discarded (aborted by the caller or no decision in time)",
+            value=state.two_phase_aborts,
+        )
+        yield CounterMetricFamily(
+            "weightbus_rollbacks", "Rollbacks to the previous version", value=state.rollbacks
+        )
+        rollback = GaugeMetricFamily(
+            "weightbus_rollback_available", "1 when a previous version is held for a rollback"
+        )
+        rollback.add_metric([], float(state.rollback is not None))
+        yield rollback
 
 
 class Metrics:

@@ -224,10 +224,23 @@ class AdminRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+_VERSION_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+_FINGERPRINT_PATTERN = r"^[0-9a-f]{32}$"
+
+
+def _version(*default: None) -> Any:
+    # a version name as every admin body takes it (required unless a default is given)
+    return Field(*default, min_length=1, max_length=MAX_VERSION_CHARS, pattern=_VERSION_PATTERN)
+
+
+def _timeout() -> Any:
+    return Field(60.0, gt=0, le=MAX_UPDATE_TIMEOUT_S, allow_inf_nan=False)
+
+
 class UpdateWeightsRequest(AdminRequest):
     """`POST /v1/update_weights` body."""
 
-    version: str = Field(min_length=1, max_length=MAX_VERSION_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")
+    version: str = _version()
     step: int | None = Field(None, ge=0, lt=2**63)
     force: bool = False
     transport: str = Field(json_schema_extra={"enum": transport_names()})
@@ -236,7 +249,8 @@ class UpdateWeightsRequest(AdminRequest):
     pause_mode: PauseMode = "drain"
     atomic: bool = True
     verify: VerifyLevel = "full"
-    timeout_s: float = Field(60.0, gt=0, le=MAX_UPDATE_TIMEOUT_S, allow_inf_nan=False)
+    timeout_s: float = _timeout()
+    two_phase: bool = False
 
     @field_validator("transport")
     @classmethod
@@ -259,6 +273,34 @@ class UpdateWeightsRequest(AdminRequest):
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"source cannot be sent to the engine: {exc}") from None
         return source
+
+
+class CommitWeightsRequest(AdminRequest):
+    """`POST /v1/commit_weights` body: swap in the two-phase update of `version` (staged and
+    verified), if its fingerprint is `fingerprint` (when given)."""
+
+    version: str = _version()
+    fingerprint: str | None = Field(None, pattern=_FINGERPRINT_PATTERN)
+    timeout_s: float = _timeout()
+
+
+class AbortWeightsRequest(AdminRequest):
+    """`POST /v1/abort_weights` body: discard the two-phase update of `version`."""
+
+    version: str = _version()
+    reason: str = Field("", max_length=1000)
+
+
+class RollbackWeightsRequest(AdminRequest):
+    """`POST /v1/rollback_weights` body: swap back to the previous version (held in the
+    staging memory), expected to be `version` / `fingerprint` when given; with `two_phase` the
+    engine answers `staged` and swaps on `/v1/commit_weights`."""
+
+    version: str | None = _version(None)
+    fingerprint: str | None = Field(None, pattern=_FINGERPRINT_PATTERN)
+    pause_mode: PauseMode = "drain"
+    two_phase: bool = False
+    timeout_s: float = _timeout()
 
 
 class PauseRequest(AdminRequest):
@@ -313,19 +355,21 @@ class ServerInfo(BaseModel):
 
 
 class UpdateWeightsResponse(BaseModel):
-    """A committed update: what the engine now serves and how long the update took."""
+    """A committed update: what the engine now serves and how long the update took; with
+    `staged`, a two-phase update staged and verified, waiting for `/v1/commit_weights`."""
 
     version: str
     fingerprint: str | None
     bytes: int
     seconds: float
     phases: dict[str, float]
+    staged: bool = False
 
 
 class ControlResponse(BaseModel):
     """A control action the engine carried out."""
 
-    action: ControlAction | Literal["init_weights_group", "destroy_weights_group"]
+    action: ControlAction | Literal["init_weights_group", "destroy_weights_group", "abort_weights"]
     message: str
 
 
@@ -350,3 +394,13 @@ class WeightsInfo(BaseModel):
     generation: Literal["running", "paused"]
     released: list[MemoryTag]
     history: list[HistoryItem]
+    rollback: HistoryItem | None = Field(
+        None, description="the previous version, held for POST /v1/rollback_weights"
+    )
+    rollback_unavailable: str = Field("", description="why there is no rollback version")
+    staged_version: str | None = Field(
+        None, description="a two-phase update staged, waiting for its commit or abort"
+    )
+    waiting_for_initial_weights: bool = False
+    two_phase_aborts: int = Field(0, description="staged two-phase updates discarded")
+    rollbacks: int = Field(0, description="rollbacks committed")

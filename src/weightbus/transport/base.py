@@ -180,6 +180,20 @@ class BucketSink(ABC):
     def teardown(self, timeout_s: float) -> None:  # noqa: B027 (optional: most need none)
         """Undo `setup` on the engines and here (a no-op when there was none)."""
 
+    def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:  # noqa: B027
+        """Undo `setup` on one engine that leaves (a no-op when there is no set-up).
+
+        Raises:
+            EngineRequestError: the engine refused or did not answer.
+        """
+
+    def sibling_options(
+        self, sink_options: dict[str, Any], setup_options: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Sink and set-up options of a second sink of this transport that works beside this
+        one, on its own resources (a joining engine's catch-up push). By default the same."""
+        return sink_options, setup_options
+
     @abstractmethod
     def prepare(
         self,

@@ -4,6 +4,7 @@ from weightbus.publisher.targets.base import (
     EngineResult,
     EngineTarget,
     EngineWeights,
+    RollbackOrder,
     UpdateOrder,
 )
 from weightbus.publisher.targets.http import HttpEngineTarget
@@ -15,5 +16,6 @@ __all__ = [
     "EngineTarget",
     "EngineWeights",
     "HttpEngineTarget",
+    "RollbackOrder",
     "UpdateOrder",
 ]

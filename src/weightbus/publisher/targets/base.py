@@ -6,6 +6,10 @@ version the engine serves, and relays a transport's set-up to its ranks. How the
 is part of the order (`pause_mode`); how it stages, loads and commits is the target's business.
 The reference engine's HTTP API (`http.py`) is one implementation; another engine is one new
 module implementing `EngineTarget`.
+
+Targets that can stage a version and swap it in on a later word (`supports_two_phase`) take
+part in fleet-wide two-phase pushes and rollbacks: `update` with `order.two_phase` returns once
+the engine staged and verified the version (`EngineResult.staged`), then `commit` or `abort`.
 """
 
 from abc import ABC, abstractmethod
@@ -32,6 +36,8 @@ class UpdateOrder:
         timeout_s: bound of the update on the engine.
         probe: logprobs the engine must reproduce once it serves the version (targets with
             `scores_probes` only).
+        two_phase: stage and verify only; the engine swaps on `commit` (atomic orders, targets
+            with `supports_two_phase` only).
     """
 
     version: str
@@ -45,12 +51,26 @@ class UpdateOrder:
     force: bool
     timeout_s: float
     probe: LogprobProbe | None = None
+    two_phase: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RollbackOrder:
+    """Swap every engine back to the previous version it holds, expected to be `version` with
+    `fingerprint`; two-phase like a push when `two_phase`."""
+
+    version: str
+    fingerprint: str | None
+    pause_mode: PauseMode
+    two_phase: bool
+    timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class EngineResult:
     """What one engine reported after committing (`fingerprint` is None from targets that
-    cannot report it: their ranks verified the pushed fingerprint instead)."""
+    cannot report it: their ranks verified the pushed fingerprint instead), or with `staged`
+    after staging a two-phase update."""
 
     url: str
     version: str
@@ -58,6 +78,7 @@ class EngineResult:
     nbytes: int
     seconds: float
     phases: dict[str, float]
+    staged: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +91,8 @@ class EngineWeights:
     status: str
     step: int | None = None
     history: list[dict] = field(default_factory=list)
+    rollback: dict | None = None  # the previous version held for a rollback (its history item)
+    rollback_unavailable: str = ""  # why there is none
 
 
 class EngineTarget(ABC):
@@ -82,11 +105,14 @@ class EngineTarget(ABC):
             its ranks refuse any session whose fingerprint does not verify, and the Publisher
             records the pushed one.
         scores_probes: `update` checks an order's `probe` (`LogprobProbe`).
+        supports_two_phase: `update` honours `order.two_phase`, and `commit`, `abort` and
+            `rollback` work.
     """
 
     url: str
     reports_fingerprint: bool = True
     scores_probes: bool = False
+    supports_two_phase: bool = False
 
     @abstractmethod
     def update(self, order: UpdateOrder) -> EngineResult:
@@ -128,6 +154,31 @@ class EngineTarget(ABC):
             EngineRequestError: the engine refused or failed.
         """
         raise EngineRequestError(f"{type(self).__name__} cannot set up transport {transport!r}")
+
+    def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
+        """Swap in the two-phase update (or rollback) of `version` the engine holds staged.
+
+        Raises:
+            EngineRequestError: nothing of that version is staged, or the engine did not answer.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot commit a two-phase update")
+
+    def abort(self, version: str, reason: str, timeout_s: float) -> None:
+        """Discard the two-phase update of `version` (staged or still receiving).
+
+        Raises:
+            EngineRequestError: nothing of that version is pending, or no answer.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot abort a two-phase update")
+
+    def rollback(self, order: RollbackOrder) -> EngineResult:
+        """Swap back to the previous version (staged with `order.two_phase`).
+
+        Raises:
+            EngineRequestError: the engine holds no such previous version (its reason), or it
+                did not answer.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot roll back")
 
     def close(self) -> None:  # noqa: B027 (optional hook: most targets hold nothing)
         """Free what the target holds (connections)."""

@@ -4,7 +4,13 @@ in the conventions of SGLang's `/v1/update_weights` and `/v1/init_weights_group`
 import httpx
 import msgspec
 
-from weightbus.publisher.targets.base import EngineResult, EngineTarget, EngineWeights, UpdateOrder
+from weightbus.publisher.targets.base import (
+    EngineResult,
+    EngineTarget,
+    EngineWeights,
+    RollbackOrder,
+    UpdateOrder,
+)
 from weightbus.transport import encode_description
 from weightbus.transport.base import EngineRequestError
 
@@ -64,6 +70,8 @@ class HttpEngineTarget(EngineTarget):
         client: an HTTP client to share between targets (the target then does not close it).
     """
 
+    supports_two_phase = True
+
     def __init__(
         self, url: str, *, token: str | None = None, client: httpx.Client | None = None
     ) -> None:
@@ -87,10 +95,14 @@ class HttpEngineTarget(EngineTarget):
             "atomic": order.atomic,
             "verify": order.verify,
             "force": order.force,
+            "two_phase": order.two_phase,
         }
         answer = self._request(
             "POST", "/v1/update_weights", order.timeout_s + HTTP_MARGIN_S, json=body
         )
+        return self._result(answer)
+
+    def _result(self, answer: dict) -> EngineResult:
         return EngineResult(
             url=self.url,
             version=answer["version"],
@@ -98,7 +110,30 @@ class HttpEngineTarget(EngineTarget):
             nbytes=answer.get("bytes", 0),
             seconds=answer.get("seconds", 0.0),
             phases=answer.get("phases", {}),
+            staged=answer.get("staged", False),
         )
+
+    def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
+        body = {"version": version, "fingerprint": fingerprint, "timeout_s": timeout_s}
+        answer = self._request("POST", "/v1/commit_weights", timeout_s + HTTP_MARGIN_S, json=body)
+        return self._result(answer)
+
+    def abort(self, version: str, reason: str, timeout_s: float) -> None:
+        body = {"version": version, "reason": reason[:1000]}
+        self._request("POST", "/v1/abort_weights", timeout_s, json=body)
+
+    def rollback(self, order: RollbackOrder) -> EngineResult:
+        body = {
+            "version": order.version,
+            "fingerprint": order.fingerprint,
+            "pause_mode": order.pause_mode,
+            "two_phase": order.two_phase,
+            "timeout_s": order.timeout_s,
+        }
+        answer = self._request(
+            "POST", "/v1/rollback_weights", order.timeout_s + HTTP_MARGIN_S, json=body
+        )
+        return self._result(answer)
 
     def weights(self, timeout_s: float) -> EngineWeights:
         answer = self._request("GET", "/v1/weights", timeout_s)
@@ -109,6 +144,8 @@ class HttpEngineTarget(EngineTarget):
             status=answer["status"],
             step=answer.get("step"),
             history=answer.get("history", []),
+            rollback=answer.get("rollback"),
+            rollback_unavailable=answer.get("rollback_unavailable", ""),
         )
 
     def tp_size(self, timeout_s: float) -> int:

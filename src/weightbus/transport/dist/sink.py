@@ -21,10 +21,11 @@ A rank receives in a background thread, up to `prefetch_depth` buckets ahead of 
 """
 
 import contextlib
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -46,6 +47,7 @@ from weightbus.transport.dist.messages import (
     MAX_PREFETCH_DEPTH,
     Backend,
     DistDescription,
+    WeightsGroupDestroy,
     WeightsGroupError,
     WeightsGroupInfo,
 )
@@ -156,6 +158,20 @@ class DistSink(BucketSink):
         )
         self._members = tuple(engines)
         return info
+
+    def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:
+        """The engine's ranks leave the group (the group must then be formed again)."""
+        request = WeightsGroupDestroy(group_name=self.group_name)
+        engine.teardown_transport("dist", request, timeout_s)
+
+    def sibling_options(
+        self, sink_options: dict[str, Any], setup_options: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """A group of its own (a fresh name and store port): processes register groups by
+        name, and a fixed store port is taken by this sink's group."""
+        name = f"{self.group_name[:48]}-join-{secrets.token_hex(4)}"
+        setup = None if setup_options is None else {**setup_options, "master_port": 0}
+        return {**sink_options, "group_name": name}, setup
 
     def teardown(self, timeout_s: float) -> None:
         """Leave the weights group here and on every engine.

@@ -222,8 +222,13 @@ class ShmSink(BucketSink):
             logger.warning("direct mode refused, streaming through slots: %s", exc)
             return None
         finally:
-            for name in set(self._targets) - {offer.file for offer in offers}:
-                self._targets.pop(name).close()  # an engine went away or re-allocated
+            # keep files not offered now but still there: an atomic engine alternates between
+            # two arenas (live and staging swap on every commit), and re-mapping one costs a
+            # page fault per page on the next push
+            offered = {offer.file for offer in offers}
+            for name in [n for n, t in self._targets.items() if n not in offered]:
+                if not self._targets[name].is_current():  # the engine went away or re-allocated
+                    self._targets.pop(name).close()
         return targets
 
     def _mapped_target(self, offer: DirectTarget, session: PushSession) -> MappedTarget:

@@ -1,0 +1,275 @@
+"""The fleet side of a Publisher: rollback, and engines joining and leaving between pushes.
+
+`FleetMembership` is mixed into `Publisher` (it uses the Publisher's targets, lock, pool, sink
+and `fleet_version`):
+
+- `rollback` swaps every engine back to the previous version its staging memory still holds,
+  two-phase like a push: no bytes move, and no engine swaps unless all can.
+- `add_engine` brings a newcomer to the fleet's version with a push of its own (a second sink of
+  the same transport, so pushes to the members go on meanwhile), then counts it as a member.
+- `remove_engine` stops pushing to one. Transports with a set-up (`dist`: one gloo group over
+  every member) re-do it with the new membership; the members keep serving while they do.
+"""
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from weightbus.publisher.results import FleetVersion, PushError, PushResult
+from weightbus.publisher.session import NameMap, Weights
+from weightbus.publisher.targets import (
+    EngineRequestError,
+    EngineResult,
+    EngineTarget,
+    EngineWeights,
+    RollbackOrder,
+)
+from weightbus.publisher.two_phase import abort_staged, settle
+from weightbus.wire import PauseMode
+
+if TYPE_CHECKING:
+    from weightbus.publisher.publisher import Publisher
+
+logger = logging.getLogger(__name__)
+
+# Bound of reading every engine's state before a rollback, and of leaving a transport's set-up.
+_STATE_TIMEOUT_S = 10.0
+_ROLLBACK = "rollback to the previous version"
+
+
+class FleetMembership:
+    """Rollback and membership of a `Publisher` (see the module docstring)."""
+
+    def rollback(
+        self: "Publisher", *, pause_mode: PauseMode = "drain", timeout_s: float | None = None
+    ) -> PushResult:
+        """Swap every engine back to the previous version, without moving weights.
+
+        Every engine must hold the same previous version (same fingerprint) in its staging
+        memory: it does after an atomic commit, until the next push stages there, an in-place
+        push, or a release of the weights memory. With several engines it is two-phase.
+
+        Args:
+            pause_mode: how each engine pauses for the swap (as for a push).
+            timeout_s: bound on every engine (default: the Publisher's).
+
+        Returns:
+            The version the fleet serves again, and per-engine results (`nbytes` 0).
+
+        Raises:
+            PushError: an engine holds no rollback version or another one (each named, with
+                the engine's reason), refused, or did not answer; no engine swapped.
+        """
+        with self._lock:
+            start = time.perf_counter()
+            target = _rollback_target(self._states())
+            order = RollbackOrder(
+                version=target.version,
+                fingerprint=target.fingerprint,
+                pause_mode=pause_mode,
+                two_phase=len(self.targets) > 1,
+                timeout_s=timeout_s or self.timeout_s,
+            )
+            futures = {t.url: self._pool.submit(t.rollback, order) for t in self.targets}
+            settled = settle(
+                self._pool,
+                self.targets,
+                futures,
+                version=target.version,
+                check=lambda result: (result, None),
+                two_phase=order.two_phase,
+            )
+            if settled.failures:
+                aborted = abort_staged(self._pool, self.targets, settled, target.version)
+                raise PushError(
+                    target.version,
+                    settled.failures,
+                    aborted=aborted,
+                    action=f"rollback to version {target.version!r}",
+                )
+            engines = [settled.results[url] for url in futures]
+            gone: dict[str, str] = {}
+            if order.two_phase:
+                engines, gone = self._commit(engines, target.version, target.fingerprint)
+            self.fleet_version = target
+            return PushResult(
+                version=target.version,
+                fingerprint=target.fingerprint,
+                nbytes=0,
+                seconds=time.perf_counter() - start,
+                engines=engines,
+                mode="rollback",
+                two_phase=order.two_phase,
+                gone=gone,
+            )
+
+    def _states(self: "Publisher") -> list[EngineWeights]:
+        futures = {t.url: self._pool.submit(t.weights, _STATE_TIMEOUT_S) for t in self.targets}
+        states, failures = [], {}
+        for url, future in futures.items():
+            try:
+                states.append(future.result())
+            except EngineRequestError as exc:
+                failures[url] = str(exc)
+        if failures:
+            raise PushError("(previous)", failures, action=_ROLLBACK)
+        return states
+
+    def add_engine(
+        self: "Publisher",
+        engine: "str | EngineTarget",
+        weights: Weights | None = None,
+        *,
+        name_map: NameMap | None = None,
+    ) -> EngineResult | None:
+        """Add an engine to the fleet, brought to the fleet's version first.
+
+        The catch-up is a push to the newcomer alone, on a second sink of the same transport:
+        pushes to the members go on meanwhile. An engine started with
+        `--wait-for-initial-weights` serves nothing until it lands. With a transport set-up
+        (`dist`), the set-up is then re-done over every member and the newcomer.
+
+        Args:
+            engine: the newcomer's URL or target.
+            weights: the weights of `fleet_version` (needed once the fleet has one): their
+                fingerprint is checked before a byte is sent.
+            name_map: as for `push`.
+
+        Returns:
+            The newcomer's catch-up result (None when the fleet has no version yet).
+
+        Raises:
+            ValueError: the engine is already a member, or `weights` are missing or are not
+                the fleet's version.
+            PushError: the catch-up failed (the newcomer is not added), or the fleet moved to
+                another version meanwhile (add it again with that version's weights).
+        """
+        target = self._target(engine)
+        if target.url in self.engines:
+            raise ValueError(f"engine {target.url} is already a member")
+        current = self.fleet_version
+        result = None
+        if current is not None:
+            result = self._catch_up(target, weights, current, name_map)
+        with self._lock:
+            if self.fleet_version != current:
+                moved = self.fleet_version.version if self.fleet_version else None
+                raise PushError(
+                    current.version if current else "(none)",
+                    {target.url: f"the fleet moved to version {moved!r} during the catch-up"},
+                    action=f"catch-up of {target.url} to version {current.version!r}"
+                    if current
+                    else f"adding {target.url}",
+                )
+            self.targets.append(target)
+            self._resize_pool()
+            if self._setup_options is not None:
+                self._redo_setup()
+        logger.info("engine %s joined the fleet", target.url)
+        return result
+
+    def _catch_up(
+        self: "Publisher",
+        target: EngineTarget,
+        weights: Weights | None,
+        current: FleetVersion,
+        name_map: NameMap | None,
+    ) -> EngineResult:
+        if weights is None:
+            raise ValueError(
+                f"weights: the fleet serves version {current.version!r}; pass its weights so "
+                f"{target.url} can catch up before it joins"
+            )
+        sink_options, setup_options = self._sink.sibling_options(
+            self._transport_options, self._setup_options
+        )
+        catch_up = type(self)(
+            [target],
+            transport=self.transport,
+            bucket_bytes=self.bucket_bytes,
+            token=self._token,
+            timeout_s=self.timeout_s,
+            transport_options=sink_options,
+        )
+        try:
+            fingerprint = catch_up.fingerprint(weights, name_map)
+            if fingerprint != current.fingerprint:
+                raise ValueError(
+                    f"weights: fingerprint {fingerprint} is not the fleet's version "
+                    f"{current.version!r} ({current.fingerprint}): pass the weights pushed last"
+                )
+            if setup_options is not None:
+                catch_up.setup_transport(**setup_options)
+            pushed = catch_up.push(
+                weights, version=current.version, step=current.step, force=True, name_map=name_map
+            )
+        finally:
+            catch_up._close_transport()  # the target stays open: it joins this Publisher
+        return pushed.engines[0]
+
+    def remove_engine(self: "Publisher", url: str) -> None:
+        """Stop pushing to an engine (alive or not); it keeps serving what it serves.
+
+        Raises:
+            ValueError: no member has this URL, or it is the last one.
+        """
+        with self._lock:
+            target = next((t for t in self.targets if t.url == url.rstrip("/")), None)
+            if target is None:
+                raise ValueError(f"engine {url} is not a member; members: {self.engines}")
+            if len(self.targets) == 1:
+                raise ValueError(f"engine {url} is the last member: close the Publisher instead")
+            self._drop(target, "removed")
+
+    def _drop(self: "Publisher", target: EngineTarget, reason: str) -> None:
+        self.targets.remove(target)
+        self._resize_pool()
+        logger.warning("engine %s left the fleet: %s", target.url, reason)
+        if self._setup_options is not None:
+            self._leave_setup(target)
+            self._redo_setup()
+        target.close()
+
+    def _resize_pool(self: "Publisher") -> None:
+        old, self._pool = self._pool, self._new_pool()
+        old.shutdown(wait=False)
+
+    def _leave_setup(self: "Publisher", target: EngineTarget) -> None:
+        try:
+            self._sink.teardown_engine(target, _STATE_TIMEOUT_S)
+        except EngineRequestError as exc:  # gone, or never joined: nothing to leave
+            logger.info("engine %s did not leave the transport set-up: %s", target.url, exc)
+
+    def _redo_setup(self: "Publisher") -> Any:
+        """Re-do the transport's set-up over the members (a `dist` group re-forms); on failure
+        the set-up is left undone and the next push says so."""
+        assert self._setup_options is not None
+        try:
+            return self._sink.setup(self.targets, **self._setup_options)
+        except Exception:
+            logger.exception("re-doing the %s set-up for the new membership failed", self.transport)
+            raise
+
+
+def _rollback_target(states: list[EngineWeights]) -> FleetVersion:
+    """The previous version every engine holds, or a `PushError` naming each engine that
+    holds none or another one."""
+    refusals = {
+        w.url: f"no previous version is held: {w.rollback_unavailable or 'none reported'}"
+        for w in states
+        if w.rollback is None
+    }
+    held = {
+        w.url: FleetVersion(w.rollback["version"], w.rollback["step"], w.rollback["fingerprint"])
+        for w in states
+        if w.rollback is not None
+    }
+    if not refusals and len(set(held.values())) > 1:
+        refusals = {
+            url: f"engines hold different previous versions; this one {v.version!r} "
+            f"({v.fingerprint})"
+            for url, v in held.items()
+        }
+    if refusals:
+        raise PushError("(previous)", refusals, action=_ROLLBACK)
+    return next(iter(held.values()))

@@ -1,0 +1,77 @@
+"""What a push (or a rollback) returns or raises, and the fleet's version."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from weightbus.publisher.probe import LogprobProbe
+from weightbus.publisher.targets import EngineResult
+from weightbus.wire import PauseMode, VerifyLevel
+
+
+class PushError(RuntimeError):
+    """One or more engines did not commit a push (or a rollback).
+
+    Attributes:
+        failures: engine URL -> reason.
+        transport_error: why the publisher's side of the transport failed, if it did.
+        aborted: engines that had staged the version and were told to discard it (two-phase:
+            no engine commits unless all can).
+    """
+
+    def __init__(
+        self,
+        version: str,
+        failures: dict[str, str],
+        transport_error: str | None = None,
+        *,
+        aborted: Sequence[str] = (),
+        action: str | None = None,
+    ) -> None:
+        self.version = version
+        self.failures = failures
+        self.transport_error = transport_error
+        self.aborted = list(aborted)
+        details = "; ".join(f"{url}: {reason}" for url, reason in failures.items())
+        if transport_error:
+            details += f"; publisher: {transport_error}"
+        if self.aborted:
+            details += f"; discarded where it was staged: {', '.join(self.aborted)}"
+        action = action or f"push of version {version!r}"
+        super().__init__(f"{action} failed on {len(failures)} engine(s): {details}")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetVersion:
+    """The version every member engine serves (as of the Publisher's last commit)."""
+
+    version: str
+    step: int | None
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    """A committed push: every engine serves `version` with `fingerprint`."""
+
+    version: str
+    fingerprint: str
+    nbytes: int
+    seconds: float
+    engines: list[EngineResult]
+    phases: dict[str, float] = field(default_factory=dict)
+    mode: str = ""  # how the bytes travelled: the transport, or "shm direct" / "shm slots"
+    two_phase: bool = False
+    # engines that failed past the commit point (removed from the Publisher): URL -> reason
+    gone: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushOptions:
+    """How engines apply a push (the `push` arguments every order carries)."""
+
+    pause_mode: PauseMode
+    atomic: bool
+    verify: VerifyLevel
+    force: bool
+    probe: LogprobProbe | None = None
+    two_phase: bool = False
