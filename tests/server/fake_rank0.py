@@ -30,6 +30,17 @@ POLL_MS = 10
 WAIT_S = 10.0
 
 
+# What `GET /v1/weights` adds for fleets, on an engine that never replaced a version.
+AT_REST_FLEET_INFO = {
+    "rollback": None,
+    "rollback_unavailable": NOT_YET,
+    "staged_version": None,
+    "waiting_for_initial_weights": False,
+    "two_phase_aborts": 0,
+    "rollbacks": 0,
+}
+
+
 def weights_state(**changes: object) -> messages.WeightsState:
     """A `WeightsState` at rest (version "init"), with `changes` applied."""
     fields = {

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from fake_rank0 import InProcessServer, wait_until, weights_state
+from fake_rank0 import AT_REST_FLEET_INFO, InProcessServer, wait_until, weights_state
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightbus.engine import messages
@@ -132,12 +132,7 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
                 "bytes": 4096,
             }
         ],
-        "rollback": None,
-        "rollback_unavailable": "no version has been replaced since the engine started",
-        "staged_version": None,
-        "waiting_for_initial_weights": False,
-        "two_phase_aborts": 0,
-        "rollbacks": 0,
+        **AT_REST_FLEET_INFO,
     }
     metrics = samples(rig)
     assert metrics[("weightbus_weight_updates_total", ())] == 1
@@ -382,10 +377,5 @@ def test_initial_state_comes_from_ready(rig: InProcessServer) -> None:
         "generation": "running",
         "released": [],
         "history": [],
-        "rollback": None,
-        "rollback_unavailable": "no version has been replaced since the engine started",
-        "staged_version": None,
-        "waiting_for_initial_weights": False,
-        "two_phase_aborts": 0,
-        "rollbacks": 0,
+        **AT_REST_FLEET_INFO,
     }

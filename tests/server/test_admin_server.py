@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_harness import ServedEngine
+from fake_rank0 import AT_REST_FLEET_INFO
 from prometheus_client.parser import text_string_to_metric_families
 
 # every test starts `weightbus serve` or another process (tiers: tests/conftest.py)
@@ -217,12 +218,7 @@ def test_weights_start_from_ready(engine: ServedEngine) -> None:
         "generation": "running",
         "released": [],
         "history": [],
-        "rollback": None,
-        "rollback_unavailable": "no version has been replaced since the engine started",
-        "staged_version": None,
-        "waiting_for_initial_weights": False,
-        "two_phase_aborts": 0,
-        "rollbacks": 0,
+        **AT_REST_FLEET_INFO,
     }
     # null from Ready alone; the worker's first WeightsState fills it in once it sends one
     assert fingerprint is None or HEX32.fullmatch(fingerprint)
