@@ -178,7 +178,7 @@ def _check_waiting(engine: ServedEngine) -> None:
     assert response.json()["error"]["message"].startswith("waiting for its initial weights")
 
 
-def test_dist_group_reforms_when_an_engine_joins(fleet, tmp_path):
+def test_dist_group_reforms_when_an_engine_joins_or_leaves(fleet, tmp_path):
     fleet.ensure_alive()
     a, c = fleet.engines["a"], fleet.engines["c"]
     newcomer = fleet.start("d", "--tp", "1", "--wait-for-initial-weights")
@@ -188,8 +188,12 @@ def test_dist_group_reforms_when_an_engine_joins(fleet, tmp_path):
             publisher.push(tiny_weights(8), version="dist-1")
             publisher.add_engine(newcomer.url, tiny_weights(8))
             result = publisher.push(tiny_weights(9), version="dist-2")
-        assert [e.url for e in result.engines] == [a.url, c.url, newcomer.url]
-        assert serving(newcomer) == serving(a)
+            assert [e.url for e in result.engines] == [a.url, c.url, newcomer.url]
+            assert serving(newcomer) == serving(a)
+            publisher.remove_engine(c.url)  # the group re-forms over the other two
+            result = publisher.push(tiny_weights(10), version="dist-3")
+        assert [e.url for e in result.engines] == [a.url, newcomer.url]
+        assert weights_state(c)["version"] == "dist-2"
     finally:
         fleet.stop("d")
 
@@ -261,3 +265,11 @@ def test_in_place_pushes_stay_one_phase(fleet, tmp_path):
         assert not result.two_phase
         with pytest.raises(ValueError, match="two_phase needs atomic=True"):
             publisher.push(tiny_weights(31), version="x", atomic=False, two_phase=True)
+
+
+def test_removing_an_unknown_or_the_last_engine_is_refused(tmp_path):
+    with _publisher(["http://127.0.0.1:9"], tmp_path) as publisher:
+        with pytest.raises(ValueError, match="is not a member"):
+            publisher.remove_engine("http://127.0.0.1:10")
+        with pytest.raises(ValueError, match="is the last member"):
+            publisher.remove_engine("http://127.0.0.1:9")

@@ -164,7 +164,14 @@ class FleetMembership:
             self.targets.append(target)
             self._resize_pool()
             if self._setup_options is not None:
-                self._redo_setup()
+                try:
+                    self._redo_setup()
+                except Exception:
+                    # the members go on without it; the caller learns why it did not join
+                    self.targets.remove(target)
+                    self._resize_pool()
+                    self._redo_setup_or_log()
+                    raise
         logger.info("engine %s joined the fleet", target.url)
         return result
 
@@ -212,6 +219,8 @@ class FleetMembership:
 
         Raises:
             ValueError: no member has this URL, or it is the last one.
+            WeightsGroupError: a `dist` group could not re-form over the other members (the
+                next push says so too; `init_weights_group` re-forms it).
         """
         with self._lock:
             target = next((t for t in self.targets if t.url == url.rstrip("/")), None)
@@ -220,14 +229,16 @@ class FleetMembership:
             if len(self.targets) == 1:
                 raise ValueError(f"engine {url} is the last member: close the Publisher instead")
             self._drop(target, "removed")
+            if self._setup_options is not None:
+                self._redo_setup()
 
     def _drop(self: "Publisher", target: EngineTarget, reason: str) -> None:
+        """Stop pushing to `target`; the caller re-does the transport's set-up."""
         self.targets.remove(target)
         self._resize_pool()
         logger.warning("engine %s left the fleet: %s", target.url, reason)
         if self._setup_options is not None:
             self._leave_setup(target)
-            self._redo_setup()
         target.close()
 
     def _resize_pool(self: "Publisher") -> None:
@@ -241,14 +252,23 @@ class FleetMembership:
             logger.info("engine %s did not leave the transport set-up: %s", target.url, exc)
 
     def _redo_setup(self: "Publisher") -> Any:
-        """Re-do the transport's set-up over the members (a `dist` group re-forms); on failure
-        the set-up is left undone and the next push says so."""
+        """Re-do the transport's set-up over the members (a `dist` group re-forms).
+
+        Raises:
+            what the sink's `setup` raises (`WeightsGroupError`): it is left undone, and the
+            next push says so.
+        """
         assert self._setup_options is not None
+        return self._sink.setup(self.targets, **self._setup_options)
+
+    def _redo_setup_or_log(self: "Publisher") -> None:
+        """`_redo_setup` where its failure must not hide the outcome being reported."""
+        if self._setup_options is None:
+            return
         try:
-            return self._sink.setup(self.targets, **self._setup_options)
-        except Exception:
-            logger.exception("re-doing the %s set-up for the new membership failed", self.transport)
-            raise
+            self._redo_setup()
+        except Exception:  # logged: the next push reports the set-up missing
+            logger.exception("re-doing the %s set-up over the members failed", self.transport)
 
 
 def _rollback_target(states: list[EngineWeights]) -> FleetVersion:

@@ -463,6 +463,8 @@ class Publisher(FleetMembership):
             raise PushError(version, {url: f"commit: {why}" for url, why in gone.items()})
         for url in gone:
             self._drop(members[url], f"it failed after the commit point of {version!r}")
+        if gone:
+            self._redo_setup_or_log()  # the push committed: report that, not a set-up failure
         return committed, gone
 
 
