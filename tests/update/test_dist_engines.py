@@ -6,7 +6,9 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -119,6 +121,50 @@ def test_init_weights_group_refusals(engines):
         "action": "destroy_weights_group",
         "message": "left weights group 'weightbus'",
     }
+
+
+@contextlib.contextmanager
+def silent_store() -> Iterator[tuple[int, threading.Event]]:
+    """A port that accepts connections and never answers (a store on a hung host); the event
+    is set once a connection arrived."""
+    connected, held = threading.Event(), []
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):  # the socket closes at the end of the test
+                while True:
+                    held.append(sock.accept()[0])
+                    connected.set()
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        try:
+            yield sock.getsockname()[1], connected
+        finally:
+            for connection in held:
+                connection.close()
+
+
+def test_the_engine_generates_while_its_ranks_wait_for_a_group(engines):
+    engine = engines["tp2"]
+    body = {"master_addr": "127.0.0.1", "rank_offset": 1, "world_size": 3, "timeout_s": 3.0}
+    with silent_store() as (port, connected), ThreadPoolExecutor(1) as pool:
+        init = pool.submit(
+            engine.client.post, "/v1/init_weights_group", json={**body, "master_port": port}
+        )
+        assert connected.wait(30), "no rank reached the store"
+        # the ranks wait for the store in the background: completions are served meanwhile
+        for _ in range(3):
+            assert _greedy(engine)["token_ids"]
+        assert not init.done()
+        response = init.result(60)
+    # torch's store client waits for ever on a silent store: each rank gives up by itself
+    assert response.status_code == 504
+    assert "the init did not return within 8 s" in response.json()["error"]["message"]
+    assert _greedy(engine)["token_ids"]
+    assert engine.client.post("/v1/destroy_weights_group", json={}).status_code == 200
 
 
 def test_repeated_init_and_destroy_of_the_group(engines):

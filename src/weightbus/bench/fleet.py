@@ -10,7 +10,7 @@ every operation once per round (median of `--repeat` rounds), over `shm`:
   new version, read from the commit times the engines record (`GET /v1/weights` history, one
   host, one clock);
 - re-forming the `dist` weights group over the fleet: what the members pay when an engine
-  joins or leaves a `dist` fleet (each stops its step loop for the rendezvous).
+  joins or leaves a `dist` fleet (their ranks join in the background, generating meanwhile).
 """
 
 import argparse

@@ -82,6 +82,7 @@ class ControlRequests:
         self, request: messages.WeightsGroupRequest, verdicts: list[RankVerdict]
     ) -> None:
         """Every rank applied the weights-group change; answer with the combined outcome."""
+        self._group_request, self._group_started = None, False
         if not all(v.ok for v in verdicts):
             status, error, _ = failure(verdicts)
             self._reply_control(request.request_id, status, error)

@@ -78,13 +78,19 @@ class UpdateController(ControlRequests):
         self._pause_drains: list[str] = []
         self._release: messages.Control | None = None
         self._resume: messages.Control | None = None
+        # the weights-group change from acceptance until every rank applied it
         self._group_request: messages.WeightsGroupRequest | None = None
+        self._group_started = False
 
     # --- what the scheduler may do this step ---
 
     @property
     def updating(self) -> bool:
         return self._update is not None
+
+    @property
+    def group_changing(self) -> bool:
+        return self._group_request is not None
 
     @property
     def receiving_staged(self) -> bool:
@@ -177,8 +183,7 @@ class UpdateController(ControlRequests):
             self._discard_staging = False
             return StepAction(Action.ABORT)
         if self._group_request is not None and self._update is None:
-            request, self._group_request = self._group_request, None
-            return StepAction(Action.WEIGHTS_GROUP, payload=messages.encode(request))
+            return self._group_action(self._group_request)
         if self._resume is not None:
             mask = tags_to_mask(self._resume.tags)
             return StepAction(Action.RESUME, tags_mask=mask)
@@ -188,6 +193,12 @@ class UpdateController(ControlRequests):
         if self._update is not None:
             return self._update_action(self._update, num_running)
         return StepAction()
+
+    def _group_action(self, request: messages.WeightsGroupRequest) -> StepAction:
+        if self._group_started:  # the ranks join in the background; generation goes on
+            return StepAction(Action.GROUP_POLL)
+        self._group_started = True
+        return StepAction(Action.WEIGHTS_GROUP, payload=messages.encode(request))
 
     def _update_action(self, update: PendingUpdate, num_running: int) -> StepAction:
         if not update.begun:

@@ -1,10 +1,15 @@
 """A rank's side of `/v1/init_weights_group` and `/v1/destroy_weights_group`.
 
-Every rank applies the request at the same step boundary (`Action.WEIGHTS_GROUP`) through the
-`dist` transport's rank set-up (`weightbus.transport.rank_setup`); joining blocks until the
-whole group formed or `timeout_s` passed. The outcome is a `RankResult`, which the worker
-all-gathers like an update's verdicts, so rank 0 answers once for the engine.
+Every rank starts the request at the same step boundary (`Action.WEIGHTS_GROUP`) through the
+`dist` transport's rank set-up (`weightbus.transport.rank_setup`), in a background thread
+(`GroupChange`): joining waits until the whole group formed or `timeout_s` passed, and the
+engine generates meanwhile. Each step rank 0 polls (`Action.GROUP_POLL`); once every rank is
+done, the outcomes (`RankResult`s) are all-gathered like an update's verdicts, so rank 0
+answers once for the engine.
 """
+
+import threading
+import time
 
 import msgspec
 
@@ -52,3 +57,43 @@ def apply_weights_group(
     except (OSError, ValueError, RuntimeError) as exc:
         result.fail(str(exc))
     return result
+
+
+# A rank gives up on its group change this long after the request's `timeout_s`: torch's
+# TCPStore client does not bound its handshake, so a store that accepts connections and never
+# answers would hold the thread for ever (it is left behind, a daemon).
+GROUP_GRACE_S = 5.0
+
+
+class GroupChange:
+    """`apply_weights_group` running in a background thread; `outcome` once it ended or gave up."""
+
+    def __init__(
+        self,
+        request: messages.WeightsGroupRequest,
+        tp_rank: int,
+        tp_size: int,
+        slices: list[SliceSpec],
+    ) -> None:
+        self.request = request
+        self.result: RankResult | None = None
+        self._deadline = time.monotonic() + request.timeout_s + GROUP_GRACE_S
+        self._thread = threading.Thread(
+            target=self._run, args=(tp_rank, tp_size, slices), name="weights-group", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, tp_rank: int, tp_size: int, slices: list[SliceSpec]) -> None:
+        self.result = apply_weights_group(self.request, tp_rank, tp_size, slices)
+
+    def outcome(self) -> RankResult | None:
+        """The result, a timed-out one once the deadline passed, or None while it runs."""
+        if self.result is not None or time.monotonic() < self._deadline:
+            return self.result
+        given_up = RankResult()
+        given_up.timed_out = True
+        given_up.fail(
+            f"weights group {self.request.group_name!r}: the {self.request.action} did not return "
+            f"within {self.request.timeout_s + GROUP_GRACE_S:g} s (a store that never answers?)"
+        )
+        return given_up

@@ -32,7 +32,7 @@ from weightbus.engine.scheduler import Scheduler
 from weightbus.engine.sequence import SamplingParams, Sequence
 from weightbus.engine.update_control import UpdateController
 from weightbus.engine.verdicts import all_flags, gather_verdicts
-from weightbus.engine.weights_group import apply_weights_group, slice_specs
+from weightbus.engine.weights_group import GroupChange, slice_specs
 from weightbus.engine.weights_manager import WeightsManager
 from weightbus.layers.attention import AttentionMetadata
 from weightbus.layers.parallel import destroy_tp_group, init_tp_group
@@ -135,6 +135,7 @@ class Worker:
         self.stopping = False
         self.step_action = StepAction()
         self.update_request: messages.UpdateWeights | None = None
+        self.group_change: GroupChange | None = None
 
     def _init_driver(self, model_config: ModelConfig) -> None:
         # rank 0 only: the scheduler, the API-server link and the weights status
@@ -218,7 +219,8 @@ class Worker:
     def _recv_requests(self) -> None:
         # wait only when there is nothing to compute; otherwise just drain what arrived
         busy = self.scheduler.has_work() and self.control.may_run()
-        idle_wait_s = UPDATE_POLL_S if self.control.updating else self.config.idle_wait_s
+        polling = self.control.updating or self.control.group_changing
+        idle_wait_s = UPDATE_POLL_S if polling else self.config.idle_wait_s
         timeout_ms = 0 if busy else int(idle_wait_s * 1000)
         if not self.requests.poll(timeout_ms):
             if not busy and os.getppid() != self.config.parent_pid:
@@ -348,7 +350,10 @@ class Worker:
         if action.action == Action.NONE:
             return
         if action.action == Action.WEIGHTS_GROUP:
-            self._weights_group(action.payload)
+            self._start_group_change(action.payload)
+            return
+        if action.action == Action.GROUP_POLL:
+            self._poll_group_change()
             return
         if action.payload:
             request = messages.decode_to_engine(action.payload)
@@ -366,13 +371,22 @@ class Worker:
         }
         handlers[action.action]()
 
-    def _weights_group(self, payload: bytes) -> None:
+    def _start_group_change(self, payload: bytes) -> None:
         request = messages.decode_to_engine(payload)
         assert isinstance(request, messages.WeightsGroupRequest)
-        result = apply_weights_group(request, self.config.tp_rank, self.tp_size, self.slices)
-        verdicts = gather_verdicts(request.request_id, result)
+        self.group_change = GroupChange(request, self.config.tp_rank, self.tp_size, self.slices)
+
+    def _poll_group_change(self) -> None:
+        change = self.group_change
+        assert change is not None, "GROUP_POLL without a group change"
+        outcome = change.outcome()
+        (all_done,) = all_flags(outcome is not None)
+        if not all_done:
+            return
+        verdicts = gather_verdicts(change.request.request_id, change.outcome())
+        self.group_change = None
         if self.is_driver:
-            self.control.on_weights_group_done(request, verdicts)
+            self.control.on_weights_group_done(change.request, verdicts)
 
     def _commit_staged(self) -> None:
         self.weights.commit_staged()
