@@ -131,7 +131,7 @@ class UpdateController(ControlRequests):
         """Accept an update or answer 409 at once."""
         conflict = self._conflict(request)
         if conflict is not None:
-            self._reply_update(request, 409, conflict)
+            self._reply(request.update_id, 409, request.version, conflict)
             return
         self._accept(PendingUpdate.of_push(request))
 
@@ -485,9 +485,6 @@ class UpdateController(ControlRequests):
 
     def publish_state(self) -> None:
         self._send(self.state())
-
-    def _reply_update(self, request: messages.UpdateWeights, status_code: int, error: str) -> None:
-        self._reply(request.update_id, status_code, request.version, error)
 
     def _reply(
         self,

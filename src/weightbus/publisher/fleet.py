@@ -24,7 +24,6 @@ from weightbus.publisher.targets import (
     EngineWeights,
     RollbackOrder,
 )
-from weightbus.publisher.two_phase import abort_staged, settle
 from weightbus.wire import PauseMode
 
 if TYPE_CHECKING:
@@ -71,23 +70,13 @@ class FleetMembership:
                 timeout_s=timeout_s or self.timeout_s,
             )
             futures = {t.url: self._pool.submit(t.rollback, order) for t in self.targets}
-            settled = settle(
-                self._pool,
-                self.targets,
+            engines = self._collect(
                 futures,
-                version=target.version,
+                target.version,
                 check=lambda result: (result, None),
                 two_phase=order.two_phase,
+                action=f"rollback to version {target.version!r}",
             )
-            if settled.failures:
-                aborted = abort_staged(self._pool, self.targets, settled, target.version)
-                raise PushError(
-                    target.version,
-                    settled.failures,
-                    aborted=aborted,
-                    action=f"rollback to version {target.version!r}",
-                )
-            engines = [settled.results[url] for url in futures]
             gone: dict[str, str] = {}
             if order.two_phase:
                 engines, gone = self._commit(engines, target.version, target.fingerprint)

@@ -37,7 +37,7 @@ from weightbus.publisher.targets import (
     HttpEngineTarget,
     UpdateOrder,
 )
-from weightbus.publisher.two_phase import Settled, abort_staged, commit_all, settle
+from weightbus.publisher.two_phase import Check, abort_staged, commit_all, settle
 from weightbus.transport import BucketSink, PushSession, SourceDescription, make_sink
 from weightbus.transport.base import Progress
 from weightbus.transport.dist.messages import WeightsGroupInfo
@@ -348,7 +348,15 @@ class Publisher(FleetMembership):
             progress_bar.close()
         # collect (two-phase: every engine staged), then commit
         tick = time.perf_counter()
-        staged = self._collect(session, futures, stream_error, options.two_phase)
+        # a failed stream may have left tensors undigested: no engine can match then
+        pushed = session.fingerprint if stream_error is None else "(stream failed)"
+        staged = self._collect(
+            futures,
+            version,
+            check=self._fingerprint_check(pushed),
+            two_phase=options.two_phase,
+            stream_error=stream_error,
+        )
         phases["wait_s"] = time.perf_counter() - tick
         engines, gone = staged, {}
         if options.two_phase:
@@ -415,27 +423,32 @@ class Publisher(FleetMembership):
 
     def _collect(
         self,
-        session: PushSession,
         futures: dict[str, Future],
-        stream_error: str | None,
+        version: str,
+        *,
+        check: Check,
         two_phase: bool,
+        stream_error: str | None = None,
+        action: str | None = None,
     ) -> list[EngineResult]:
-        # a failed stream may have left tensors undigested: no engine can match then
-        pushed = session.fingerprint if stream_error is None else "(stream failed)"
-        settled = self._settle(futures, session.version, pushed, two_phase)
+        """Every engine's result (two-phase: staged), or a `PushError` naming each failure
+        once the engines that staged were told to discard."""
+        settled = settle(
+            self._pool, self.targets, futures, version=version, check=check, two_phase=two_phase
+        )
         failures = settled.failures
         if stream_error and not failures:
             failures = dict.fromkeys(futures, stream_error)
         if failures:
             aborted = []
             if two_phase:
-                aborted = abort_staged(self._pool, self.targets, settled, session.version)
-            raise PushError(session.version, failures, stream_error, aborted=aborted)
+                aborted = abort_staged(self._pool, self.targets, settled, version)
+            raise PushError(version, failures, stream_error, aborted=aborted, action=action)
         return [settled.results[url] for url in futures]
 
-    def _settle(
-        self, futures: dict[str, Future], version: str, pushed: str, two_phase: bool
-    ) -> Settled:
+    def _fingerprint_check(self, pushed: str) -> Check:
+        """A result fails unless it reports `pushed` (targets that cannot report one: theirs
+        is the pushed one, which their ranks verified)."""
         targets = {target.url: target for target in self.targets}
 
         def check(result: EngineResult) -> tuple[EngineResult, str | None]:
@@ -446,9 +459,7 @@ class Publisher(FleetMembership):
                 return result, f"{what} fingerprint {result.fingerprint} != pushed {pushed}"
             return result, None
 
-        return settle(
-            self._pool, self.targets, futures, version=version, check=check, two_phase=two_phase
-        )
+        return check
 
     def _commit(
         self, staged: list[EngineResult], version: str, fingerprint: str

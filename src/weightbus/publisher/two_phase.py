@@ -49,8 +49,9 @@ def settle(
     `abort_staged` waits for them).
     """
     settled = Settled()
-    for future in as_completed(futures.values()):
-        url = next(u for u, f in futures.items() if f is future)
+    urls = {future: url for url, future in futures.items()}
+    for future in as_completed(urls):
+        url = urls[future]
         try:
             result = future.result()
         except EngineRequestError as exc:
