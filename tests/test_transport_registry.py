@@ -15,7 +15,7 @@ from weightbus import transport as registry
 from weightbus.transport import open_source, register_transport, transport_names
 from weightbus.wire import ProtocolError
 
-BUILT_IN = ["disk", "dist", "hf_dir", "shm"]
+BUILT_IN = ["disk", "dist", "hf_dir", "nixl", "shm"]
 
 
 @pytest.fixture

@@ -165,3 +165,57 @@ def test_publisher_killed_after_the_commit_leaves_the_new_version_served(engine)
     )
     _recover(engine, "after-commit-kill")
     assert not _slots_of(pid)
+
+
+# A `nixl` Publisher stops before posting the WRITEs of bucket 8: buckets 0-7 were written
+# into the ranks' parameters (a direct session: they count as touched from its header on).
+_NIXL_PUBLISHER = textwrap.dedent(
+    """
+    import sys, threading
+    import weightbus.transport.nixl.writes as writes
+    from weightbus import Publisher
+    from weightbus.models.config import tiny_config
+    from weightbus.models.loader import random_hf_weights
+
+    url, atomic = sys.argv[1], sys.argv[2] == "atomic"
+    post = writes.BucketWrites._post
+    def post_or_stop(self, bucket, buffer):
+        if bucket.index == 8:
+            print("between_buckets", flush=True)
+            threading.Event().wait()
+        post(self, bucket, buffer)
+    writes.BucketWrites._post = post_or_stop
+
+    weights = list(random_hf_weights(tiny_config(), 21))
+    with Publisher([url], transport="nixl", bucket_bytes=128 * 1024, timeout_s=TIMEOUT_S) as pub:
+        pub.push(weights, version="doomed", atomic=atomic, pause_mode="in_place")
+    """
+).replace("TIMEOUT_S", str(ENGINE_TIMEOUT_S))
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in_place"])
+def test_killed_nixl_publisher_mid_write_as_direct_mode(engine, atomic):
+    before = _settled_state(engine)
+    expected_logprobs = _greedy_logprobs(engine)
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", _NIXL_PUBLISHER, engine.url, "atomic" if atomic else "-"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert publisher.stdout.readline().split() == ["between_buckets"]
+    finally:
+        publisher.kill()
+        publisher.wait(10)
+    state = _settled_state(engine)
+    if atomic:  # the writes went into the staging copy: the old version serves on
+        assert (state["status"], state["fingerprint"]) == ("NORMAL", before["fingerprint"])
+        assert _greedy_logprobs(engine) == expected_logprobs
+    else:  # the live parameters were half written: nothing is served from them
+        assert state["status"] == "FAILED"
+        refused = engine.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+        assert refused.status_code == 503
+    with Publisher([engine.url], transport="nixl", timeout_s=30) as pub:
+        result = pub.push(list(random_hf_weights(tiny_config(), 22)), version=f"nixl-{atomic}")
+    state = weights_state(engine)
+    assert (state["status"], state["fingerprint"]) == ("NORMAL", result.fingerprint)

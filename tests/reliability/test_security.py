@@ -39,6 +39,7 @@ PUSHES = [
     ("disk", {}),
     ("hf_dir", {}),
     ("dist", {}),
+    ("nixl", {}),
 ]
 
 
@@ -51,10 +52,13 @@ class Observation:
     shm_objects: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # name -> modes
     modes: list[str] = field(default_factory=list)  # how each push travelled
 
-    def record(self, pids: list[int], sink_root: Path | None) -> None:
-        """Record the sockets of `pids`, and the /dev/shm objects named after them or that
-        are the publisher's sink directory (other processes on the host are left out)."""
-        for sock in open_sockets(pids):
+    def record(
+        self, pids: list[int], sink_root: Path | None, before: set[OpenSocket] = frozenset()
+    ) -> None:
+        """Record the sockets of `pids` but those in `before` (this test process's, opened
+        by earlier tests), and the /dev/shm objects named after them or that are the
+        publisher's sink directory (other processes on the host are left out)."""
+        for sock in set(open_sockets(pids)) - before:
             self.sockets.add(sock)
             if sock.table == "unix" and sock.address.startswith("/"):
                 directory = Path(sock.address).parent.stat()
@@ -83,6 +87,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observation:
     engine = ServedEngine("--tp", "2", log_path=tmp_path_factory.mktemp("logs") / "serve.log")
     observation = Observation()
     pids = [os.getpid(), engine.proc.pid, *engine.worker_pids]
+    # e.g. the NIXL agent an earlier test's publisher made on another interface (agents
+    # live as long as their process): not this module's pushes
+    before = set(open_sockets([os.getpid()]))
     try:
         for index, (transport, options) in enumerate(PUSHES):
             weights = dict(random_hf_weights(tiny_config(), seed=index))
@@ -91,7 +98,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observation:
                     pub.init_weights_group("127.0.0.1")
                 result = pub.push(weights, version=f"v{index}", pause_mode="in_place")
                 observation.modes.append(result.mode)
-                observation.record(pids, getattr(pub.sink, "root", None))
+                observation.record(pids, getattr(pub.sink, "root", None), before)
     finally:
         assert engine.stop() == 0
     return observation
@@ -100,6 +107,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observation:
 def test_every_transport_was_observed(observed: Observation) -> None:
     assert observed.modes[:4] == ["shm direct", "shm slots", "disk", "hf_dir"]
     assert observed.modes[4].startswith("dist")
+    assert observed.modes[5] == "nixl"
     kinds = {SHM_NAME.fullmatch(name)["kind"] for name in observed.shm_objects}
     assert kinds == {"shm", "params", "disk", "hf-dir"}
     assert sum(sock.listening for sock in observed.sockets if sock.table != "unix") >= 4

@@ -4,6 +4,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+from netns_harness import namespaces  # noqa: F401 - the fixture, for the modules here
 
 if TYPE_CHECKING:
     from engine_harness import ServedEngine

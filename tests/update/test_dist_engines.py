@@ -1,30 +1,44 @@
-"""`dist` into real engines: one gloo weights group, TP 1 and 2, both modes, bit-exact; a data
+"""`dist` into real engines: one gloo weights group, TP 1 and 2, both modes, bit-exact; a push
+one engine refuses, cancelled at once by the hand-shake, the group serving the next push; a data
 link cut mid-push between network namespaces; the group re-initialised without a restart."""
 
 import contextlib
-import os
-import shutil
+import secrets
 import socket
-import subprocess
 import threading
+import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 from engine_harness import ServedEngine
+from netns_harness import CutLinkAfterFirstBucket, link_up
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 from update_harness import weights_state
 
 from weightbus import Publisher, PushError
 from weightbus.models.config import tiny_config
 from weightbus.models.loader import random_hf_weights
-from weightbus.transport.dist.group import get_group, group_names
+from weightbus.store import serve_store
+from weightbus.transport.dist.group import WeightsGroup, get_group, group_names
+from weightbus.transport.dist.handshake import (
+    PushCancelledError,
+    join_stream,
+    refuse_stream,
+    start_stream,
+)
 
 PROMPT = [4, 2, 42]
 # `engines` (tests/update/conftest.py): the reference engine starts with these weights; the
 # others receive them
 SEED = 5
 BUCKET_BYTES = 64 * 1024  # the 512 KiB embedding travels in chunks
+# Far above pytest's own bound (pyproject.toml, `timeout = 300`): a push that waited out its
+# timeout instead of stopping at a refusal fails the test.
+WAIT_OUT_TIMEOUT_S = 600.0
+# Bound of a hand-shake step in the in-process tests (nothing waits it out).
+STEP_TIMEOUT_S = 30.0
 
 
 def _greedy(engine: ServedEngine) -> dict:
@@ -82,6 +96,131 @@ def test_one_group_carries_pushes_into_tp1_and_tp2_bit_exactly(engines, mode):
     assert got_tp1["logprobs"]["token_logprobs"] == pytest.approx(
         want["logprobs"]["token_logprobs"], abs=1e-4
     )
+
+
+def test_a_refused_push_is_cancelled_at_once_and_the_same_group_carries_the_next(engines):
+    accepting, refusing = engines["tp2"], engines["tp1"]
+    urls = [accepting.url, refusing.url]
+    with Publisher(
+        urls, transport="dist", bucket_bytes=BUCKET_BYTES, timeout_s=WAIT_OUT_TIMEOUT_S
+    ) as pub:
+        info = pub.init_weights_group("127.0.0.1", timeout_s=30)
+        group = get_group(info.name)
+        base = pub.push(_weights(SEED + 30), version="refusal-base")
+        served = _greedy(accepting)
+        released = refusing.client.post("/v1/release_memory", json={"tags": ["weights"]})
+        assert released.status_code == 200, released.text
+        with pytest.raises(PushError) as failed:
+            pub.push(_weights(SEED + 31), version="refused")
+        # the refusal (409: a two-phase push needs the weights memory), named with its reason
+        refusal = "HTTP 409: the weights memory is released: resume it before a two-phase update"
+        assert failed.value.failures[refusing.url] == refusal
+        # the publisher cancelled before anything moved; the other engine's ranks heard why
+        answered = f"engine {refusing.url} answered before the stream ended: {refusal}"
+        assert failed.value.transport_error == (
+            f"transport dist: push cancelled before anything was sent: {answered}"
+        )
+        assert refusing.url in failed.value.failures[accepting.url]
+        assert refusal in failed.value.failures[accepting.url]
+        state = weights_state(accepting)
+        assert (state["status"], state["version"]) == ("NORMAL", "refusal-base")
+        assert state["fingerprint"] == base.fingerprint
+        assert _greedy(accepting)["logprobs"] == served["logprobs"]
+        assert group.broken is None  # no collective started: the group is whole
+        resumed = refusing.client.post("/v1/resume_memory", json={"tags": ["weights"]})
+        assert resumed.status_code == 200, resumed.text
+        result = pub.push(_weights(SEED + 31), version="after-refusal")
+        assert get_group(info.name) is group  # the same group: never re-initialised
+    fingerprints = [weights_state(e)["fingerprint"] for e in (accepting, refusing)]
+    assert fingerprints == [result.fingerprint] * 2
+
+
+def _gloo(store: TCPStore, group_rank: int, world_size: int) -> ProcessGroupGloo:
+    options = ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=STEP_TIMEOUT_S)
+    options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return ProcessGroupGloo(PrefixStore("handshake-test", store), group_rank, world_size, options)
+
+
+def _member(master: TCPStore, group_rank: int, world_size: int) -> WeightsGroup:
+    store = master
+    if group_rank:
+        timeout = timedelta(seconds=STEP_TIMEOUT_S)
+        store = TCPStore("127.0.0.1", master.port, None, is_master=False, timeout=timeout)
+    return WeightsGroup(
+        name="handshake-test",
+        group_rank=group_rank,
+        world_size=world_size,
+        timeout_s=STEP_TIMEOUT_S,
+        pg=_gloo(store, group_rank, world_size),
+        store=store,
+    )
+
+
+@contextlib.contextmanager
+def threads_group(world_size: int) -> Iterator[list[WeightsGroup]]:
+    """A weights group whose members are threads of this process (registered nowhere): the
+    publisher (group rank 0) first."""
+    master = serve_store("127.0.0.1", 0, world_size=None, timeout_s=STEP_TIMEOUT_S)
+    with ThreadPoolExecutor(world_size) as pool:
+        futures = [pool.submit(_member, master, rank, world_size) for rank in range(world_size)]
+        members = [future.result(STEP_TIMEOUT_S) for future in futures]
+    try:
+        yield members
+    finally:
+        for member in members:
+            member.pg.abort()
+
+
+def _join(pool: ThreadPoolExecutor, member: WeightsGroup, session_id: str) -> Future:
+    """The rank's hand-shake in the background: "start", or why it was cancelled."""
+
+    def run() -> str:
+        try:
+            join_stream(member, session_id, time.monotonic() + STEP_TIMEOUT_S)
+        except PushCancelledError as exc:
+            return str(exc)
+        return "start"
+
+    return pool.submit(run)
+
+
+def _start(publisher: WeightsGroup, session_id: str, timeout_s: float = STEP_TIMEOUT_S) -> None:
+    start_stream(
+        publisher,
+        session_id,
+        time.monotonic() + timeout_s,
+        abandoned=lambda: None,
+        describe_rank=lambda group_rank: f"group rank {group_rank}",
+    )
+
+
+@pytest.mark.e2e  # the group's store serves on a TCP port
+def test_the_handshake_cancels_for_a_refusing_or_missing_rank_and_the_group_goes_on():
+    cancelled = "push cancelled before anything was sent: by the publisher: "
+    with threads_group(3) as (publisher, first, second), ThreadPoolExecutor(2) as pool:
+        # rank 2 cannot take part (its side of the group is unusable): rank 1 hears why
+        session = secrets.token_hex(16)
+        joined = _join(pool, first, session)
+        refused = "group rank 2 refused it: its group is broken"
+        refuse_stream(second, session, "its group is broken")
+        with pytest.raises(PushCancelledError, match=refused):
+            _start(publisher, session)
+        assert joined.result(STEP_TIMEOUT_S) == cancelled + refused
+        # rank 2 does not come in time: rank 1 hears why, rank 2 too when it comes later
+        session = secrets.token_hex(16)
+        joined = _join(pool, first, session)
+        missing = "timed out waiting for group rank 2 to join the push"
+        with pytest.raises(TimeoutError, match=missing):
+            _start(publisher, session, timeout_s=0.5)
+        assert joined.result(STEP_TIMEOUT_S) == cancelled + missing
+        assert _join(pool, second, session).result(STEP_TIMEOUT_S) == cancelled + missing
+        # nothing moved: the group carries the next session
+        session = secrets.token_hex(16)
+        joined = [_join(pool, member, session) for member in (first, second)]
+        _start(publisher, session)
+        assert [future.result(STEP_TIMEOUT_S) for future in joined] == ["start", "start"]
+        assert [member.broken for member in (publisher, first, second)] == [None] * 3
 
 
 def test_pushing_needs_a_group_and_the_group_needs_dist(engines):
@@ -188,70 +327,6 @@ def test_repeated_init_and_destroy_of_the_group(engines):
 # --- across network namespaces ---
 
 
-@dataclass(frozen=True)
-class Namespaces:
-    """The engine's namespace, joined to this one by a control link and a data link."""
-
-    name: str
-    control_host: str  # this side of the control link (HTTP)
-    engine_control_host: str
-    data_host: str  # this side of the data link (the weights group)
-    data_link: str  # this side's interface of the data link
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _ip_quiet(*args: str) -> None:
-    subprocess.run(["ip", *args], check=False, capture_output=True, timeout=30)
-
-
-@pytest.fixture
-def namespaces() -> Iterator[Namespaces]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (ip netns add)")
-    if shutil.which("ip") is None:
-        pytest.skip("the ip command (iproute2) is not installed")
-    tag = os.getpid() % 100_000
-    subnet = 20 + os.getpid() % 200  # 10.<subnet>.{1,2}.0/24, distinct per test process
-    name = f"wb-engine-{tag}"
-    links = {"control": (f"wbc{tag}a", f"wbc{tag}b", 1), "data": (f"wbd{tag}a", f"wbd{tag}b", 2)}
-    _ip("netns", "add", name)
-    try:
-        _ip("-n", name, "link", "set", "lo", "up")
-        for ours, theirs, third in links.values():
-            _ip("link", "add", ours, "type", "veth", "peer", "name", theirs, "netns", name)
-            _ip("addr", "add", f"10.{subnet}.{third}.1/24", "dev", ours)
-            _ip("-n", name, "addr", "add", f"10.{subnet}.{third}.2/24", "dev", theirs)
-            _ip("link", "set", ours, "up")
-            _ip("-n", name, "link", "set", theirs, "up")
-        yield Namespaces(
-            name=name,
-            control_host=f"10.{subnet}.1.1",
-            engine_control_host=f"10.{subnet}.1.2",
-            data_host=f"10.{subnet}.2.1",
-            data_link=links["data"][0],
-        )
-    finally:
-        for ours, _, _ in links.values():
-            _ip_quiet("link", "del", ours)  # may be gone with the namespace already
-        _ip_quiet("netns", "del", name)
-
-
-class _CutLinkAfterFirstBucket:
-    """Progress callback: takes the data link down once the first bucket was sent."""
-
-    def __init__(self, link: str) -> None:
-        self.link = link
-        self.cut = False
-
-    def __call__(self, nbytes: int) -> None:
-        if nbytes and not self.cut:
-            _ip("link", "set", self.link, "down")
-            self.cut = True
-
-
 def test_link_cut_mid_push_fails_both_sides_keeps_old_weights_then_reinit(namespaces, tmp_path):
     token = "netns-test-token"
     engine = ServedEngine(
@@ -267,7 +342,7 @@ def test_link_cut_mid_push_fails_both_sides_keeps_old_weights_then_reinit(namesp
             pub.init_weights_group(namespaces.data_host, timeout_s=30)
             good = pub.push(_weights(21), version="good")
             served = _greedy(engine)
-            cutter = _CutLinkAfterFirstBucket(namespaces.data_link)
+            cutter = CutLinkAfterFirstBucket(namespaces.data_link)
             with pytest.raises(PushError) as failed:
                 pub.push(_weights(22), version="cut", progress=cutter)
             assert cutter.cut
@@ -286,7 +361,7 @@ def test_link_cut_mid_push_fails_both_sides_keeps_old_weights_then_reinit(namesp
             assert _greedy(engine)["logprobs"] == served["logprobs"]
             with pytest.raises(ValueError, match="weights group 'weightbus' is broken"):
                 pub.push(_weights(22), version="on-a-broken-group")
-            _ip("link", "set", namespaces.data_link, "up")
+            link_up(namespaces.data_link)
             pub.init_weights_group(namespaces.data_host, timeout_s=30)
             result = pub.push(_weights(22), version="after-reinit")
         assert weights_state(engine, token)["fingerprint"] == result.fingerprint

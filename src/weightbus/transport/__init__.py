@@ -78,6 +78,12 @@ _REGISTRY: dict[str, TransportEntry] = {
         source="weightbus.transport.hf_dir:HfDirSource",
         description="weightbus.transport.hf_dir:HfDirDescription",
     ),
+    "nixl": TransportEntry(
+        sink="weightbus.transport.nixl.sink:NixlSink",
+        source="weightbus.transport.nixl.source:NixlSource",
+        description="weightbus.transport.nixl.messages:NixlDescription",
+        direct=True,
+    ),
     "shm": TransportEntry(
         sink="weightbus.transport.shm.sink:ShmSink",
         source="weightbus.transport.shm.source:ShmSource",

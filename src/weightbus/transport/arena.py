@@ -77,6 +77,11 @@ class ParamArena:
                 view.copy_(param.data)
             param.data = view
 
+    @property
+    def memory(self) -> torch.Tensor:
+        """The whole arena as one `uint8` tensor."""
+        return self._bytes
+
     def unlink(self) -> None:
         """Remove the file's name (the memory lives until every mapping is gone)."""
         (SHM_DIR / self.name).unlink(missing_ok=True)
@@ -97,10 +102,12 @@ class DirectPlacement:
     Attributes:
         target: the wire description sent in `ReceiverHello.direct`.
         regions: HF name -> the parameter region the publisher fills (a view into the arena).
+        memory: the whole arena as bytes (what a transport registers for remote writes).
     """
 
     target: DirectTarget
     regions: dict[str, torch.Tensor]
+    memory: torch.Tensor | None = None
 
 
 def direct_placement(
@@ -128,4 +135,4 @@ def direct_placement(
         params=arena.regions,
         copies=wire_copies,
     )
-    return DirectPlacement(target, regions)
+    return DirectPlacement(target, regions, arena.memory)

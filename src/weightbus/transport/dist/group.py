@@ -8,31 +8,38 @@ reused by every push until it is destroyed or re-initialised.
 
 Every collective is bounded: creation by `timeout_s`, each operation by the push's deadline.
 A push that fails midway leaves the group `broken` (its members may be at different steps of
-the stream); it then refuses pushes until it is re-initialised.
+the stream); it then refuses pushes until it is re-initialised. A push cancelled in its
+hand-shake (`handshake.py`), before anything of it moved, leaves the group usable.
 """
 
 import logging
 import socket
+import struct
 import threading
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from weightbus.store import serve_store
 from weightbus.transport.deadlines import remaining_s
-from weightbus.transport.dist.messages import DEFAULT_GROUP_NAME, Backend
 from weightbus.wire import MAX_MESSAGE_BYTES, Message, ProtocolError, decode
 from weightbus.wire.messages import RankLayout
 
 logger = logging.getLogger(__name__)
 
-# Tags of point-to-point messages: rank layouts at group creation, bucket data (scatter).
+# Tags of point-to-point messages: rank layouts at group creation, bucket data (scatter), the
+# publisher's word in a push's hand-shake.
 _LAYOUT_TAG = 1
 DATA_TAG = 2
+HANDSHAKE_TAG = 3
+# A word (a short message: the hand-shake's) travels as one operation of this fixed size.
+WORD_BYTES = 8192
+_WORD_LENGTH_BYTES = 4
 
 
 class GroupBrokenError(ConnectionError):
@@ -49,6 +56,8 @@ class WeightsGroup:
         buffers: transport buffers kept across pushes (allocated once per size).
         assembly_buffers: tensors larger than a bucket are reassembled into these (reused).
         broken: why the group can no longer be used, or None.
+        handshakes: publisher: sessions whose hand-shake keys are still in the store, oldest
+            first.
     """
 
     name: str
@@ -61,6 +70,7 @@ class WeightsGroup:
     buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
     assembly_buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
     broken: str | None = None
+    handshakes: deque[str] = field(default_factory=deque)
 
     def check_usable(self) -> None:
         """Raise ValueError naming the fix when the group cannot carry a push."""
@@ -359,3 +369,34 @@ def recv_message(group: WeightsGroup, src: int, deadline: float, tag: int) -> Me
     data = torch.empty(_checked_length(length), dtype=torch.uint8)
     wait(group, group.pg.recv([data], src, tag), deadline, what)
     return _decode_frame(data)
+
+
+def send_word(
+    group: WeightsGroup, message: Message, ranks: Sequence[int], deadline: float, tag: int
+) -> None:
+    """Send a short message to each of group `ranks` as one fixed-size operation (to all at
+    once; one round trip fewer than `send_message`) and wait until every one took it.
+
+    Raises:
+        ValueError: the message does not fit in `WORD_BYTES`.
+    """
+    frame = message.encode()
+    if len(frame) > WORD_BYTES - _WORD_LENGTH_BYTES:
+        raise ValueError(f"a {type(message).__name__} of {len(frame)} bytes exceeds a word")
+    word = bytearray(WORD_BYTES)
+    struct.pack_into("<I", word, 0, len(frame))
+    word[_WORD_LENGTH_BYTES : _WORD_LENGTH_BYTES + len(frame)] = frame
+    data = torch.frombuffer(word, dtype=torch.uint8)
+    what = f"sending {type(message).__name__} to group ranks {list(ranks)}"
+    for work in [group.pg.send([data], dst, tag) for dst in ranks]:
+        wait(group, work, deadline, what)
+
+
+def recv_word(group: WeightsGroup, src: int, deadline: float, tag: int) -> Message:
+    """The next word (`send_word`) from group rank `src`."""
+    word = torch.empty(WORD_BYTES, dtype=torch.uint8)
+    wait(group, group.pg.recv([word], src, tag), deadline, f"a word from group rank {src}")
+    (nbytes,) = struct.unpack_from("<I", word.numpy())
+    if not 0 < nbytes <= WORD_BYTES - _WORD_LENGTH_BYTES:
+        raise ProtocolError(f"word length {nbytes} out of range on the weights group")
+    return _decode_frame(word[_WORD_LENGTH_BYTES : _WORD_LENGTH_BYTES + nbytes])

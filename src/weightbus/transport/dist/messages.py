@@ -1,5 +1,5 @@
-"""What travels for `dist`: a session's description, the weights group's set-up requests, and
-the outcome of a set-up."""
+"""What travels for `dist`: a session's description, the weights group's set-up requests, the
+outcome of a set-up, and the frames of a push's hand-shake (`handshake.py`)."""
 
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -7,11 +7,13 @@ from typing import Annotated, Literal
 import msgspec
 
 from weightbus.transport.base import SourceDescription
-from weightbus.wire.messages import Hex128
+from weightbus.wire.codec import Message, register
+from weightbus.wire.messages import Hex128, Text
 
 DEFAULT_GROUP_NAME = "weightbus"
 GROUP_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 GroupName = Annotated[str, msgspec.Meta(pattern=GROUP_NAME_PATTERN)]
+EngineGroupRank = Annotated[int, msgspec.Meta(ge=1)]
 Backend = Literal["gloo"]
 MAX_PREFETCH_DEPTH = 64
 
@@ -79,3 +81,32 @@ class WeightsGroupError(RuntimeError):
         self.failures = failures
         details = "; ".join(f"{member}: {reason}" for member, reason in failures.items())
         super().__init__(f"{action} of weights group {name!r} failed: {details}")
+
+
+# --- a push's hand-shake (`handshake.py`): wire frames, never pickle ---
+
+
+@register
+class RankReady(Message, kw_only=True):
+    """An engine rank opened session `session_id` and waits for the publisher's word
+    (`StreamStart`, or `UpdateAbort` with the reason) before anything of it moves."""
+
+    session_id: Hex128
+    group_rank: EngineGroupRank
+
+
+@register
+class RankRefusal(Message, kw_only=True):
+    """An engine rank cannot take part in session `session_id`: the publisher cancels the push
+    before anything of it moves."""
+
+    session_id: Hex128
+    group_rank: EngineGroupRank
+    reason: Text
+
+
+@register
+class StreamStart(Message, kw_only=True):
+    """Every engine rank is ready: the session's messages and data follow on the group."""
+
+    session_id: Hex128

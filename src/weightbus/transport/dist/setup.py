@@ -119,9 +119,8 @@ def form_group(
     if failures:
         destroy_group(name)
         raise WeightsGroupError(name, "initialisation", failures)
-    return WeightsGroupInfo(
-        name, world_size, {engine.url: offset for engine, offset in zip(engines, offsets)}
-    )
+    rank_offsets = {engine.url: offset for engine, offset in zip(engines, offsets, strict=True)}
+    return WeightsGroupInfo(name, world_size, rank_offsets)
 
 
 def leave_group(engines: Sequence[EngineLink], *, name: str, timeout_s: float) -> None:

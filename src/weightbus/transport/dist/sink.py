@@ -1,7 +1,9 @@
 """`dist`, publisher side: buckets travel on a torch.distributed gloo group spanning hosts.
 
 The group (`group.py`) is created once and reused: the publisher is group rank 0, every
-engine rank a member. Per push, on the group, in order:
+engine rank a member. Per push, once every engine rank said it is ready (the hand-shake,
+`handshake.py`: a push an engine refuses is cancelled before anything moves, and the group
+stays usable), on the group, in order:
 
     UpdateBegin -> (BucketSent, bucket data) x buckets -> UpdateEnd
 
@@ -42,6 +44,7 @@ from weightbus.transport.dist.group import (
     op_timeout,
     wait,
 )
+from weightbus.transport.dist.handshake import start_stream
 from weightbus.transport.dist.messages import (
     DEFAULT_GROUP_NAME,
     MAX_PREFETCH_DEPTH,
@@ -54,7 +57,6 @@ from weightbus.transport.dist.messages import (
 from weightbus.transport.dist.setup import form_group, leave_group
 from weightbus.transport.dist.slices import check_slices, layout_slices, pack_regions, rank_regions
 from weightbus.wire.messages import BucketSent, SliceSpec
-
 
 Mode = Literal["auto", "broadcast", "scatter"]
 MODES = ("auto", "broadcast", "scatter")
@@ -131,6 +133,7 @@ class DistSink(BucketSink):
         self.sent_bytes: dict[int, int] = {}
         self._session_mode: tuple[str, str] = ("", "broadcast")
         self._members: Sequence[EngineLink] = ()  # the engines of the group this sink formed
+        self._engine_at_offset: dict[int, str] = {}  # first group rank -> engine URL
 
     def setup(
         self,
@@ -157,6 +160,7 @@ class DistSink(BucketSink):
             timeout_s=timeout_s,
         )
         self._members = tuple(engines)
+        self._engine_at_offset = {offset: url for url, offset in info.rank_offsets.items()}
         return info
 
     def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:
@@ -227,14 +231,29 @@ class DistSink(BucketSink):
         session_id, mode = self._session_mode
         assert session_id == session.session_id, "prepare() the session first"
         push = _Push(group, session, tensors, time.monotonic() + timeout_s)
+        self.sent_bytes = push.sent_bytes
+        # raises when the push cannot start: nothing moved, the group stays usable
+        start_stream(
+            group,
+            session_id,
+            push.deadline,
+            abandoned=lambda: session.abandoned,
+            describe_rank=lambda group_rank: self._describe_rank(group, group_rank),
+        )
         try:
             push.run(mode, progress)
         except BaseException as exc:
             # the receivers are at some step of the stream: the group must be re-initialised
             group.broken = group.broken or f"a push failed midway: {exc}"
             raise
-        finally:
-            self.sent_bytes = push.sent_bytes
+
+    def _describe_rank(self, group: WeightsGroup, group_rank: int) -> str:
+        """`engine URL (group rank r)`, or `group rank r` for a rank of no known engine."""
+        layout = group.layouts.get(group_rank)
+        url = None if layout is None else self._engine_at_offset.get(group_rank - layout.tp_rank)
+        if url is None:
+            return f"group rank {group_rank}"
+        return f"engine {url} (group rank {group_rank})"
 
     def close(self) -> None:
         """Leave the group this sink formed (bounded: engines that do not answer are left)."""

@@ -1,8 +1,10 @@
 """`dist`, engine-rank side: receive a push's buckets from the weights group.
 
-A background thread receives up to `prefetch_depth` buckets ahead of the Receiver, into a pool
-of reused bucket buffers; in scatter mode only this rank's regions arrive, checked against the
-xxh3-128 the publisher sent for them.
+`begin` first tells the publisher this rank is ready and waits for its word (the hand-shake,
+`handshake.py`): a push cancelled then moved nothing, and the group stays usable. A background
+thread receives up to `prefetch_depth` buckets ahead of the Receiver, into a pool of reused
+bucket buffers; in scatter mode only this rank's regions arrive, checked against the xxh3-128
+the publisher sent for them.
 """
 
 import queue
@@ -15,6 +17,7 @@ from weightbus.digest import bytes_digest
 from weightbus.plan import BucketPlan, Plan, plan_buckets
 from weightbus.plan.assemble import ChunkAssembler, unpack_bucket
 from weightbus.transport.base import BucketSource, ReceivedBatch
+from weightbus.transport.deadlines import remaining_s
 from weightbus.transport.dist.group import (
     DATA_TAG,
     WeightsGroup,
@@ -23,9 +26,14 @@ from weightbus.transport.dist.group import (
     receive_broadcast_message,
     wait,
 )
-from weightbus.transport.deadlines import remaining_s
+from weightbus.transport.dist.handshake import join_stream, refuse_stream
 from weightbus.transport.dist.messages import DistDescription
-from weightbus.transport.dist.slices import layout_slices, packed_offsets, rank_regions, unpack_regions
+from weightbus.transport.dist.slices import (
+    layout_slices,
+    packed_offsets,
+    rank_regions,
+    unpack_regions,
+)
 from weightbus.transport.prefetch import Prefetcher
 from weightbus.wire import Message, ProtocolError, UpdateBegin, UpdateEnd
 from weightbus.wire.messages import BucketSent
@@ -61,8 +69,13 @@ class DistSource(BucketSource):
         self.session_id, self.mode = description.session_id, description.mode
         self.prefetch_depth = description.prefetch_depth
         self.group = get_group(description.group_name)
-        self.group.check_usable()
+        try:
+            self.group.check_usable()
+        except ValueError as exc:
+            refuse_stream(self.group, self.session_id, str(exc))
+            raise
         self._plan: Plan | None = None
+        self._streaming = False  # the publisher said the session starts
         self._ended = False
 
     def _recv(self, expected: type[Message], deadline: float) -> Message:
@@ -77,7 +90,10 @@ class DistSource(BucketSource):
         return message
 
     def begin(self, timeout_s: float) -> UpdateBegin:
-        header = self._recv(UpdateBegin, time.monotonic() + timeout_s)
+        deadline = time.monotonic() + timeout_s
+        join_stream(self.group, self.session_id, deadline)
+        self._streaming = True
+        header = self._recv(UpdateBegin, deadline)
         self._plan = plan_buckets((m.to_meta() for m in header.tensors), header.bucket_bytes)
         return header
 
@@ -151,5 +167,5 @@ class DistSource(BucketSource):
 
     def close(self) -> None:
         # a session left midway leaves this member at another step of the stream than the rest
-        if not self._ended and self.group.broken is None:
+        if self._streaming and not self._ended and self.group.broken is None:
             self.group.broken = "a push ended midway on this rank"

@@ -13,36 +13,21 @@ import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import pairwise
 
 import numpy as np
 import torch
 import xxhash
 
-from weightbus.meta import TensorMeta, dtype_from_name, dtype_name
 from weightbus.plan import BucketPlan, Plan
 from weightbus.plan.bucket import BucketEntry, byte_view, check_entry_tensor
 from weightbus.plan.shard import ShardCopy
+from weightbus.transport.copy import copy_elements, row_major_bytes
+from weightbus.transport.layout import checked_copies, region_meta
 from weightbus.transport.shared_memory import ARENA_PREFIX, Slot
-from weightbus.wire import DirectTarget
+from weightbus.wire import DirectTarget, ParamRegion
 
 # Rows copied and digested together: small enough that the digests read from cache.
 CHUNK_BYTES = 4 << 20
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy through numpy (same-sized integers, so bf16/fp8 too): one thread, GIL released."""
-    int_dtype = _INT_OF_SIZE.get(source.element_size())
-    if int_dtype is None:  # complex128: no 16-byte integer
-        destination.copy_(source)
-        return
-    np.copyto(destination.view(int_dtype).numpy(), source.view(int_dtype).numpy())
-
-
-def _bytes(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes in row-major order (in place when contiguous), for digests."""
-    return byte_view(tensor if tensor.is_contiguous() else tensor.contiguous()).numpy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,40 +53,6 @@ class _Dest:
         return full[low:high], destination
 
 
-def _check_regions(target: DirectTarget, file_bytes: int) -> None:
-    spans = []
-    for region in target.params:
-        meta = TensorMeta(region.name, dtype_from_name(region.dtype), tuple(region.shape))
-        if region.offset % meta.dtype.itemsize:
-            raise ValueError(f"parameter {region.name!r} is misaligned in {target.file}")
-        spans.append((region.offset, region.offset + meta.nbytes, region.name))
-    spans.sort()
-    for (_, end, name), (start, _, other) in pairwise(spans):
-        if start < end:
-            raise ValueError(f"parameters {name!r} and {other!r} overlap in {target.file}")
-    if spans and spans[-1][1] > file_bytes:
-        raise ValueError(f"parameter {spans[-1][2]!r} lies beyond the end of {target.file}")
-
-
-def _check_copy(meta: TensorMeta, param: torch.Tensor, dim: int, copy: ShardCopy) -> None:
-    where = f"slice of {meta.name!r} into {tuple(param.shape)}"
-    if dtype_name(param.dtype) != dtype_name(meta.dtype):
-        raise ValueError(f"{where}: parameter dtype {param.dtype} != tensor dtype {meta.dtype}")
-    if len(meta.shape) == 0:
-        if tuple(param.shape) != ():
-            raise ValueError(f"{where}: a 0-d tensor needs a 0-d parameter")
-        return
-    if dim >= len(meta.shape) or len(param.shape) != len(meta.shape):
-        raise ValueError(f"{where}: dimension {dim} does not exist on both sides")
-    outside = [i for i in range(len(meta.shape)) if i != dim and meta.shape[i] != param.shape[i]]
-    if outside:
-        raise ValueError(f"{where}: shapes differ outside dimension {dim}")
-    if copy.src_start + copy.length > meta.shape[dim]:
-        raise ValueError(f"{where}: source range ends beyond {meta.shape[dim]}")
-    if copy.dst_start + copy.length > param.shape[dim]:
-        raise ValueError(f"{where}: destination range ends beyond {param.shape[dim]}")
-
-
 class MappedTarget:
     """One rank's parameter file, mapped by the publisher, its layout checked against a plan.
 
@@ -113,21 +64,16 @@ class MappedTarget:
     def __init__(self, target: DirectTarget, plan: Plan) -> None:
         self.key = (target.file, target.layout_hash, plan.plan_hash)
         self._file = Slot.open(target.file, target.nbytes, prefix=ARENA_PREFIX)
-        _check_regions(target, target.nbytes)
-        params = {}
-        for region in target.params:
-            dtype = dtype_from_name(region.dtype)
-            nbytes = TensorMeta(region.name, dtype, tuple(region.shape)).nbytes
-            flat = self._file.tensor[region.offset : region.offset + nbytes]
-            params[region.name] = flat.view(dtype).view(tuple(region.shape))
-        metas = {meta.name: meta for meta in plan.metas}
-        self.copies: dict[str, list[tuple[ShardCopy, torch.Tensor]]] = {}
-        for wire in target.copies:
-            if wire.hf_name not in metas or wire.param not in params:
-                raise ValueError(f"slice map names unknown {wire.hf_name!r} or {wire.param!r}")
-            copy = ShardCopy(wire.dim, wire.src_start, wire.dim, wire.dst_start, wire.length)
-            _check_copy(metas[wire.hf_name], params[wire.param], wire.dim, copy)
-            self.copies.setdefault(wire.hf_name, []).append((copy, params[wire.param]))
+        checked = checked_copies(target, {meta.name: meta for meta in plan.metas})
+        self.copies: dict[str, list[tuple[ShardCopy, torch.Tensor]]] = {
+            name: [(each.copy, self._param(each.region)) for each in copies]
+            for name, copies in checked.items()
+        }
+
+    def _param(self, region: ParamRegion) -> torch.Tensor:
+        meta = region_meta(region)
+        flat = self._file.tensor[region.offset : region.offset + meta.nbytes]
+        return flat.view(meta.dtype).view(meta.shape)
 
     def is_current(self) -> bool:
         """Whether the file under the mapped name is still the one mapped."""
@@ -154,10 +100,10 @@ def _write_tensor(
         for dest in dests:
             views = dest.chunk(full, start, stop)
             if views is not None:
-                _copy(views[1], views[0])
+                copy_elements(views[1], views[0])
                 if slice_digests:
-                    slices[dest.rank_index].update(_bytes(views[1]))
-        digest.update(_bytes(full[start:stop] if full.dim() else full))
+                    slices[dest.rank_index].update(row_major_bytes(views[1]))
+        digest.update(row_major_bytes(full[start:stop] if full.dim() else full))
     return digest.hexdigest(), {rank: hasher.hexdigest() for rank, hasher in slices.items()}
 
 

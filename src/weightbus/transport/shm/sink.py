@@ -19,7 +19,7 @@ import zmq
 
 from weightbus.plan import BucketPlan
 from weightbus.transport.base import BucketSink, Progress, PushSession, no_progress
-from weightbus.transport.deadlines import remaining_ms
+from weightbus.transport.direct_channel import receive_one
 from weightbus.transport.shared_memory import Slot, private_ipc_dir, remove_stale_slots
 from weightbus.transport.shm.description import ShmDescription
 from weightbus.transport.shm.direct import DirectWriter, MappedTarget
@@ -28,20 +28,16 @@ from weightbus.wire import (
     DirectReady,
     DirectTarget,
     Message,
-    ProtocolError,
     ReceiverHello,
     SlotAck,
     TensorsWritten,
     UpdateAbort,
     WireEntry,
-    decode,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_SLOTS = 2
-# How often a wait on the receivers checks whether the push was abandoned.
-ABANDON_CHECK_MS = 100
 
 
 class _Receivers:
@@ -276,15 +272,7 @@ class ShmSink(BucketSink):
             progress(nbytes[bucket_index])
 
     def _receive(self, receivers: _Receivers, deadline: float, what: str) -> None:
-        if receivers.session.abandoned is not None:
-            raise ValueError(f"stopped waiting for {what}: {receivers.session.abandoned}")
-        if not self._socket.poll(min(remaining_ms(deadline, what), ABANDON_CHECK_MS)):
-            return
-        identity, data = self._socket.recv_multipart()
-        try:
-            receivers.on_message(identity, decode(data))
-        except ProtocolError as exc:
-            logger.warning("dropping a malformed message from a receiver: %s", exc)
+        receive_one(self._socket, receivers.session, receivers.on_message, deadline, what)
 
     def _send_all(self, receivers: _Receivers, message: Message) -> None:
         frame = message.encode()

@@ -12,7 +12,7 @@ from weightbus.plan import BucketPlan, Plan, plan_buckets
 from weightbus.plan.assemble import ChunkAssembler, unpack_bucket
 from weightbus.transport.arena import DirectPlacement
 from weightbus.transport.base import BucketSource, ReceivedBatch
-from weightbus.transport.deadlines import remaining_ms
+from weightbus.transport.direct_channel import receive_expected, written_batches
 from weightbus.transport.shared_memory import Slot
 from weightbus.transport.shm.description import ShmDescription
 from weightbus.wire import (
@@ -22,11 +22,8 @@ from weightbus.wire import (
     ProtocolError,
     ReceiverHello,
     SlotAck,
-    TensorsWritten,
-    UpdateAbort,
     UpdateBegin,
     UpdateEnd,
-    decode,
 )
 
 # Slots mapped by this process, by name: each rank maps a publisher's slots once and reuses
@@ -96,19 +93,7 @@ class ShmSource(BucketSource):
         self._plan: Plan | None = None
 
     def _recv(self, expected: type[Message], timeout_s: float) -> Message:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self._socket.poll(remaining_ms(deadline, f"a {expected.__name__}")):
-                continue
-            message = decode(self._socket.recv())
-            if getattr(message, "session_id", None) != self.session_id:
-                continue  # a message of an earlier session: never read its slots
-            if isinstance(message, UpdateAbort):
-                raise ValueError(f"the publisher aborted the session: {message.reason}")  # noqa: TRY004 - a peer stopped, not a wrong type
-            if not isinstance(message, expected):
-                # a peer breaking the protocol, not a caller passing a wrong type
-                raise ProtocolError(f"expected {expected.__name__}, got {type(message).__name__}")
-            return message
+        return receive_expected(self._socket, self.session_id, expected, timeout_s)
 
     def begin(self, timeout_s: float) -> UpdateBegin:
         hello = ReceiverHello(
@@ -139,7 +124,8 @@ class ShmSource(BucketSource):
     def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
         assert self._plan is not None, "begin() first"
         if self._direct:
-            yield from self._written(timeout_s)
+            regions = self._placement.regions
+            yield from written_batches(self._recv, self._plan, regions, timeout_s)
             return
         deadline = time.monotonic() + timeout_s
         assembler = ChunkAssembler(buffers=_assembly_buffers)
@@ -152,25 +138,6 @@ class ShmSource(BucketSource):
                 digests=dict(ready.digests),
                 nbytes=bucket.payload_bytes,
                 release=self._acker(ready),
-            )
-
-    def _written(self, timeout_s: float) -> Iterator[ReceivedBatch]:
-        """Direct mode: the publisher's notices of what it wrote into this rank's parameters."""
-        assert self._plan is not None
-        assert self._placement is not None
-        deadline = time.monotonic() + timeout_s
-        regions = self._placement.regions
-        for bucket in self._plan.buckets:
-            written = self._recv(TensorsWritten, deadline - time.monotonic())
-            names = bucket.finished_names()
-            if written.bucket_index != bucket.index or set(written.digests) != set(names):
-                raise ValueError(f"written tensors of bucket {bucket.index} do not match the plan")
-            yield ReceivedBatch(
-                tensors=[],
-                digests=dict(written.digests),
-                nbytes=bucket.payload_bytes,
-                placed=[(name, regions.get(name)) for name in names],
-                placed_digests=dict(written.slice_digests),
             )
 
     def _check(self, ready: BucketReady, bucket: BucketPlan) -> int:
