@@ -18,6 +18,7 @@ SUITES = {
         "weightbus.bench.fleet",
         "two-phase vs one-phase fleet pushes, rollback, commit skew, same run",
     ),
+    "nixl": ("weightbus.bench.nixl", "nixl pushes vs raw NIXL WRITEs and dist, one host and netns"),
     "engine": ("weightbus.bench.engine", "reference engine tokens/s at batch 1 and 16, TP 1 and 2"),
     "status": ("weightbus.bench.status", "decode step cost of the live-update machinery at rest"),
     "update": ("weightbus.bench.update", "push into real engines: floor, shm, disk, same run"),

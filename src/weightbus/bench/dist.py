@@ -153,7 +153,7 @@ def _peer_json(rank: int, num_peers: int, store, numels: list[int]) -> str:
     return msgspec.json.encode(config).decode()
 
 
-class _DistPusher:
+class DistPusher:
     """Pushes with one mode of the `dist` sink, each push a new version."""
 
     def __init__(self, publisher: Publisher, mode: str) -> None:
@@ -172,7 +172,7 @@ class _DistPusher:
         self.sent_bytes = dict(self.publisher.sink.sent_bytes)
 
 
-def _write_model(weights: list, size: int, workdir: Path) -> Path:
+def write_model(weights: list, size: int, workdir: Path) -> Path:
     model_dir = workdir / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(hf_config(llama_shape(size, 2))))
@@ -183,13 +183,13 @@ def _write_model(weights: list, size: int, workdir: Path) -> Path:
 def _bench(args: argparse.Namespace, workdir: Path) -> dict:
     weights = llama_weights(args.size, torch.bfloat16)
     model_bytes = sum(t.nbytes for _, t in weights)
-    model_dir = _write_model(weights, args.size, workdir)
+    model_dir = write_model(weights, args.size, workdir)
     proc, url = start_engine(str(model_dir), args.tp, extra=["--dtype", "bfloat16"])
     baseline = _Baseline(args.tp, [t for _, t in weights])
     publisher = Publisher([url], transport="dist", bucket_bytes=args.bucket_bytes, timeout_s=600)
     try:
         publisher.init_weights_group("127.0.0.1", timeout_s=_GROUP_TIMEOUT_S)
-        pushers = {mode: _DistPusher(publisher, mode) for mode in ("broadcast", "scatter")}
+        pushers = {mode: DistPusher(publisher, mode) for mode in ("broadcast", "scatter")}
         operations = [
             ("gloo broadcast, one tensor", model_bytes, baseline.single),
             ("gloo broadcast per tensor", model_bytes, baseline.per_tensor),

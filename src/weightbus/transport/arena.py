@@ -10,7 +10,7 @@ co-located publisher writes each update straight into them (`DirectTarget` tells
 import mmap
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -22,6 +22,16 @@ from weightbus.plan.bucket import ALIGN_BYTES
 from weightbus.plan.shard import ShardCopy
 from weightbus.transport.shared_memory import ARENA_PREFIX, SHM_DIR
 from weightbus.wire import DirectTarget, ParamRegion, WireShardCopy
+
+# Called with an arena's name when it closes: transports that registered its memory elsewhere
+# (a NIXL agent) let go of it, so a released arena is freed at once.
+_close_listeners: list[Callable[[str], None]] = []
+
+
+def on_arena_close(listener: Callable[[str], None]) -> None:
+    """Call `listener(arena name)` whenever an arena of this process closes."""
+    if listener not in _close_listeners:
+        _close_listeners.append(listener)
 
 
 def _aligned(nbytes: int) -> int:
@@ -93,6 +103,8 @@ class ParamArena:
         self.views.clear()
         self._bytes = None
         self._mmap = None
+        for listener in _close_listeners:
+            listener(self.name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from weightbus.transport.arena import on_arena_close
+
 logger = logging.getLogger(__name__)
 
 
@@ -226,6 +228,15 @@ def publisher_agent(*, ucx_devices: str = "", ucx_tls: str = DEFAULT_UCX_TLS) ->
         return _publisher_agents[key]
 
 
+def _forget_arena(name: str) -> None:
+    """A closed arena (memory released, engine stopping) is deregistered at once: the agent's
+    reference would keep its memory mapped."""
+    with _agents_lock:
+        agents = list(_rank_agents.values())
+    for agent in agents:
+        agent.forget(name)
+
+
 def rank_agent(rank: int, publisher_host: str) -> Agent:
     """This engine rank's agent towards a publisher at `publisher_host`, made on first use.
 
@@ -234,6 +245,7 @@ def rank_agent(rank: int, publisher_host: str) -> Agent:
     """
     devices = os.environ.get("UCX_NET_DEVICES") or interface_towards(publisher_host)
     transports = os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS
+    on_arena_close(_forget_arena)
     with _agents_lock:
         if devices not in _rank_agents:
             _rank_agents[devices] = Agent(f"rank{rank}", ucx_devices=devices, ucx_tls=transports)

@@ -97,4 +97,5 @@ class NixlSource(BucketSource):
         return self._recv(UpdateEnd, timeout_s)
 
     def close(self) -> None:
+        self._placement = None  # its arena is freed once released, even if this outlives it
         self._socket.close(linger=1000)

@@ -5,7 +5,7 @@ WRITE of a bucket is complete."""
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,20 +123,41 @@ class BucketWrites:
             RuntimeError: NIXL failed a WRITE (it names the rank).
             ValueError: a tensor does not match the plan, or the push was abandoned.
         """
-        plan = self._session.plan
+        buckets = self._session.plan.buckets
         depth = len(self._buffers)
-        try:
-            for bucket in plan.buckets:
-                if bucket.index >= depth:
-                    self._wait_for(bucket.index - depth, deadline, progress)
-                buffer = self._buffers[bucket.index % depth]
-                self._pack(pool, bucket, buffer, deadline)
-                self._post(bucket, buffer)
-                self._advance(progress)
-            self._wait_for(plan.num_buckets - 1, deadline, progress)
-        finally:
-            for _, _, handle in self._pending:
-                _release(handle)
+        # bucket k+1 packs while bucket k is posted: on one host a WRITE is a CMA copy made
+        # inside `transfer`, so packing after it would leave the copies in series
+        with ThreadPoolExecutor(1, thread_name_prefix="nixl-packer") as packer:
+            try:
+                packed = self._start_pack(packer, pool, buckets[0], deadline, progress)
+                for bucket, following in zip(buckets, [*buckets[1:], None], strict=True):
+                    packed.result(max(0.0, deadline - time.monotonic()))
+                    if following is not None and depth > 1:  # its buffer is not this one's
+                        packed = self._start_pack(packer, pool, following, deadline, progress)
+                    self._post(bucket, self._buffers[bucket.index % depth])
+                    self._advance(progress)
+                    if following is not None and depth == 1:
+                        packed = self._start_pack(packer, pool, following, deadline, progress)
+                self._wait_for(len(buckets) - 1, deadline, progress)
+            finally:
+                for _, _, handle in self._pending:
+                    _release(handle)
+
+    def _start_pack(
+        self,
+        packer: ThreadPoolExecutor,
+        pool: ThreadPoolExecutor,
+        bucket: BucketPlan,
+        deadline: float,
+        progress: Progress,
+    ) -> Future:
+        """Pack `bucket` on the packer thread, once the bucket that used its buffer before
+        was written everywhere."""
+        depth = len(self._buffers)
+        if bucket.index >= depth:
+            self._wait_for(bucket.index - depth, deadline, progress)
+        buffer = self._buffers[bucket.index % depth]
+        return packer.submit(self._pack, pool, bucket, buffer, deadline)
 
     def _pack(
         self, pool: ThreadPoolExecutor, bucket: BucketPlan, buffer: torch.Tensor, deadline: float

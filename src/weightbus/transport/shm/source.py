@@ -171,6 +171,7 @@ class ShmSource(BucketSource):
         return self._recv(UpdateEnd, timeout_s)
 
     def close(self) -> None:
+        self._placement = None  # its arena is freed once released, even if this outlives it
         self._socket.close(linger=1000)
         if self._ack_socket is not None:
             self._ack_socket.close(linger=1000)
