@@ -145,16 +145,6 @@ class Agent:
         with self._lock:
             self._forget(key)
 
-    def forget_except(self, keep: set[str]) -> None:
-        """Deregister every memory whose key is not in `keep`."""
-        with self._lock:
-            for key in [key for key in self._registered if key not in keep]:
-                self._forget(key)
-
-    def registered(self) -> set[str]:
-        with self._lock:
-            return set(self._registered)
-
     def _forget(self, key: str) -> None:
         entry = self._registered.pop(key, None)
         if entry is not None:

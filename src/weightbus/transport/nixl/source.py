@@ -12,7 +12,6 @@ from weightbus.transport.base import BucketSource, ReceivedBatch
 from weightbus.transport.direct_channel import receive_expected, written_batches
 from weightbus.transport.nixl.agent import rank_agent
 from weightbus.transport.nixl.messages import NixlDescription, NixlHello
-from weightbus.transport.shared_memory import SHM_DIR
 from weightbus.wire import DirectReady, Message, ProtocolError, UpdateBegin, UpdateEnd
 
 NO_MEMORY = (
@@ -52,8 +51,6 @@ class NixlSource(BucketSource):
     def _hello(self) -> NixlHello:
         agent = rank_agent(self.rank, self._publisher_host)
         placement = self._placement
-        # arenas whose file is gone were released or swapped out for good: unregister them
-        agent.forget_except({name for name in agent.registered() if (SHM_DIR / name).exists()})
         fields = {
             "session_id": self.session_id,
             "group": self.group,

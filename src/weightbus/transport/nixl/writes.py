@@ -106,6 +106,8 @@ class BucketWrites:
         self._ranks, self._schedule, self._buffers = ranks, schedule, buffers
         self._notify = notify
         self._metas = {meta.name: meta for meta in session.plan.metas}
+        # a non-contiguous tensor split across buckets is made contiguous once, not per bucket
+        self._contiguous: dict[str, torch.Tensor] = {}
         self._full_hashers: dict[str, Any] = {}
         self._slice_hashers: dict[tuple[str, int], Any] = {}
         self._pending: list[tuple[int, Rank, Any]] = []  # (bucket, rank, transfer handle)
@@ -174,6 +176,8 @@ class BucketWrites:
         for future in futures:
             future.result(max(0.0, deadline - time.monotonic()))
         finished = bucket.finished_names()
+        for name in finished:
+            self._contiguous.pop(name, None)
         digests = {name: self._full_hashers.pop(name).hexdigest() for name in finished}
         self._session.digests.update(digests)
         slices = [
@@ -202,7 +206,9 @@ class BucketWrites:
         if tensor is None:
             raise ValueError(f"tensor {entry.name!r} is in the plan but was not given")
         check_entry_tensor(entry, tensor)
-        full = tensor if tensor.is_contiguous() else tensor.contiguous()
+        full = tensor if tensor.is_contiguous() else self._contiguous.get(entry.name)
+        if full is None:
+            full = self._contiguous[entry.name] = tensor.contiguous()
         start, stop, _ = entry_rows(self._metas[entry.name], entry, self._session.plan.bucket_bytes)
         hasher = self._full_hashers.setdefault(entry.name, xxhash.xxh3_128())
         _pack_entry(full, (start, stop), jobs, hasher)
