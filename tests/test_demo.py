@@ -43,3 +43,16 @@ def test_demo_on_a_running_engine_pushes_the_initial_weights_first(tmp_path):
     assert record["tp"] is None
     assert record["steps"][0]["fingerprint_matched"]
     assert "-init' serves the trainer's weights" in result.stdout
+
+
+def test_demo_with_engines_placed_by_ray(tmp_path):
+    result, record = _demo(
+        "--ray", "--replicas", "2", "--steps", "2", "--tp", "2", "--seed", "3", tmp_path=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_demo_passed(record, result.stdout, num_steps=2)
+    assert record["transport"] == "shm (Ray)"
+    # one placement group per replica, rank r on bundle r
+    assert "replica 0: http://" in result.stdout
+    assert "replica 1: http://" in result.stdout
+    assert result.stdout.count("ranks on bundles [0, 1]") == 2

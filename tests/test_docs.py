@@ -14,11 +14,16 @@ EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTAL
 README_URL = "http://127.0.0.1:8000"
 
 
-# an example that talks to README_URL runs against `engine` (tests/conftest.py): `e2e`
+# an example that talks to README_URL runs against `engine` (tests/conftest.py), one that
+# starts Ray starts processes: both `e2e`
 @pytest.mark.parametrize(
     "code",
     [
-        pytest.param(code, id=f"example{i}", marks=[pytest.mark.e2e] if README_URL in code else [])
+        pytest.param(
+            code,
+            id=f"example{i}",
+            marks=[pytest.mark.e2e] if README_URL in code or "ray.init" in code else [],
+        )
         for i, code in enumerate(EXAMPLES)
     ],
 )

@@ -23,7 +23,7 @@ from weightbus.engine.rollback import NOT_YET
 from weightbus.engine.worker import ipc_addresses
 from weightbus.server.admin import AdminConfig
 from weightbus.server.api import AppConfig, create_app
-from weightbus.server.launcher import _Server
+from weightbus.server.launcher import Server
 
 Handler = Callable[[messages.ToEngine], list[messages.FromEngine]]
 POLL_MS = 10
@@ -184,7 +184,7 @@ class InProcessServer:
         uvicorn_config = uvicorn.Config(
             create_app(config, self.hooks), log_config=None, access_log=False
         )
-        self._server = _Server(uvicorn_config)
+        self._server = Server(uvicorn_config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
         )

@@ -1,6 +1,8 @@
 """Engine targets: one push reaches a reference engine (HTTP) and an `EngineTarget` that is
 not one (an in-process CPU mirror built on the Receiver) together, bit-exactly."""
 
+import re
+
 import pytest
 import torch
 
@@ -48,3 +50,62 @@ def test_a_refusing_target_is_named_and_does_not_hold_the_push(engines):
     ):
         pub.push(weights, version="refused", pause_mode="in_place")
     assert caught.value.failures["mirror://refusing"] == "no room for it"
+
+
+def test_each_engine_over_its_own_transport_in_one_push(engines):
+    """Routes: shm direct into tp2, a dist group with tp1 alone; one two-phase push."""
+    weights = list(random_hf_weights(tiny_config(), SEED))
+    tp2, tp1 = engines["tp2"].url, engines["tp1"].url
+    with Publisher(
+        [tp2, tp1], transport={tp2: "shm", tp1: "dist"}, bucket_bytes=64 * 1024, timeout_s=60
+    ) as pub:
+        groups = pub.init_weights_group("127.0.0.1")
+        result = pub.push(weights, version="routed")
+        sent = dict(pub.sink.children["dist"].sent_bytes)
+        served = pub.engine_weights()
+    assert list(groups) == ["dist"]  # the shm route has no set-up
+    assert groups["dist"].world_size == 2  # the publisher and tp1's one rank
+    assert list(sent) == [1]  # only tp1's rank received over dist: every bucket, padded
+    assert result.nbytes <= sent[1] < result.nbytes + 64 * 1024
+    assert result.two_phase
+    assert result.mode == "dist: dist broadcast, shm: shm direct"
+    reference = engines["reference_tp2"].client.get("/v1/weights").json()["fingerprint"]
+    assert result.fingerprint == reference
+    assert [(w.version, w.fingerprint) for w in served] == [("routed", reference)] * 2
+
+
+def test_a_refusal_on_one_route_discards_what_the_other_staged(engines):
+    weights = list(random_hf_weights(tiny_config(), SEED + 2))
+    tp2, tp1 = engines["tp2"].url, engines["tp1"].url
+    with Publisher([tp1], transport="shm", timeout_s=60) as pub:
+        pub.push(weights, version="taken", pause_mode="in_place")
+    before = engines["tp2"].client.get("/v1/weights").json()
+    with (
+        Publisher([tp2, tp1], transport={tp2: "shm", tp1: "disk"}, timeout_s=60) as pub,
+        pytest.raises(PushError) as caught,
+    ):
+        pub.push(weights, version="taken")
+    assert list(caught.value.failures) == [tp1]
+    assert "taken" in caught.value.failures[tp1]
+    assert caught.value.aborted == [tp2]
+    after = engines["tp2"].client.get("/v1/weights").json()
+    assert (after["version"], after["fingerprint"]) == (before["version"], before["fingerprint"])
+
+
+@pytest.mark.parametrize(
+    ("routes", "message"),
+    [
+        ({"http://a:1": "shm"}, "transport: no transport is given for engines ['http://b:2']"),
+        (
+            {"http://a:1": "shm", "http://b:2": "shm", "http://c:3": "disk"},
+            "transport: routes name engines that are not given: ['http://c:3']",
+        ),
+        (
+            {"http://a:1": "shm", "http://b:2/": "rdma"},
+            "transport: unknown transports ['rdma']; registered: ",
+        ),
+    ],
+)
+def test_routes_name_every_engine_and_known_transports(routes, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        Publisher(["http://a:1", "http://b:2"], transport=routes)

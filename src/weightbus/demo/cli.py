@@ -52,6 +52,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="`vllm`: start a vLLM server (backend weightbus) instead of `weightbus serve`; "
         "or the URL of a running `weightbus serve --model tiny` to use",
     )
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="place the engines with Ray: --replicas replicas of --tp rank actors each, on "
+        "a local Ray instance (needs weightbus[ray])",
+    )
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (a group)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
@@ -83,9 +90,11 @@ class DemoRecord:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "tp", "samples", "max_tokens"):
+    for name in ("steps", "tp", "samples", "max_tokens", "replicas"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.ray and args.engine is not None:
+        raise ValueError("--ray starts its own engines: leave out --engine")
     if args.samples < 2:
         raise ValueError("--samples must be >= 2: the baseline is the group's mean")
     prompts(args.prompts)
@@ -99,12 +108,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # the demo prints one line per step; the library's INFO lines would interleave with it
-    for name in ("weightbus.publisher", "weightbus.transport"):
+    for name in ("weightbus.publisher", "weightbus.transport", "weightbus.ray"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # the engine's ranks need the cores more than the tiny trainer does
     torch.set_num_threads(1)
     if args.engine == "vllm":
         return _run_vllm(args)
+    if args.ray:
+        return _run_ray(args)
     trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
     record = DemoRecord(transport=args.transport, tp=None if args.engine else args.tp)
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
@@ -150,6 +161,51 @@ def _run_vllm(args: argparse.Namespace) -> int:
             )  # fmt: skip
         finally:
             server.stop()
+    return _finish(record, args)
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    import ray
+
+    from weightbus.demo.ray_fleet import OBJECT_STORE_BYTES, FleetRolloutClient
+    from weightbus.ray import RayFleet, RayFleetConfig
+    from weightbus.server.launcher import ServeConfig
+
+    trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
+    record = DemoRecord(transport=f"{args.transport} (Ray)", tp=args.tp)
+    with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
+        trainer.save(Path(tmp))
+        num_cpus = args.replicas * args.tp
+        print(f"starting Ray ({num_cpus} CPUs) and {args.replicas} replica(s) of TP {args.tp}")
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,  # the ranks' logs stay in Ray's session directory
+            object_store_memory=OBJECT_STORE_BYTES,
+            runtime_env={"env_vars": {"WEIGHTBUS_LOG_LEVEL": "WARNING"}},
+        )
+        fleet = None
+        try:
+            config = RayFleetConfig(
+                engine=ServeConfig(model=tmp, tp_size=args.tp), num_replicas=args.replicas
+            )
+            fleet = RayFleet.start(config)
+            for replica in fleet.replicas:
+                bundles = [rank.bundle_index for rank in replica.ranks]
+                print(f"  replica {replica.index}: {replica.url}, ranks on bundles {bundles}")
+            client = FleetRolloutClient(
+                [r.url for r in fleet.replicas], token=fleet.api_token,
+                max_tokens=args.max_tokens, temperature=args.temperature,
+            )  # fmt: skip
+            publisher = fleet.publisher(local=args.transport)
+            _run_steps(
+                args, trainer, client=client, publisher=publisher, record=record,
+                engine_started=True,
+            )  # fmt: skip
+        finally:
+            if fleet is not None:
+                fleet.shutdown()
+            ray.shutdown()
     return _finish(record, args)
 
 

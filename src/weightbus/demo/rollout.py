@@ -15,14 +15,22 @@ class RolloutClient:
         max_tokens: completion length (EOS ignored, so every completion has this length).
         temperature: sampling temperature.
         timeout_s: bound of one request.
+        token: bearer token of the engine's admin routes (`weights` reads one), if it has one.
     """
 
     def __init__(
-        self, url: str, *, max_tokens: int, temperature: float, timeout_s: float = 120.0
+        self,
+        url: str,
+        *,
+        max_tokens: int,
+        temperature: float,
+        timeout_s: float = 120.0,
+        token: str | None = None,
     ) -> None:
         self.max_tokens = max_tokens
         self.temperature = temperature
-        self._http = httpx.Client(base_url=url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=headers)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="rollout")
 
     def close(self) -> None:

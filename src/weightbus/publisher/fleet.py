@@ -110,6 +110,7 @@ class FleetMembership:
         weights: Weights | None = None,
         *,
         name_map: NameMap | None = None,
+        transport: str | None = None,
     ) -> EngineResult | None:
         """Add an engine to the fleet, brought to the fleet's version first.
 
@@ -123,23 +124,26 @@ class FleetMembership:
             weights: the weights of `fleet_version` (needed once the fleet has one): their
                 fingerprint is checked before a byte is sent.
             name_map: as for `push`.
+            transport: the newcomer's transport, when the Publisher routes each engine over
+                its own (`Publisher(transport={url: name})`); None keeps a route it has.
 
         Returns:
             The newcomer's catch-up result (None when the fleet has no version yet).
 
         Raises:
-            ValueError: the engine is already a member, or `weights` are missing or are not
-                the fleet's version.
+            ValueError: the engine is already a member, `weights` are missing or are not
+                the fleet's version, or a routed Publisher has no transport for it.
             PushError: the catch-up failed (the newcomer is not added), or the fleet moved to
                 another version meanwhile (add it again with that version's weights).
         """
         target = self._target(engine)
         if target.url in self.engines:
             raise ValueError(f"engine {target.url} is already a member")
+        route = self._route_for(target.url, transport)
         current = self.fleet_version
         result = None
         if current is not None:
-            result = self._catch_up(target, weights, current, name_map)
+            result = self._catch_up(target, weights, current, name_map, route)
         with self._lock:
             if self.fleet_version != current:
                 moved = self.fleet_version.version if self.fleet_version else None
@@ -151,6 +155,9 @@ class FleetMembership:
                     else f"adding {target.url}",
                 )
             self.targets.append(target)
+            if route is not None:
+                self.transport[target.url] = route
+                self._sink.add_route(target.url, route, self._transport_options.get(route, {}))
             self._resize_pool()
             if self._setup_options is not None:
                 try:
@@ -170,6 +177,7 @@ class FleetMembership:
         weights: Weights | None,
         current: FleetVersion,
         name_map: NameMap | None,
+        route: str | None,
     ) -> EngineResult:
         if weights is None:
             raise ValueError(
@@ -181,7 +189,7 @@ class FleetMembership:
         )
         catch_up = type(self)(
             [target],
-            transport=self.transport,
+            transport=self.transport if route is None else {target.url: route},
             bucket_bytes=self.bucket_bytes,
             token=self._token,
             timeout_s=self.timeout_s,
@@ -202,6 +210,20 @@ class FleetMembership:
         finally:
             catch_up._close_transport()  # the target stays open: it joins this Publisher
         return pushed.engines[0]
+
+    def _route_for(self: "Publisher", url: str, transport: str | None) -> str | None:
+        """The newcomer's transport on a routed Publisher (None on a single-transport one)."""
+        if isinstance(self.transport, str):
+            if transport not in (None, self.transport):
+                raise ValueError(
+                    f"transport: this Publisher pushes over {self.transport!r} only, not "
+                    f"{transport!r} (route each engine with transport={{url: name}})"
+                )
+            return None
+        route = transport or self.transport.get(url)
+        if route is None:
+            raise ValueError(f"transport: name the transport of {url} (this Publisher routes)")
+        return route
 
     def remove_engine(self: "Publisher", url: str) -> None:
         """Stop pushing to an engine (alive or not); it keeps serving what it serves.

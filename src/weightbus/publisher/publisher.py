@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +28,7 @@ from weightbus.publisher.fleet import FleetMembership
 from weightbus.publisher.probe import LogprobProbe
 from weightbus.publisher.progress import PushProgress
 from weightbus.publisher.results import FleetVersion, PushError, PushOptions, PushResult
+from weightbus.publisher.routes import RoutedSink, normalize_routes
 from weightbus.publisher.session import NameMap, SessionFactory, Weights, normalize_weights
 from weightbus.publisher.targets import (
     EngineRequestError,
@@ -49,7 +50,9 @@ logger = logging.getLogger(__name__)
 _CONTROL_TIMEOUT_S = 10.0
 
 
-def _abandon_on_answer(session: PushSession, url: str) -> Callable[[Future], None]:
+def _abandon_on_answer(
+    sink: BucketSink, session: PushSession, url: str
+) -> Callable[[Future], None]:
     """A callback for an engine's update: an answer while the stream still runs (a refusal,
     a 503, a dropped connection) means that engine reads no more of it."""
 
@@ -60,7 +63,9 @@ def _abandon_on_answer(session: PushSession, url: str) -> Callable[[Future], Non
             reason = str(exc)
         else:
             reason = "it committed"
-        session.abandon(f"engine {url} answered before the stream ended: {reason}")
+        sink.engine_answered(
+            session, url, f"engine {url} answered before the stream ended: {reason}"
+        )
 
     return answered
 
@@ -72,11 +77,14 @@ class Publisher(FleetMembership):
         engines: the engines to push to: base URLs of engines speaking weightbus's HTTP API
             (the reference engine), or `EngineTarget`s (any mix; one push reaches them all).
             The Publisher closes every target on `close`.
-        transport: a registered transport name (`weightbus.transport.transport_names()`).
+        transport: a registered transport name (`weightbus.transport.transport_names()`),
+            or each engine's transport by URL (`{url: "shm", url2: "nixl"}`: one push, each
+            engine over its own transport; `weightbus.ray` routes by placement).
         bucket_bytes: bucket size of the plan (and of transport buffers).
         token: bearer token of the engines' admin routes (URL engines), if they require one.
         timeout_s: bound of one push on every engine.
-        transport_options: keyword arguments of the transport's sink (e.g. `root` for disk).
+        transport_options: keyword arguments of the transport's sink (e.g. `root` for disk);
+            with routes, keyword arguments by transport name.
 
     Attributes:
         fleet_version: what every member serves since this Publisher's last commit (None
@@ -93,7 +101,7 @@ class Publisher(FleetMembership):
         self,
         engines: Sequence[str | EngineTarget],
         *,
-        transport: str = "disk",
+        transport: str | Mapping[str, str] = "disk",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         token: str | None = None,
         timeout_s: float = 120.0,
@@ -103,17 +111,25 @@ class Publisher(FleetMembership):
             raise ValueError("engines: give at least one engine URL or target")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.transport = transport
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self._token = token
         self._transport_options = dict(transport_options or {})
         self._setup_options: dict[str, Any] | None = None
         self._sessions = SessionFactory(bucket_bytes)
-        self._sink: BucketSink = make_sink(transport, **self._transport_options)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(headers=headers)
         self.targets = [self._target(engine) for engine in engines]
+        self.transport: str | dict[str, str] = (
+            transport
+            if isinstance(transport, str)
+            else normalize_routes(transport, [target.url for target in self.targets])
+        )
+        self._sink: BucketSink = (
+            make_sink(transport, **self._transport_options)
+            if isinstance(self.transport, str)
+            else RoutedSink(self.transport, self._transport_options)
+        )
         self._pool = self._new_pool()
         self._lock = threading.RLock()
         self.fleet_version: FleetVersion | None = None
@@ -129,6 +145,11 @@ class Publisher(FleetMembership):
     def engines(self) -> list[str]:
         """The members' URLs, in push order."""
         return [target.url for target in self.targets]
+
+    @property
+    def transports(self) -> set[str]:
+        """The transports pushes take (one, or each routed engine's)."""
+        return {self.transport} if isinstance(self.transport, str) else set(self.transport.values())
 
     @property
     def sink(self) -> BucketSink:
@@ -200,7 +221,7 @@ class Publisher(FleetMembership):
             ValueError: the transport is not `dist`.
             WeightsGroupError: an engine or this process could not join (each one named).
         """
-        if self.transport != "dist":
+        if "dist" not in self.transports:
             raise ValueError(f"init_weights_group needs transport 'dist', not {self.transport!r}")
         return self.setup_transport(
             master_addr=master_addr, master_port=master_port, backend=backend, timeout_s=timeout_s
@@ -387,6 +408,7 @@ class Publisher(FleetMembership):
             step,
             receivers=len(self.targets),
             verify=verify == "full",
+            engines=tuple(self.engines),
         )
 
     def _request_all(
@@ -395,15 +417,16 @@ class Publisher(FleetMembership):
         """Hand every target its order (in parallel); an early answer abandons the stream."""
         futures = {}
         for index, target in enumerate(self.targets):
+            route = self._sink.route(description, index, options.verify)
             order = UpdateOrder(
                 version=session.version,
                 step=session.step,
-                transport=self.transport,
-                source=self._sink.for_engine(description, index),
+                transport=route.transport,
+                source=route.source,
                 plan_hash=session.plan.plan_hash,
                 pause_mode=options.pause_mode,
                 atomic=options.atomic,
-                verify=self._sink.receiver_verify(options.verify),
+                verify=route.verify,
                 force=options.force,
                 timeout_s=self.timeout_s,
                 probe=options.probe,
@@ -411,14 +434,14 @@ class Publisher(FleetMembership):
             )
             futures[target.url] = self._pool.submit(target.update, order)
         for url, future in futures.items():
-            future.add_done_callback(_abandon_on_answer(session, url))
+            future.add_done_callback(_abandon_on_answer(self._sink, session, url))
         return futures
 
     def _stream(self, session: PushSession, tensors: dict, progress: Progress) -> str | None:
         try:
             self._sink.stream(session, tensors, self.timeout_s, progress)
         except (TimeoutError, OSError, ValueError) as exc:
-            return f"transport {self.transport}: {exc}"
+            return f"transport {self._sink.name}: {exc}"
         return None
 
     def _collect(

@@ -89,6 +89,7 @@ class SessionFactory:
         receivers: int = 1,
         *,
         verify: bool = True,
+        engines: tuple[str, ...] = (),
     ) -> PushSession:
         return PushSession(
             session_id=secrets.token_hex(16),
@@ -97,4 +98,5 @@ class SessionFactory:
             plan=self.plan_for(weights),
             receivers=receivers,
             verify=verify,
+            engines=engines,
         )

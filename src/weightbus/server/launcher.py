@@ -26,8 +26,10 @@ from pathlib import Path
 
 import msgspec
 import uvicorn
+from fastapi import FastAPI
 
 from weightbus.engine.worker import WorkerConfig
+from weightbus.models.config import ModelConfig
 from weightbus.models.loader import TINY, resolve_config
 from weightbus.server.admin import AdminConfig
 from weightbus.server.api import AppConfig, create_app
@@ -111,6 +113,85 @@ class ServeConfig:
             )
 
 
+def worker_config(
+    config: ServeConfig,
+    tp_rank: int,
+    max_model_len: int,
+    store: tuple[str, int],
+    ipc_dir: str,
+    *,
+    parent_pid: int,
+) -> WorkerConfig:
+    """Rank `tp_rank`'s config: the serve flags, where the TP group meets (`store`: host and
+    port of its TCPStore) and rank 0's socket directory."""
+    return WorkerConfig(
+        tp_rank=tp_rank,
+        tp_size=config.tp_size,
+        model=config.model,
+        dtype=config.dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        seed=config.seed,
+        store_host=store[0],
+        store_port=store[1],
+        ipc_dir=ipc_dir,
+        dist_timeout_s=config.dist_timeout_s,
+        idle_wait_s=config.idle_wait_s,
+        parent_pid=parent_pid,
+        shm_weights=config.shm_weights,
+        wait_for_initial_weights=config.wait_for_initial_weights,
+    )
+
+
+def checked_model(config: ServeConfig) -> tuple[ModelConfig, int]:
+    """The model's config and the engine's max model length, checked against the flags.
+
+    Raises:
+        ValueError: the model cannot be served with these flags (names the flag or field).
+    """
+    model_config = resolve_config(config.model)
+    model_config.validate_tp(config.tp_size)
+    max_model_len = config.max_model_len or min(
+        model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
+    )
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({model_config.max_position_embeddings})"
+        )
+    return model_config, max_model_len
+
+
+def app_config(config: ServeConfig, model_config: ModelConfig, ipc_dir: str) -> AppConfig:
+    """The API server's settings for these flags (rank 0's sockets under `ipc_dir`)."""
+    return AppConfig(
+        model=config.model,
+        served_model_name=config.served_model_name or Path(config.model).name,
+        ipc_dir=ipc_dir,
+        bos_token_id=model_config.bos_token_id,
+        ready_timeout_s=config.ready_timeout_s,
+        request_timeout_s=config.request_timeout_s,
+        api_token=config.api_token,
+        admin=AdminConfig(
+            update_margin_s=UPDATE_MARGIN_S,
+            control_timeout_s=config.request_timeout_s + CONTROL_MARGIN_S,
+        ),
+    )
+
+
+def http_server(app: FastAPI, config: ServeConfig) -> "Server":
+    """uvicorn serving `app`, with weightbus's log format and no signal handling of its own."""
+    return Server(
+        uvicorn.Config(
+            app,
+            log_config=None,  # keep weightbus.log's format
+            access_log=False,
+            timeout_graceful_shutdown=int(config.shutdown_timeout_s),
+        )
+    )
+
+
 class Launcher:
     """The worker processes and what they share: the TCPStore and the socket directory."""
 
@@ -146,27 +227,11 @@ class Launcher:
         logger.info("started %d worker(s): pids %s", len(self.procs), [p.pid for p in self.procs])
 
     def _worker_config(self, rank: int) -> str:
-        c = self.config
-        return msgspec.json.encode(
-            WorkerConfig(
-                tp_rank=rank,
-                tp_size=c.tp_size,
-                model=c.model,
-                dtype=c.dtype,
-                max_num_seqs=c.max_num_seqs,
-                max_model_len=self.max_model_len,
-                max_num_batched_tokens=c.max_num_batched_tokens,
-                seed=c.seed,
-                store_host="127.0.0.1",
-                store_port=self.store.port,
-                ipc_dir=self.ipc_dir,
-                dist_timeout_s=c.dist_timeout_s,
-                idle_wait_s=c.idle_wait_s,
-                parent_pid=os.getpid(),
-                shm_weights=c.shm_weights,
-                wait_for_initial_weights=c.wait_for_initial_weights,
-            )
-        ).decode()
+        store = ("127.0.0.1", self.store.port)
+        config = worker_config(
+            self.config, rank, self.max_model_len, store, self.ipc_dir, parent_pid=os.getpid()
+        )
+        return msgspec.json.encode(config).decode()
 
     def failure(self) -> str | None:
         """Why the engine cannot serve: a worker exited (None while all run)."""
@@ -206,7 +271,7 @@ class _Hooks:
         self.launcher = launcher
         self.url = url
         self._on_ready = on_ready
-        self.server: uvicorn.Server | None = None
+        self.server: Server | None = None
         self.exit_code = 0
 
     def failure(self) -> str | None:
@@ -224,8 +289,8 @@ class _Hooks:
             self.server.should_exit = True
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, leaving signals to `_handle_stop_signals`.
+class Server(uvicorn.Server):
+    """uvicorn, leaving signals to its owner (`serve`: `_handle_stop_signals`).
 
     (uvicorn's own handling re-raises a caught SIGTERM after shutdown, which would kill this
     process before the launcher's cleanup runs.)
@@ -266,8 +331,11 @@ def _stop_when_orphaned(parent_pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _listen(host: str, port: int) -> tuple[socket.socket, str]:
-    # bound here, before any worker starts: a taken port fails fast, and `--port 0` is known
+def listen(host: str, port: int) -> tuple[socket.socket, str]:
+    """A listening socket on `host:port` (0: from the OS) and the URL it serves.
+
+    Bound before any worker starts: a taken port fails fast, and `--port 0` is known.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
     # Accepted connections inherit TCP_NODELAY (Linux): without it a response written as
@@ -293,17 +361,8 @@ def serve(config: ServeConfig, on_ready: Callable[[str], None]) -> int:
         OSError: the port cannot be bound.
     """
     parent_pid = os.getppid()  # before anything slow: a parent gone already is seen at once
-    model_config = resolve_config(config.model)
-    model_config.validate_tp(config.tp_size)
-    max_model_len = config.max_model_len or min(
-        model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
-    )
-    if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
-            f"({model_config.max_position_embeddings})"
-        )
-    sock, url = _listen(config.host, config.port)
+    model_config, max_model_len = checked_model(config)
+    sock, url = listen(config.host, config.port)
     launcher = Launcher(config, max_model_len)
     hooks = _Hooks(launcher, url, on_ready)
     with _handle_stop_signals(launcher, hooks):
@@ -313,26 +372,8 @@ def serve(config: ServeConfig, on_ready: Callable[[str], None]) -> int:
             ).start()
         try:
             launcher.start_workers()
-            app_config = AppConfig(
-                model=config.model,
-                served_model_name=config.served_model_name or Path(config.model).name,
-                ipc_dir=launcher.ipc_dir,
-                bos_token_id=model_config.bos_token_id,
-                ready_timeout_s=config.ready_timeout_s,
-                request_timeout_s=config.request_timeout_s,
-                api_token=config.api_token,
-                admin=AdminConfig(
-                    update_margin_s=UPDATE_MARGIN_S,
-                    control_timeout_s=config.request_timeout_s + CONTROL_MARGIN_S,
-                ),
-            )
-            uvicorn_config = uvicorn.Config(
-                create_app(app_config, hooks),
-                log_config=None,  # keep weightbus.log's format
-                access_log=False,
-                timeout_graceful_shutdown=int(config.shutdown_timeout_s),
-            )
-            hooks.server = _Server(uvicorn_config)
+            app = create_app(app_config(config, model_config, launcher.ipc_dir), hooks)
+            hooks.server = http_server(app, config)
             if not launcher.stop_requested:
                 hooks.server.run(sockets=[sock])
         except SystemExit:  # uvicorn's exit when the app's start-up failed

@@ -87,6 +87,7 @@ class PushSession:
     plan: Plan
     digests: dict[str, str] = field(default_factory=dict)
     receivers: int = 1  # engines asked to receive this session (each with all its ranks)
+    engines: tuple[str, ...] = ()  # their URLs, in push order (when the publisher names them)
     verify: bool = True  # receivers check digests ("full"): sinks send what they need
     # filled (by the Publisher) once an engine has answered mid-stream: it will read no more,
     # so a sink waiting on its ranks stops at once instead of at its timeout
@@ -139,6 +140,16 @@ class PushSession:
             num_buckets=self.plan.num_buckets,
             fingerprint=self.fingerprint,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRoute:
+    """How one engine of a push receives it: the transport named in its order, the description
+    it opens and the `verify` level its ranks run."""
+
+    transport: str
+    source: SourceDescription
+    verify: str
 
 
 @dataclass(slots=True, kw_only=True)
@@ -210,6 +221,19 @@ class BucketSink(ABC):
         """The description engine number `engine_index` of the push opens (by default the same
         for every engine)."""
         return description
+
+    def route(self, description: SourceDescription, engine_index: int, verify: str) -> EngineRoute:
+        """How engine number `engine_index` of the push receives it (asked after `prepare`):
+        this transport, `for_engine`'s description, `receiver_verify`'s level. A sink that
+        sends each engine over another transport answers per engine."""
+        return EngineRoute(
+            self.name, self.for_engine(description, engine_index), self.receiver_verify(verify)
+        )
+
+    def engine_answered(self, session: PushSession, url: str, reason: str) -> None:
+        """Engine `url` answered while the session streamed (a refusal, a failure, a commit):
+        it reads no more of it. By default the whole stream stops waiting."""
+        session.abandon(reason)
 
     @abstractmethod
     def stream(
