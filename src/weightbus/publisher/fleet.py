@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from weightbus.publisher.results import FleetVersion, PushError, PushResult
+from weightbus.publisher.routes import check_transport
 from weightbus.publisher.session import NameMap, Weights
 from weightbus.publisher.targets import (
     EngineRequestError,
@@ -24,6 +25,7 @@ from weightbus.publisher.targets import (
     EngineWeights,
     RollbackOrder,
 )
+from weightbus.transport import has_setup
 from weightbus.wire import PauseMode
 
 if TYPE_CHECKING:
@@ -125,14 +127,16 @@ class FleetMembership:
                 fingerprint is checked before a byte is sent.
             name_map: as for `push`.
             transport: the newcomer's transport, when the Publisher routes each engine over
-                its own (`Publisher(transport={url: name})`); None keeps a route it has.
+                its own (`Publisher(transport={url: name})`). A transport with a set-up
+                (`dist`) needs it done already (`setup_transport` over its other engines).
 
         Returns:
             The newcomer's catch-up result (None when the fleet has no version yet).
 
         Raises:
             ValueError: the engine is already a member, `weights` are missing or are not
-                the fleet's version, or a routed Publisher has no transport for it.
+                the fleet's version, or a routed Publisher has no transport for it (or an
+                unknown one, or one whose set-up is not done).
             PushError: the catch-up failed (the newcomer is not added), or the fleet moved to
                 another version meanwhile (add it again with that version's weights).
         """
@@ -154,10 +158,10 @@ class FleetMembership:
                     if current
                     else f"adding {target.url}",
                 )
-            self.targets.append(target)
-            if route is not None:
-                self.transport[target.url] = route
+            if route is not None:  # its sink exists before the engine counts as a member
                 self._sink.add_route(target.url, route, self._transport_options.get(route, {}))
+                self.transport[target.url] = route
+            self.targets.append(target)
             self._resize_pool()
             if self._setup_options is not None:
                 try:
@@ -165,6 +169,7 @@ class FleetMembership:
                 except Exception:
                     # the members go on without it; the caller learns why it did not join
                     self.targets.remove(target)
+                    self._forget_route(target.url)
                     self._resize_pool()
                     self._redo_setup_or_log()
                     raise
@@ -187,6 +192,8 @@ class FleetMembership:
         sink_options, setup_options = self._sink.sibling_options(
             self._transport_options, self._setup_options
         )
+        if route is not None and not has_setup(route):
+            setup_options = None  # the set-up is another route's
         catch_up = type(self)(
             [target],
             transport=self.transport if route is None else {target.url: route},
@@ -223,7 +230,18 @@ class FleetMembership:
         route = transport or self.transport.get(url)
         if route is None:
             raise ValueError(f"transport: name the transport of {url} (this Publisher routes)")
+        check_transport(route)
+        if has_setup(route) and self._setup_options is None:
+            raise ValueError(
+                f"transport: {route!r} is set up across engines first: route {url} over "
+                f"another transport, or call setup_transport with {route!r} engines first"
+            )
         return route
+
+    def _forget_route(self: "Publisher", url: str) -> None:
+        if not isinstance(self.transport, str):
+            self.transport.pop(url, None)
+            self._sink.remove_route(url)
 
     def remove_engine(self: "Publisher", url: str) -> None:
         """Stop pushing to an engine (alive or not); it keeps serving what it serves.
@@ -250,6 +268,7 @@ class FleetMembership:
         logger.warning("engine %s left the fleet: %s", target.url, reason)
         if self._setup_options is not None:
             self._leave_setup(target)
+        self._forget_route(target.url)
         target.close()
 
     def _resize_pool(self: "Publisher") -> None:

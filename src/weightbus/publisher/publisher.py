@@ -120,16 +120,20 @@ class Publisher(FleetMembership):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(headers=headers)
         self.targets = [self._target(engine) for engine in engines]
-        self.transport: str | dict[str, str] = (
-            transport
-            if isinstance(transport, str)
-            else normalize_routes(transport, [target.url for target in self.targets])
-        )
-        self._sink: BucketSink = (
-            make_sink(transport, **self._transport_options)
-            if isinstance(self.transport, str)
-            else RoutedSink(self.transport, self._transport_options)
-        )
+        try:
+            self.transport: str | dict[str, str] = (
+                transport
+                if isinstance(transport, str)
+                else normalize_routes(transport, [target.url for target in self.targets])
+            )
+            self._sink: BucketSink = (
+                make_sink(transport, **self._transport_options)
+                if isinstance(self.transport, str)
+                else RoutedSink(self.transport, self._transport_options)
+            )
+        except Exception:
+            self._http.close()
+            raise
         self._pool = self._new_pool()
         self._lock = threading.RLock()
         self.fleet_version: FleetVersion | None = None
@@ -181,7 +185,8 @@ class Publisher(FleetMembership):
         changes re-do it with the same options.
 
         Returns:
-            What the transport's set-up reports (`WeightsGroupInfo` for `dist`).
+            What the transport's set-up reports (`WeightsGroupInfo` for `dist`; with routes,
+            a dict of the reports by transport name).
 
         Raises:
             ValueError: the transport needs no set-up.
@@ -215,7 +220,8 @@ class Publisher(FleetMembership):
             timeout_s: bound of the group's formation on every member.
 
         Returns:
-            The group's name, size and each engine's first group rank.
+            The group's name, size and each engine's first group rank (with routes: in a dict,
+            under "dist").
 
         Raises:
             ValueError: the transport is not `dist`.
@@ -279,7 +285,8 @@ class Publisher(FleetMembership):
             force: re-push the version an engine already serves.
             name_map: renames applied before sending (a name mapped to None is dropped).
             progress: called with the bytes of each part handed to the transport (besides the
-                terminal progress bar), on the pushing thread.
+                terminal progress bar), on the pushing thread (with routes: on the stream
+                thread of the first transport).
             probe: logprobs every engine must reproduce after loading (`LogprobProbe.of_model`
                 on the pushed model): catches engines that verified the bytes but serve
                 something else. Needs targets that score probes (`VllmEngineTarget`).

@@ -12,28 +12,39 @@ stream at the same time.
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from weightbus.transport import BucketSink, PushSession, SourceDescription, make_sink
+from weightbus.transport import (
+    BucketSink,
+    PushSession,
+    SourceDescription,
+    make_sink,
+    transport_names,
+)
 from weightbus.transport.base import EngineLink, EngineRoute, Progress, no_progress
 
 logger = logging.getLogger(__name__)
 
-# How long past the push's timeout a child's stream may take before it counts as hung.
+# How long past the push's timeout the children's streams may take before they count as hung.
 _JOIN_MARGIN_S = 10.0
+# Bound of tearing down a set-up left with no engine (the set-up's own `timeout_s` if given).
+_TEARDOWN_TIMEOUT_S = 60.0
 
 
 def normalize_routes(routes: Mapping[str, str], engine_urls: Sequence[str]) -> dict[str, str]:
     """`routes` keyed by normalized URL, checked against the engines.
 
     Raises:
-        ValueError: an engine has no route, a route names no engine, or a transport is unknown.
+        ValueError: an engine is given twice or has no route, a route names no engine, or a
+            transport is unknown.
     """
-    from weightbus.transport import transport_names
-
+    twice = sorted({url for url in engine_urls if list(engine_urls).count(url) > 1})
+    if twice:
+        raise ValueError(f"engines: {twice} given twice")
     normalized = {url.rstrip("/"): name for url, name in routes.items()}
     missing = [url for url in engine_urls if url not in normalized]
     if missing:
@@ -41,11 +52,16 @@ def normalize_routes(routes: Mapping[str, str], engine_urls: Sequence[str]) -> d
     extra = sorted(set(normalized) - set(engine_urls))
     if extra:
         raise ValueError(f"transport: routes name engines that are not given: {extra}")
-    known = transport_names()
-    unknown = sorted({name for name in normalized.values() if name not in known})
-    if unknown:
-        raise ValueError(f"transport: unknown transports {unknown}; registered: {known}")
+    for name in set(normalized.values()):
+        check_transport(name)
     return normalized
+
+
+def check_transport(name: str) -> None:
+    """Raises: ValueError: `name` is not a registered transport."""
+    known = transport_names()
+    if name not in known:
+        raise ValueError(f"transport: unknown transport {name!r}; registered: {known}")
 
 
 class RoutedDescription(SourceDescription, frozen=True, kw_only=True):
@@ -68,24 +84,40 @@ class RoutedSink(BucketSink):
     def __init__(
         self, routes: Mapping[str, str], options: Mapping[str, dict[str, Any]] | None = None
     ) -> None:
-        self.routes = {url.rstrip("/"): name for url, name in routes.items()}
-        options = dict(options or {})
+        self.routes: dict[str, str] = {}
         self.children: dict[str, BucketSink] = {}
-        for name in sorted(set(self.routes.values())):
-            self.children[name] = make_sink(name, **options.get(name, {}))
-        self.name = "+".join(self.children)
+        self.name = ""
+        self._session_id = ""
         self._sessions: dict[str, PushSession] = {}
+        self._streams: list[threading.Thread] = []
+        options = dict(options or {})
+        try:
+            for url, name in routes.items():
+                self.add_route(url, name, options.get(name, {}))
+        except Exception:
+            self.close()
+            raise
 
     def add_route(self, url: str, name: str, options: dict[str, Any]) -> None:
-        """Route engine `url` over transport `name` from now on (a sink is made if needed)."""
+        """Route engine `url` over transport `name` from now on (its sink is made if needed).
+
+        Raises:
+            ValueError: unknown transport, or options its sink refuses.
+        """
         if name not in self.children:
             self.children[name] = make_sink(name, **options)
-            self.name = "+".join(sorted(self.children))
+            self.children = dict(sorted(self.children.items()))
+            self.name = "+".join(self.children)
         self.routes[url.rstrip("/")] = name
+
+    def remove_route(self, url: str) -> None:
+        """Stop routing engine `url` (its transport's sink stays, for later newcomers)."""
+        self.routes.pop(url.rstrip("/"), None)
 
     @property
     def mode(self) -> str:
-        return ", ".join(f"{name}: {child.mode}" for name, child in self.children.items())
+        names = sorted(self._sessions) or list(self.children)
+        return ", ".join(f"{name}: {self.children[name].mode}" for name in names)
 
     def _transport_of(self, url: str) -> str:
         try:
@@ -99,8 +131,11 @@ class RoutedSink(BucketSink):
             groups.setdefault(self._transport_of(url), []).append(url)
         return groups
 
+    # --- set-up ---
+
     def setup(self, engines: Sequence[EngineLink], **options: Any) -> dict[str, Any]:
-        """Set up each transport that has a set-up (`dist`) over its own engines.
+        """Set up each transport that has a set-up (`dist`) over its own engines; one left
+        with no engine is torn down.
 
         Returns:
             Each set-up transport's report, by name.
@@ -108,15 +143,20 @@ class RoutedSink(BucketSink):
         Raises:
             ValueError: no routed transport has a set-up.
         """
+        if not any(_has_setup(child) for child in self.children.values()):
+            raise ValueError(f"transports {list(self.children)} need no set-up")
         groups: dict[str, list[EngineLink]] = {}
         for engine in engines:
             groups.setdefault(self._transport_of(engine.url), []).append(engine)
-        with_setup = {n: e for n, e in groups.items() if _has_setup(self.children[n])}
-        if not with_setup:
-            raise ValueError(f"transports {sorted(groups)} need no set-up")
-        return {
-            name: self.children[name].setup(links, **options) for name, links in with_setup.items()
-        }
+        reports = {}
+        for name, child in self.children.items():
+            if not _has_setup(child):
+                continue
+            if groups.get(name):
+                reports[name] = child.setup(groups[name], **options)
+            else:
+                child.teardown(options.get("timeout_s", _TEARDOWN_TIMEOUT_S))
+        return reports
 
     def teardown(self, timeout_s: float) -> None:
         for child in self.children.values():
@@ -128,7 +168,7 @@ class RoutedSink(BucketSink):
     def sibling_options(
         self, sink_options: dict[str, Any], setup_options: dict[str, Any] | None
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        siblings: dict[str, Any] = {}
+        siblings: dict[str, Any] = dict(sink_options)  # transports with no sink yet: as given
         for name, child in self.children.items():
             siblings[name], child_setup = child.sibling_options(
                 dict(sink_options.get(name, {})), setup_options
@@ -137,14 +177,20 @@ class RoutedSink(BucketSink):
                 setup_options = child_setup
         return siblings, setup_options
 
+    # --- one push ---
+
     def prepare(
         self,
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
         progress: Progress = no_progress,
     ) -> RoutedDescription:
+        busy = [thread.name for thread in self._streams if thread.is_alive()]
+        if busy:  # a child sink is not made to serve two pushes at once
+            raise RuntimeError(f"the previous push's streams are still running: {busy}")
         groups = self._split(session.engines)
-        parts, self._sessions = {}, {}
+        self._session_id, self._sessions = session.session_id, {}
+        parts = {}
         for position, (name, urls) in enumerate(groups.items()):
             # shares the push's digests (same dict); an engine's answer stops its own sink only
             child_session = dataclasses.replace(
@@ -166,8 +212,11 @@ class RoutedSink(BucketSink):
         return self.children[name].route(description.parts[name], peer_index, verify)
 
     def engine_answered(self, session: PushSession, url: str, reason: str) -> None:
-        """Only the sink serving `url` stops waiting: the others' engines still read."""
-        self._sessions[self._transport_of(url)].abandon(reason)
+        """Only the sink serving `url` stops waiting: the others' engines still read. (An
+        answer to an earlier push, arriving late, concerns no current session.)"""
+        name = self.routes.get(url.rstrip("/"))
+        if session.session_id == self._session_id and name in self._sessions:
+            self._sessions[name].abandon(reason)
 
     def stream(
         self,
@@ -180,10 +229,10 @@ class RoutedSink(BucketSink):
 
         Raises:
             TimeoutError: a child timed out (the message names each child that failed).
-            OSError: a child failed otherwise.
+            OSError: a child failed otherwise (the same).
         """
         errors: dict[str, BaseException] = {}
-        threads = []
+        self._streams = []
         for position, name in enumerate(self._sessions):
             child_progress = progress if position == 0 else no_progress
             thread = threading.Thread(
@@ -193,9 +242,10 @@ class RoutedSink(BucketSink):
                 daemon=True,
             )
             thread.start()
-            threads.append(thread)
-        for thread in threads:
-            thread.join(timeout_s + _JOIN_MARGIN_S)
+            self._streams.append(thread)
+        deadline = time.monotonic() + timeout_s + _JOIN_MARGIN_S
+        for thread in self._streams:
+            thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 errors.setdefault(thread.name[len("stream-") :], TimeoutError("did not return"))
         _raise_combined(errors)
@@ -211,7 +261,9 @@ class RoutedSink(BucketSink):
         child_session = self._sessions[name]
         try:
             self.children[name].stream(child_session, tensors, timeout_s, progress)
-        except Exception as exc:  # noqa: BLE001 - re-raised by stream() with the others
+        except Exception as exc:  # reported by stream() with the others
+            if not isinstance(exc, TimeoutError | OSError | ValueError):
+                logger.exception("transport %s failed while streaming", name)
             errors[name] = exc
             for other, other_session in self._sessions.items():
                 if other != name:  # the push fails: the other sinks need not wait it out
@@ -227,14 +279,11 @@ def _has_setup(sink: BucketSink) -> bool:
 
 
 def _raise_combined(errors: dict[str, BaseException]) -> None:
+    """One error for the push, naming every child that failed; an unexpected one (logged with
+    its traceback) is reported like the others, so the Publisher still aborts every engine."""
     if not errors:
         return
-    unexpected = [
-        e for e in errors.values() if not isinstance(e, TimeoutError | OSError | ValueError)
-    ]
-    if unexpected:
-        raise unexpected[0]
-    message = "; ".join(f"{name}: {exc}" for name, exc in errors.items())
+    message = "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in errors.items())
     if any(isinstance(exc, TimeoutError) for exc in errors.values()):
         raise TimeoutError(message)
     raise OSError(message)

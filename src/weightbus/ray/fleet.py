@@ -13,7 +13,10 @@ rank.
 import dataclasses
 import importlib.util
 import logging
+import os
 import secrets
+import select
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,12 +31,10 @@ from ray.util.scheduling_strategies import (
 from weightbus.publisher import Publisher
 from weightbus.ray.placement import check_bundle_indices, check_owned, default_bundle_indices
 from weightbus.ray.rank import MAX_CONCURRENCY, EngineRank, RankPlacement
-from weightbus.server.launcher import ServeConfig
+from weightbus.server.launcher import ServeConfig, checked_model
 from weightbus.transport.shared_memory import remove_stale_slots
 
 logger = logging.getLogger(__name__)
-
-_CONTROL_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -142,24 +143,29 @@ def publisher_for(
         master_addr: this host's address as the engines reach it, for a `dist` group
             (default: this node's Ray address).
         options: more `Publisher` arguments (`timeout_s`, `bucket_bytes`, `transport_options`
-            by transport name).
+            by transport name: `nixl`'s `host` defaults to this node's Ray address).
 
     Returns:
         The Publisher; with `dist` routes, its weights group formed.
     """
+    node_ip = ray.util.get_node_ip_address()
     routes = routes_for(
         handles, ray.get_runtime_context().get_node_id(), local=local, cross_node=cross_node
     )
     logger.info("routes from this node: %s", routes)
+    transport_options = dict(options.pop("transport_options", None) or {})
+    # NIXL's control socket and UCX listen where the other nodes reach this one
+    transport_options["nixl"] = {"host": node_ip, **transport_options.get("nixl", {})}
     publisher = Publisher(
         handles.urls,
         transport=routes,
         token=handles.api_token,
+        transport_options=transport_options,
         **options,
     )
     if "dist" in routes.values():
         try:
-            publisher.setup_transport(master_addr=master_addr or ray.util.get_node_ip_address())
+            publisher.setup_transport(master_addr=master_addr or node_ip)
         except Exception:
             publisher.close()
             raise
@@ -188,6 +194,7 @@ class RayFleet:
             TimeoutError: placement did not complete within `ready_timeout_s`.
             RuntimeError: a replica failed to start (what started is stopped).
         """
+        checked_model(config.engine)  # a flag the model refuses fails here, not in an actor
         token = config.engine.api_token or secrets.token_urlsafe(24)
         fleet = cls(config, token)
         try:
@@ -223,14 +230,17 @@ class RayFleet:
             for replica in self.replicas
             for rank, actor in enumerate(replica.actors)
         ]
+        refs = [ref for _, _, ref in calls]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         problems: dict[str, list[str]] = {replica.url: [] for replica in self.replicas}
         for url, rank, ref in calls:
-            try:
-                reason = ray.get(ref, timeout=timeout_s)
-            except ray.exceptions.RayActorError:
-                reason = "actor died"
-            except ray.exceptions.GetTimeoutError:
+            if ref not in answered:
                 reason = f"did not answer within {timeout_s} s"
+            else:
+                try:
+                    reason = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    reason = "actor died"
             if reason is not None:
                 problems[url].append(f"rank {rank}: {reason}")
         return problems
@@ -256,7 +266,9 @@ class RayFleet:
             self._wait_placed(groups)
             return [[(group, rank) for rank in range(tp_size)] for group in groups]
         group = c.placement_group
-        indices = c.bundle_indices or default_bundle_indices(c.num_replicas, tp_size)
+        indices = c.bundle_indices
+        if indices is None:
+            indices = default_bundle_indices(c.num_replicas, tp_size)
         check_bundle_indices(
             indices,
             group.bundle_specs,
@@ -329,16 +341,21 @@ class RayFleet:
         Calling it again does nothing."""
         if not (self._actors or self._owned_groups):
             return
-        nodes = {rank.node_id for replica in self.replicas for rank in replica.ranks}
-        stops = [r.actors[0].stop.remote(timeout_s) for r in self.replicas if r.actors]
-        stops += [a.stop.remote(timeout_s) for r in self.replicas for a in r.actors[1:]]
-        ray.wait(stops, num_returns=len(stops), timeout=timeout_s + 5)
-        for actor in self._actors:
-            ray.kill(actor)
-        for group in self._owned_groups:
-            remove_placement_group(group)
-        _sweep_nodes(nodes, timeout_s)
-        self._actors, self._owned_groups, self.replicas = [], [], []
+        pids_by_node: dict[str, list[int]] = {}
+        for replica in self.replicas:
+            for rank in replica.ranks:
+                pids_by_node.setdefault(rank.node_id, []).append(rank.pid)
+        try:
+            stops = [r.actors[0].stop.remote(timeout_s) for r in self.replicas if r.actors]
+            stops += [a.stop.remote(timeout_s) for r in self.replicas for a in r.actors[1:]]
+            ray.wait(stops, num_returns=len(stops), timeout=2 * timeout_s + 5)
+            for actor in self._actors:
+                ray.kill(actor)
+            for group in self._owned_groups:
+                remove_placement_group(group)
+            _sweep_nodes(pids_by_node, timeout_s)
+        finally:
+            self._actors, self._owned_groups, self.replicas = [], [], []
 
 
 _ENGINE_RANK = ray.remote(EngineRank)
@@ -354,19 +371,37 @@ def _start_ranks(replica: Replica, timeout_s: float) -> None:
 
 
 @ray.remote(num_cpus=0)
-def _sweep() -> list[str]:
+def _sweep(pids: list[int], timeout_s: float) -> list[str]:
+    """On one node: wait (bounded) for the killed ranks to exit, then remove what dead
+    weightbus processes left in shared memory."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:  # a kill is asynchronous: a pidfd turns readable once the process exited
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(pidfd)
     return remove_stale_slots()
 
 
-def _sweep_nodes(node_ids: set[str], timeout_s: float) -> None:
-    """Remove the shared memory of dead ranks on each node (a killed actor leaves its arena)."""
-    sweeps = [
-        _sweep.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-        ).remote()
-        for node in node_ids
-    ]
-    ready, _ = ray.wait(sweeps, num_returns=len(sweeps), timeout=timeout_s)
-    for removed in ray.get(ready):
+def _sweep_nodes(pids_by_node: dict[str, list[int]], timeout_s: float) -> None:
+    """Remove the shared memory of dead ranks on each node (a killed actor leaves its arena).
+    A node that is gone is skipped: its memory went with it."""
+    sweeps = {
+        _sweep.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            pids, timeout_s
+        ): node
+        for node, pids in pids_by_node.items()
+    }
+    ready, _ = ray.wait(list(sweeps), num_returns=len(sweeps), timeout=timeout_s + 5)
+    for ref in ready:
+        try:
+            removed = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            logger.warning("no shared-memory sweep on node %s: %s", sweeps[ref], exc)
+            continue
         if removed:
             logger.info("removed shared memory of dead ranks: %s", removed)

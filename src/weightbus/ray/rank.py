@@ -7,16 +7,16 @@ replica's TP group meets. Killing an actor kills its rank: the replica's other r
 their next collective, rank 0's API server answers 503 (or is gone with it), and a push in
 flight fails at once.
 
-Every method returns within its `timeout_s`: the actor runs them on a small thread pool
-(`max_concurrency`), so `failure` and `stop` answer while `wait_ready` waits.
+Methods that wait take a `timeout_s` (the others return at once); the actor runs them on a
+small thread pool (`max_concurrency`), so `failure` and `stop` answer while `wait_ready` waits.
 """
 
 import logging
 import os
 import shutil
 import socket
-import tempfile
 import threading
+import time
 
 import msgspec
 import ray
@@ -35,6 +35,7 @@ from weightbus.server.launcher import (
     worker_config,
 )
 from weightbus.store import is_loopback_host, serve_store
+from weightbus.transport.shared_memory import private_ipc_dir
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ class EngineRank:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the whole replica on this host
         model_config, max_model_len = checked_model(self.config)
         if self.tp_rank == 0:
-            self._ipc_dir = tempfile.mkdtemp(prefix="weightbus-")  # mode 0700: private
+            # 0700, named after this process: swept on its node if the actor is killed
+            self._ipc_dir = str(private_ipc_dir())
             self._start_server(model_config)
         config = worker_config(
             self.config,
@@ -130,6 +132,8 @@ class EngineRank:
             self._state.fail("the API server could not start")
         finally:
             sock.close()
+            if not self._state.stopping.is_set():
+                self._state.fail("the API server stopped")
 
     def _run_worker(self, config: object) -> None:
         worker = None
@@ -173,12 +177,13 @@ class EngineRank:
         state = self._state
         state.stopping.set()
         state.fail("stopped")
-        state.ready.set()  # wakes a wait_ready, which then reports why
         if state.server is not None:
             state.server.should_exit = True
+        deadline = time.monotonic() + timeout_s
         for thread in (self._server_thread, self._worker_thread):
             if thread is not None:
-                thread.join(timeout_s)
+                thread.join(max(0.0, deadline - time.monotonic()))
+        self._store = None  # the TP group's store stops serving
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         return self._worker_thread is None or not self._worker_thread.is_alive()
@@ -197,6 +202,7 @@ class _RankState:
     def fail(self, reason: str) -> None:
         if self.reason is None:
             self.reason = reason
+        self.ready.set()  # a wait_ready returns at once, with the reason
 
     def failure(self) -> str | None:
         return self.reason

@@ -161,6 +161,15 @@ def make_sink(name: str, **options: Any) -> BucketSink:
     return _load(_entry(name).sink)(**options)
 
 
+def has_setup(name: str) -> bool:
+    """Whether transport `name` is set up across engines before pushing (`dist`).
+
+    Raises:
+        ValueError: unknown transport.
+    """
+    return _entry(name).rank_setup is not None
+
+
 def description_type(name: str) -> type[SourceDescription]:
     """The description struct of transport `name`."""
     return _load(_entry(name).description)
@@ -262,6 +271,7 @@ __all__ = [
     "description_type",
     "direct_placement",
     "encode_description",
+    "has_setup",
     "make_sink",
     "open_source",
     "rank_setup",

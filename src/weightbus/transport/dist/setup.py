@@ -32,7 +32,8 @@ ANSWER_MARGIN_S = 10.0
 def _run_all(
     engines: Sequence[EngineLink], call: Callable[[EngineLink], object]
 ) -> dict[str, Future]:
-    pool = ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="dist-setup")
+    # one worker at least: a group whose engines all left is still left here
+    pool = ThreadPoolExecutor(max_workers=max(1, len(engines)), thread_name_prefix="dist-setup")
     try:
         return {engine.url: pool.submit(call, engine) for engine in engines}
     finally:
