@@ -236,7 +236,9 @@ def test_killed_rank_actor_fails_the_push_fast_and_the_other_replica_serves(
         timeout=2 * TIMEOUT_S,
     )
     assert "error" in outcome, outcome
-    assert list(outcome["failures"]) == [replica0.url]
+    # replica 1 only failed because of it, if at all (aborted while it still received)
+    for url, reason in outcome["failures"].items():
+        assert url == replica0.url or replica0.url in reason, outcome["failures"]
     # rank 0's collectives fail on its dead peer: the engine answers 503 with why
     assert outcome["failures"][replica0.url].startswith(
         "HTTP 503: engine unavailable: rank 0 failed: "

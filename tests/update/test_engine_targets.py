@@ -10,6 +10,7 @@ from helpers import MirrorTarget, assert_bit_identical
 from weightbus import Publisher, PushError
 from weightbus.models.config import tiny_config
 from weightbus.models.loader import random_hf_weights
+from weightbus.transport.dist.group import group_names
 
 # `engines` (tests/update/conftest.py): `tp2` and `tp1` start with the tiny model's seed-0
 # weights; `reference_tp2` with these
@@ -124,9 +125,10 @@ def test_routed_engines_leave_and_join_over_another_transport(engines):
     with Publisher(
         [tp2, tp1], transport={tp2: "shm", tp1: "dist"}, bucket_bytes=64 * 1024, timeout_s=60
     ) as pub:
-        pub.init_weights_group("127.0.0.1")
+        group = pub.init_weights_group("127.0.0.1")["dist"].name
         pub.push(first, version="routed-1")
         pub.remove_engine(tp1)  # the last dist engine: the group is torn down, no error
+        assert group not in group_names()
         assert pub.transports == {"shm"}
         alone = pub.push(second, version="routed-2")
         with pytest.raises(ValueError, match=r"^transport: unknown transport 'rdma'"):

@@ -1,6 +1,7 @@
 """`shm` into real co-located engines: one copy, two engines, bit-exact; a killed publisher."""
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -86,9 +87,12 @@ _PUBLISHER = textwrap.dedent(
     from weightbus.models.config import tiny_config
     from weightbus.models.loader import random_hf_weights
 
+    weights = list(random_hf_weights(tiny_config(), 11))
     slots = {"direct": False}  # slot mode makes its slots before the push is sent
     with Publisher([sys.argv[1]], transport="shm", timeout_s=3, transport_options=slots) as pub:
-        pub.push(list(random_hf_weights(tiny_config(), 11)), version="doomed", atomic=False)
+        print("ready", flush=True)  # imports done: the push starts on the test's word
+        sys.stdin.readline()
+        pub.push(weights, version="doomed", atomic=False)
     """
 )
 
@@ -97,17 +101,29 @@ def test_killed_publisher_engine_times_out_keeps_serving_and_next_push_works(eng
     engine = engines["tp2"]
     before = weights_state(engine)
     expected = _greedy(engine)
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", _PUBLISHER, engine.url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    # the publisher's start-up (seconds) must not eat the long completion's time
+    assert select.select([publisher.stdout], [], [], 60)[0], "the publisher did not start"
+    assert publisher.stdout.readline() == b"ready\n"
     running = threading.Thread(
-        target=lambda: engine.complete(prompt=PROMPT, max_tokens=200, ignore_eos=True)
+        target=lambda: engine.complete(prompt=PROMPT, max_tokens=400, ignore_eos=True)
     )
     running.start()
     assert engine.complete(prompt=[1], max_tokens=1).status_code == 200  # the long one runs
-    publisher = subprocess.Popen([sys.executable, "-c", _PUBLISHER, engine.url])
+    publisher.stdin.write(b"go\n")
+    publisher.stdin.flush()
     deadline = time.monotonic() + 60
     while weights_state(engine)["status"] != "UPDATING":
         assert time.monotonic() < deadline, "the push never reached the engine"
     os.kill(publisher.pid, signal.SIGKILL)  # mid-push: slots made, nothing streamed
+    assert running.is_alive(), "the long completion ended before the kill: the push may have landed"
     publisher.wait(10)
+    publisher.stdin.close()
+    publisher.stdout.close()
     stale = {name for name in _slot_files() if name.startswith(f"{SLOT_PREFIX}{publisher.pid}-")}
     assert len(stale) == 2
     running.join(60)

@@ -127,7 +127,8 @@ class FleetMembership:
                 fingerprint is checked before a byte is sent.
             name_map: as for `push`.
             transport: the newcomer's transport, when the Publisher routes each engine over
-                its own (`Publisher(transport={url: name})`). A transport with a set-up
+                its own (`Publisher(transport={url: name})`), needed there, also for an
+                engine that was a member before. A transport with a set-up
                 (`dist`) needs it done already (`setup_transport` over its other engines).
 
         Returns:
@@ -227,9 +228,9 @@ class FleetMembership:
                     f"{transport!r} (route each engine with transport={{url: name}})"
                 )
             return None
-        route = transport or self.transport.get(url)
-        if route is None:
+        if transport is None:
             raise ValueError(f"transport: name the transport of {url} (this Publisher routes)")
+        route = transport
         check_transport(route)
         if has_setup(route) and self._setup_options is None:
             raise ValueError(

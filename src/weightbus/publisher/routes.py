@@ -22,6 +22,7 @@ from weightbus.transport import (
     BucketSink,
     PushSession,
     SourceDescription,
+    has_setup,
     make_sink,
     transport_names,
 )
@@ -143,14 +144,14 @@ class RoutedSink(BucketSink):
         Raises:
             ValueError: no routed transport has a set-up.
         """
-        if not any(_has_setup(child) for child in self.children.values()):
+        if not any(has_setup(name) for name in self.children):
             raise ValueError(f"transports {list(self.children)} need no set-up")
         groups: dict[str, list[EngineLink]] = {}
         for engine in engines:
             groups.setdefault(self._transport_of(engine.url), []).append(engine)
         reports = {}
         for name, child in self.children.items():
-            if not _has_setup(child):
+            if not has_setup(name):
                 continue
             if groups.get(name):
                 reports[name] = child.setup(groups[name], **options)
@@ -173,7 +174,7 @@ class RoutedSink(BucketSink):
             siblings[name], child_setup = child.sibling_options(
                 dict(sink_options.get(name, {})), setup_options
             )
-            if _has_setup(child):
+            if has_setup(name):
                 setup_options = child_setup
         return siblings, setup_options
 
@@ -187,7 +188,9 @@ class RoutedSink(BucketSink):
     ) -> RoutedDescription:
         busy = [thread.name for thread in self._streams if thread.is_alive()]
         if busy:  # a child sink is not made to serve two pushes at once
-            raise RuntimeError(f"the previous push's streams are still running: {busy}")
+            raise RuntimeError(
+                f"the previous push's streams are still running past its timeout: {busy}"
+            )
         groups = self._split(session.engines)
         self._session_id, self._sessions = session.session_id, {}
         parts = {}
@@ -261,7 +264,7 @@ class RoutedSink(BucketSink):
         child_session = self._sessions[name]
         try:
             self.children[name].stream(child_session, tensors, timeout_s, progress)
-        except Exception as exc:  # reported by stream() with the others
+        except BaseException as exc:  # reported by stream() with the others
             if not isinstance(exc, TimeoutError | OSError | ValueError):
                 logger.exception("transport %s failed while streaming", name)
             errors[name] = exc
@@ -272,10 +275,6 @@ class RoutedSink(BucketSink):
     def close(self) -> None:
         for child in self.children.values():
             child.close()
-
-
-def _has_setup(sink: BucketSink) -> bool:
-    return type(sink).setup is not BucketSink.setup
 
 
 def _raise_combined(errors: dict[str, BaseException]) -> None:

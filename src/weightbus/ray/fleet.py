@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from weightbus.owners import pid_alive
 from weightbus.publisher import Publisher
 from weightbus.ray.placement import check_bundle_indices, check_owned, default_bundle_indices
 from weightbus.ray.rank import MAX_CONCURRENCY, EngineRank, RankPlacement
@@ -35,6 +36,11 @@ from weightbus.server.launcher import ServeConfig, checked_model
 from weightbus.transport.shared_memory import remove_stale_slots
 
 logger = logging.getLogger(__name__)
+
+# How often a sweep looks again at a process that exited but is not reaped yet (no pidfd
+# tells that), and how often start-up looks at every rank's failure while rank 0 gets ready.
+_EXIT_POLL_S = 0.05
+_START_POLL_S = 1.0
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -225,14 +231,16 @@ class RayFleet:
         A rank whose actor died (killed, its node lost) reads `rank r: actor died`; a live
         rank reports why its step loop stopped, if it did.
         """
+        # by URL; a replica still starting has none yet
+        names = [replica.url or f"replica {replica.index}" for replica in self.replicas]
         calls = [
-            (replica.url, rank, actor.failure.remote())
-            for replica in self.replicas
+            (name, rank, actor.failure.remote())
+            for name, replica in zip(names, self.replicas, strict=True)
             for rank, actor in enumerate(replica.actors)
         ]
         refs = [ref for _, _, ref in calls]
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        problems: dict[str, list[str]] = {replica.url: [] for replica in self.replicas}
+        problems: dict[str, list[str]] = {name: [] for name in names}
         for url, rank, ref in calls:
             if ref not in answered:
                 reason = f"did not answer within {timeout_s} s"
@@ -307,12 +315,28 @@ class RayFleet:
             self.replicas.append(Replica(index, "", replica_actors, ranks))
         for replica in self.replicas:
             _start_ranks(replica, timeout_s)
-        urls = ray.get(
-            [r.actors[0].wait_ready.remote(timeout_s) for r in self.replicas], timeout=timeout_s + 5
-        )
-        for replica, url in zip(self.replicas, urls, strict=True):
-            replica.url = url
+        self._wait_ready(timeout_s)
         logger.info("fleet ready: %s", [r.url for r in self.replicas])
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Every replica's URL once its API server accepts requests; a rank that fails
+        meanwhile (any rank: rank 0 would see a later rank's failure only at its TP group's
+        timeout) fails the start at once, naming it.
+
+        Raises:
+            RuntimeError: a rank failed, or a replica was not ready within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = {r.actors[0].wait_ready.remote(timeout_s): r for r in self.replicas}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_START_POLL_S)
+            for ref in ready:
+                pending.pop(ref).url = ray.get(ref)
+            failed = {url: why for url, why in self.health().items() if why}
+            if pending and failed:
+                raise RuntimeError(f"replicas failed to start: {failed}")
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"replicas not ready within {timeout_s} s")
 
     def _rank_actor(self, serve_json: str, tp_rank: int, slot: tuple[PlacementGroup, int]) -> Any:
         group, bundle_index = slot
@@ -375,16 +399,32 @@ def _sweep(pids: list[int], timeout_s: float) -> list[str]:
     """On one node: wait (bounded) for the killed ranks to exit, then remove what dead
     weightbus processes left in shared memory."""
     deadline = time.monotonic() + timeout_s
-    for pid in pids:  # a kill is asynchronous: a pidfd turns readable once the process exited
+    try:
+        for pid in set(pids) - {os.getpid()}:
+            _wait_exited(pid, deadline)
+    finally:
+        removed = remove_stale_slots()
+    return removed
+
+
+def _wait_exited(pid: int, deadline: float) -> None:
+    """Wait until `pid` has exited and been reaped, or the deadline. A kill is asynchronous
+    and acks nothing: a pidfd turns readable at the exit; where there is none, poll."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (OSError, AttributeError):  # no pidfd here (old kernel, seccomp, not Linux)
+        pidfd = None
+    if pidfd is not None:
         try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
         finally:
             os.close(pidfd)
-    return remove_stale_slots()
+    while pid_alive(pid) and time.monotonic() < deadline:  # a zombie, until it is reaped
+        time.sleep(_EXIT_POLL_S)
 
 
 def _sweep_nodes(pids_by_node: dict[str, list[int]], timeout_s: float) -> None:

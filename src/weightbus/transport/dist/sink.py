@@ -164,7 +164,9 @@ class DistSink(BucketSink):
         return info
 
     def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:
-        """The engine's ranks leave the group (the group must then be formed again)."""
+        """The engine's ranks leave the group (the group must then be formed again); it is
+        no longer a member, whether it confirmed or not."""
+        self._members = tuple(m for m in self._members if m.url != engine.url)
         request = WeightsGroupDestroy(group_name=self.group_name)
         engine.teardown_transport("dist", request, timeout_s)
 
