@@ -480,17 +480,24 @@ def main(argv: list[str] | None = None) -> int:
     # the launcher coordinates shutdown; a terminal's Ctrl-C must not break a collective
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+    try:
+        run_worker(config)
+    except Exception:
+        logger.exception("worker failed")
+        return 1
+    return 0
+
+
+def run_worker(config: WorkerConfig) -> None:
+    """Build the rank, run its steps until rank 0 broadcasts STOP, then close it (also when
+    it failed: the exception propagates after)."""
     worker = None
     try:
         worker = Worker(config)
         worker.run()
-    except Exception:
-        logger.exception("worker failed")
-        return 1
     finally:
         if worker is not None:
             worker.close()
-    return 0
 
 
 if __name__ == "__main__":

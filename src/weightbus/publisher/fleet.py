@@ -161,7 +161,6 @@ class FleetMembership:
                 )
             if route is not None:  # its sink exists before the engine counts as a member
                 self._sink.add_route(target.url, route, self._transport_options.get(route, {}))
-                self.transport[target.url] = route
             self.targets.append(target)
             self._resize_pool()
             if self._setup_options is not None:
@@ -230,18 +229,16 @@ class FleetMembership:
             return None
         if transport is None:
             raise ValueError(f"transport: name the transport of {url} (this Publisher routes)")
-        route = transport
-        check_transport(route)
-        if has_setup(route) and self._setup_options is None:
+        check_transport(transport)
+        if has_setup(transport) and self._setup_options is None:
             raise ValueError(
-                f"transport: {route!r} is set up across engines first: route {url} over "
-                f"another transport, or call setup_transport with {route!r} engines first"
+                f"transport: {transport!r} is set up across engines first: route {url} over "
+                f"another transport, or call setup_transport with {transport!r} engines first"
             )
-        return route
+        return transport
 
     def _forget_route(self: "Publisher", url: str) -> None:
-        if not isinstance(self.transport, str):
-            self.transport.pop(url, None)
+        if not isinstance(self.transport, str):  # `transport` is the routed sink's routes
             self._sink.remove_route(url)
 
     def remove_engine(self: "Publisher", url: str) -> None:

@@ -121,16 +121,17 @@ class Publisher(FleetMembership):
         self._http = httpx.Client(headers=headers)
         self.targets = [self._target(engine) for engine in engines]
         try:
-            self.transport: str | dict[str, str] = (
-                transport
-                if isinstance(transport, str)
-                else normalize_routes(transport, [target.url for target in self.targets])
-            )
-            self._sink: BucketSink = (
-                make_sink(transport, **self._transport_options)
-                if isinstance(self.transport, str)
-                else RoutedSink(self.transport, self._transport_options)
-            )
+            self._sink: BucketSink
+            self.transport: str | dict[str, str]
+            if isinstance(transport, str):
+                self._sink, self.transport = (
+                    make_sink(transport, **self._transport_options),
+                    transport,
+                )
+            else:
+                routes = normalize_routes(transport, [target.url for target in self.targets])
+                self._sink = RoutedSink(routes, self._transport_options)
+                self.transport = self._sink.routes  # one dict: membership changes update both
         except Exception:
             self._http.close()
             raise

@@ -90,7 +90,7 @@ class RoutedSink(BucketSink):
         self.name = ""
         self._session_id = ""
         self._sessions: dict[str, PushSession] = {}
-        self._streams: list[threading.Thread] = []
+        self._streams: dict[str, threading.Thread] = {}  # by transport, of the last push
         options = dict(options or {})
         try:
             for url, name in routes.items():
@@ -125,12 +125,6 @@ class RoutedSink(BucketSink):
             return self.routes[url.rstrip("/")]
         except KeyError:
             raise ValueError(f"engine {url} has no transport; routes: {self.routes}") from None
-
-    def _split(self, urls: Sequence[str]) -> dict[str, list[str]]:
-        groups: dict[str, list[str]] = {}
-        for url in urls:
-            groups.setdefault(self._transport_of(url), []).append(url)
-        return groups
 
     # --- set-up ---
 
@@ -186,12 +180,18 @@ class RoutedSink(BucketSink):
         tensors: Mapping[str, torch.Tensor],
         progress: Progress = no_progress,
     ) -> RoutedDescription:
-        busy = [thread.name for thread in self._streams if thread.is_alive()]
+        busy = [name for name, thread in self._streams.items() if thread.is_alive()]
         if busy:  # a child sink is not made to serve two pushes at once
             raise RuntimeError(
                 f"the previous push's streams are still running past its timeout: {busy}"
             )
-        groups = self._split(session.engines)
+        groups: dict[str, list[str]] = {}  # each transport's engines, in push order
+        engines = []  # each engine's (transport, index among its peers)
+        for url in session.engines:
+            transport = self._transport_of(url)
+            peers = groups.setdefault(transport, [])
+            engines.append((transport, len(peers)))
+            peers.append(url)
         self._session_id, self._sessions = session.session_id, {}
         parts = {}
         for position, (name, urls) in enumerate(groups.items()):
@@ -202,11 +202,6 @@ class RoutedSink(BucketSink):
             self._sessions[name] = child_session
             child_progress = progress if position == 0 else no_progress
             parts[name] = self.children[name].prepare(child_session, tensors, child_progress)
-        engines = [
-            (name, groups[name].index(url))
-            for url in session.engines
-            for name in (self._transport_of(url),)
-        ]
         return RoutedDescription(parts=parts, engines=engines)
 
     def route(self, description: SourceDescription, engine_index: int, verify: str) -> EngineRoute:
@@ -235,22 +230,21 @@ class RoutedSink(BucketSink):
             OSError: a child failed otherwise (the same).
         """
         errors: dict[str, BaseException] = {}
-        self._streams = []
+        self._streams = {}
         for position, name in enumerate(self._sessions):
             child_progress = progress if position == 0 else no_progress
-            thread = threading.Thread(
+            self._streams[name] = threading.Thread(
                 target=self._stream_child,
                 args=(name, tensors, timeout_s, child_progress, errors),
                 name=f"stream-{name}",
                 daemon=True,
             )
-            thread.start()
-            self._streams.append(thread)
+            self._streams[name].start()
         deadline = time.monotonic() + timeout_s + _JOIN_MARGIN_S
-        for thread in self._streams:
+        for name, thread in self._streams.items():
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
-                errors.setdefault(thread.name[len("stream-") :], TimeoutError("did not return"))
+                errors.setdefault(name, TimeoutError("did not return"))
         _raise_combined(errors)
 
     def _stream_child(

@@ -189,7 +189,6 @@ class RayFleet:
         self.api_token = api_token
         self.replicas: list[Replica] = []
         self._owned_groups: list[PlacementGroup] = []
-        self._actors: list[Any] = []
 
     @classmethod
     def start(cls, config: RayFleetConfig) -> "RayFleet":
@@ -299,20 +298,18 @@ class RayFleet:
     # --- start-up ---
 
     def _start_replicas(self, slots: list[list[tuple[PlacementGroup, int]]]) -> None:
-        engine = dataclasses.replace(self.config.engine, host="127.0.0.1", port=0)
-        serve_json = msgspec.json.encode(
-            dataclasses.replace(engine, api_token=self.api_token)
-        ).decode()
-        actors = [
-            [self._rank_actor(serve_json, r, slot) for r, slot in enumerate(s)] for s in slots
-        ]
-        self._actors = [actor for replica in actors for actor in replica]
+        engine = dataclasses.replace(
+            self.config.engine, host="127.0.0.1", port=0, api_token=self.api_token
+        )
+        serve_json = msgspec.json.encode(engine).decode()
+        for index, replica_slots in enumerate(slots):
+            actors = [self._rank_actor(serve_json, r, slot) for r, slot in enumerate(replica_slots)]
+            self.replicas.append(Replica(index, "", actors, []))  # placed: shutdown stops it
         timeout_s = self.config.ready_timeout_s
-        placements = ray.get([a.placement.remote() for a in self._actors], timeout=timeout_s)
-        tp_size = self.config.engine.tp_size
-        for index, replica_actors in enumerate(actors):
-            ranks = placements[index * tp_size : (index + 1) * tp_size]
-            self.replicas.append(Replica(index, "", replica_actors, ranks))
+        for replica in self.replicas:
+            replica.ranks = ray.get(
+                [a.placement.remote() for a in replica.actors], timeout=timeout_s
+            )
         for replica in self.replicas:
             _start_ranks(replica, timeout_s)
         self._wait_ready(timeout_s)
@@ -363,7 +360,7 @@ class RayFleet:
         """Stop every replica (its ranks leave their shared memory), kill the actors, remove
         the placement groups weightbus created, and sweep shared memory of ranks that died.
         Calling it again does nothing."""
-        if not (self._actors or self._owned_groups):
+        if not (self.replicas or self._owned_groups):
             return
         pids_by_node: dict[str, list[int]] = {}
         for replica in self.replicas:
@@ -373,13 +370,14 @@ class RayFleet:
             stops = [r.actors[0].stop.remote(timeout_s) for r in self.replicas if r.actors]
             stops += [a.stop.remote(timeout_s) for r in self.replicas for a in r.actors[1:]]
             ray.wait(stops, num_returns=len(stops), timeout=2 * timeout_s + 5)
-            for actor in self._actors:
-                ray.kill(actor)
+            for replica in self.replicas:
+                for actor in replica.actors:
+                    ray.kill(actor)
             for group in self._owned_groups:
                 remove_placement_group(group)
             _sweep_nodes(pids_by_node, timeout_s)
         finally:
-            self._actors, self._owned_groups, self.replicas = [], [], []
+            self._owned_groups, self.replicas = [], []
 
 
 _ENGINE_RANK = ray.remote(EngineRank)

@@ -22,7 +22,7 @@ import msgspec
 import ray
 import torch
 
-from weightbus.engine.worker import Worker
+from weightbus.engine.worker import WorkerConfig, run_worker
 from weightbus.log import setup_logging
 from weightbus.ray.placement import bundle_of
 from weightbus.server.api import create_app
@@ -135,17 +135,12 @@ class EngineRank:
             if not self._state.stopping.is_set():
                 self._state.fail("the API server stopped")
 
-    def _run_worker(self, config: object) -> None:
-        worker = None
+    def _run_worker(self, config: WorkerConfig) -> None:
         try:
-            worker = Worker(config)
-            worker.run()
+            run_worker(config)
         except Exception as exc:
             logger.exception("rank %d failed", self.tp_rank)
             self._state.fail(f"rank {self.tp_rank} failed: {exc}")
-        finally:
-            if worker is not None:
-                worker.close()
         if not self._state.stopping.is_set():
             self._state.fail(f"rank {self.tp_rank} stopped")
 
