@@ -97,6 +97,7 @@ messages = st.one_of(
         ok=st.booleans(),
         errors=st.lists(st.text(max_size=50), max_size=3),
         fingerprint=st.none() | hex128,
+        nbytes=small,
     ),
     st.builds(UpdateCommit, session_id=hex128, version=versions, fingerprint=hex128),
     st.builds(UpdateAbort, session_id=hex128, reason=st.text(max_size=100)),

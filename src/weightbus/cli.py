@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Command modules are imported here, not at module top, so `weightbus --help` stays fast
     # and a command's heavy dependencies load only when it runs.
     from weightbus.bench import cli as bench_cli
+    from weightbus.capacity import cli as plan_cli
     from weightbus.demo import cli as demo_cli
     from weightbus.publisher import cli as push_cli
     from weightbus.server import cli as serve_cli
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(commands)
     serve_cli.add_parser(commands)
     push_cli.add_parser(commands)
+    plan_cli.add_parser(commands)
     return parser
 
 

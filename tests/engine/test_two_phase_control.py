@@ -7,6 +7,7 @@ version the staging memory still holds, and is refused with the reason once it i
 
 import time
 
+import msgspec
 import pytest
 
 from weightbus.engine import messages
@@ -101,6 +102,26 @@ def test_two_phase_answers_staged_then_swaps_only_on_commit():
         None,
     )
     assert state.rollback.version == "v0"
+
+
+def test_each_ranks_bytes_travel_in_the_staged_answer_and_in_the_commits():
+    sent: list = []
+    control = _controller(sent)
+    control.on_update(_update("v1"))
+    assert control.next_action(num_running=0).action == Action.BEGIN_STAGED
+    assert control.next_action(num_running=0).action == Action.POLL
+    verdicts = [  # gathered in any order: reported by rank
+        msgspec.structs.replace(_verdict("v1"), rank=rank, nbytes=nbytes)
+        for rank, nbytes in [(1, 300), (0, 500)]
+    ]
+    control.on_staged(verdicts, nbytes=500, phases={})
+    assert control.next_action(num_running=0).action == Action.NONE  # answers "staged"
+    _decide(control, "v1", "commit", "c1")
+    assert control.next_action(num_running=0).action == Action.COMMIT
+    control.on_committed()
+    staged, committed = _results(sent)["u-v1"], _results(sent)["c1"]
+    assert staged.rank_nbytes == committed.rank_nbytes == [500, 300]
+    assert staged.nbytes == committed.nbytes == 500
 
 
 def test_drain_answers_staged_only_once_running_sequences_finished():

@@ -80,6 +80,7 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
             version=message.version,
             fingerprint=FINGERPRINT,
             nbytes=4096,
+            rank_nbytes=[4096, 2048],
             seconds=0.25,
             phases={"load_s": 0.125},
         )
@@ -96,6 +97,7 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
         "version": "step-1",
         "fingerprint": FINGERPRINT,
         "bytes": 4096,
+        "rank_bytes": [4096, 2048],
         "seconds": 0.25,
         "phases": {"load_s": 0.125},
         "staged": False,

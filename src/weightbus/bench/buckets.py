@@ -10,11 +10,12 @@ import os
 import torch
 
 from weightbus.bench.llama_weights import llama_weights
-from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
+from weightbus.bench.timing import Measurement, measure_interleaved, write_json
 from weightbus.digest import fingerprint
 from weightbus.meta import metas_of
 from weightbus.plan import FlatBucket, plan_buckets
 from weightbus.plan.bucket import layout_entries, pack_entries
+from weightbus.tables import print_table
 from weightbus.units import byte_size_arg, format_bytes
 
 TARGET_RATIO = 0.8

@@ -18,6 +18,10 @@ SUITES = {
         "weightbus.bench.fleet",
         "two-phase vs one-phase fleet pushes, rollback, commit skew, same run",
     ),
+    "plan": (
+        "weightbus.bench.plan",
+        "weightbus plan's predicted push times against measured shm and dist pushes",
+    ),
     "nixl": ("weightbus.bench.nixl", "nixl pushes vs raw NIXL WRITEs and dist, one host and netns"),
     "engine": ("weightbus.bench.engine", "reference engine tokens/s at batch 1 and 16, TP 1 and 2"),
     "status": ("weightbus.bench.status", "decode step cost of the live-update machinery at rest"),

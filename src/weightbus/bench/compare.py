@@ -33,8 +33,8 @@ from weightbus.bench.baselines import BroadcastCase, PickleCase
 from weightbus.bench.engine import start_engine, stop_engine
 from weightbus.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.bench.memory import child_pids, reset_peak, rss_bytes
-from weightbus.bench.timing import print_table
 from weightbus.publisher import Publisher
+from weightbus.tables import print_table
 from weightbus.transport import transport_names
 from weightbus.units import byte_size_arg, format_bytes
 

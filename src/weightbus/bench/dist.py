@@ -28,8 +28,9 @@ from safetensors.torch import save_file
 
 from weightbus.bench.engine import start_engine, stop_engine
 from weightbus.bench.llama_weights import hf_config, llama_shape, llama_weights
-from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
+from weightbus.bench.timing import Measurement, measure_interleaved, write_json
 from weightbus.publisher import Publisher
+from weightbus.tables import print_table
 from weightbus.transport.dist.group import (
     WeightsGroup,
     create_publisher_group,
@@ -44,7 +45,7 @@ from weightbus.wire.messages import RankLayout
 _GROUP_TIMEOUT_S = 120.0
 _BASELINE_GROUP = "bench-baseline"
 # Commands the publisher broadcasts to the peers: [command, argument].
-_STOP, _SINGLE, _PER_TENSOR = 0, 1, 2
+_STOP, _SINGLE, _PER_TENSOR, _RECEIVE = 0, 1, 2, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,12 +91,15 @@ def peer_main(config: PeerConfig) -> None:
         command = int(header[0])
         if command == _STOP:
             break
+        if command == _RECEIVE:  # the argument: bytes sent to each peer, point to point
+            wait(group, group.pg.recv([whole[: int(header[1])]], 0, 0), deadline, "data")
+            continue
         for tensor in [whole] if command == _SINGLE else tensors:
             wait(group, group.pg.broadcast(tensor, 0), deadline, "data")
     destroy_group(_BASELINE_GROUP)
 
 
-class _Baseline:
+class Baseline:
     """The publisher's end of the baseline group and its peer processes."""
 
     def __init__(self, num_peers: int, tensors: list[torch.Tensor]) -> None:
@@ -138,6 +142,17 @@ class _Baseline:
         deadline = time.monotonic() + _GROUP_TIMEOUT_S
         for tensor in self.tensors:
             wait(self.group, self.group.pg.broadcast(tensor, 0), deadline, "tensor broadcast")
+
+    def send_each(self, nbytes: int) -> None:
+        """`nbytes` to every peer at once, point to point (what a scatter's link carries)."""
+        _broadcast_command(self.group, _RECEIVE, nbytes)
+        deadline = time.monotonic() + _GROUP_TIMEOUT_S
+        works = [
+            self.group.pg.send([self.whole[:nbytes]], rank, 0)
+            for rank in range(1, len(self.peers) + 1)
+        ]
+        for work in works:
+            wait(self.group, work, deadline, "point-to-point send")
 
     def close(self) -> None:
         _broadcast_command(self.group, _STOP)
@@ -185,7 +200,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict:
     model_bytes = sum(t.nbytes for _, t in weights)
     model_dir = write_model(weights, args.size, workdir)
     proc, url = start_engine(str(model_dir), args.tp, extra=["--dtype", "bfloat16"])
-    baseline = _Baseline(args.tp, [t for _, t in weights])
+    baseline = Baseline(args.tp, [t for _, t in weights])
     publisher = Publisher([url], transport="dist", bucket_bytes=args.bucket_bytes, timeout_s=600)
     try:
         publisher.init_weights_group("127.0.0.1", timeout_s=_GROUP_TIMEOUT_S)

@@ -28,8 +28,9 @@ from safetensors.torch import save_file
 
 from weightbus.bench.engine import start_engine, stop_engine
 from weightbus.bench.llama_weights import hf_config, llama_shape, llama_weights
-from weightbus.bench.timing import Measurement, print_table, write_json
+from weightbus.bench.timing import Measurement, write_json
 from weightbus.publisher import Publisher
+from weightbus.tables import print_table
 from weightbus.units import byte_size_arg, format_bytes
 
 TARGET_TWO_PHASE_OVERHEAD = 0.05

@@ -32,8 +32,9 @@ from weightbus.bench.baselines import BroadcastCase
 from weightbus.bench.dist import DistPusher, write_model
 from weightbus.bench.engine import start_engine, stop_engine
 from weightbus.bench.llama_weights import llama_weights
-from weightbus.bench.timing import Measurement, print_table, write_json
+from weightbus.bench.timing import Measurement, write_json
 from weightbus.publisher import Publisher, PushError
+from weightbus.tables import print_table
 from weightbus.units import byte_size_arg, format_bytes
 
 TARGET_OF_FLOOR_BANDWIDTH = 0.85

@@ -21,8 +21,9 @@ from safetensors.torch import save_file
 from weightbus.bench.engine import start_engine, stop_engine
 from weightbus.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.bench.memory import child_pids, reset_peak, rss_bytes
-from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
+from weightbus.bench.timing import Measurement, measure_interleaved, write_json
 from weightbus.publisher import Publisher
+from weightbus.tables import print_table
 from weightbus.units import byte_size_arg, format_bytes
 
 

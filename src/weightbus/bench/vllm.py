@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from weightbus.bench.llama_weights import hf_config, llama_shape, llama_weights
-from weightbus.bench.timing import Measurement, measure_interleaved, print_table, write_json
+from weightbus.bench.timing import Measurement, measure_interleaved, write_json
+from weightbus.tables import print_table
 from weightbus.units import format_bytes
 
 MIB = 2**20

@@ -154,7 +154,9 @@ class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=Tru
     200: committed. 400: the pushed data was wrong (`names` lists the offending tensors).
     409: an update is running, or the version/step is not new. 504: the update timed out.
     503: the engine cannot take updates (memory released). `staged`: a two-phase update is
-    staged and verified, and waits for its `Decide`.
+    staged and verified, and waits for its `Decide`. `nbytes`: the bytes that reached rank 0
+    through the transport; `rank_nbytes[r]`: those that reached rank r (on a push's staged
+    and committed answers; empty otherwise).
     """
 
     update_id: str
@@ -162,6 +164,7 @@ class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=Tru
     version: str
     fingerprint: str | None = None
     nbytes: int = 0
+    rank_nbytes: list[int] = msgspec.field(default_factory=list)
     seconds: float = 0.0
     phases: dict[str, float] = msgspec.field(default_factory=dict)
     error: str | None = None

@@ -45,6 +45,7 @@ class PendingUpdate:
     decided_at: float = 0.0
     abort_reason: str | None = None
     nbytes: int = 0
+    rank_nbytes: list[int] = field(default_factory=list)  # by rank, from the verdicts
     phases: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -103,3 +104,8 @@ def failure(verdicts: list[RankVerdict]) -> tuple[int, str, list[str]]:
     names = sorted({n for v in verdicts for n in v.names})
     status = 504 if any(v.timed_out for v in verdicts) else 400
     return status, "; ".join(errors) or "update failed", names
+
+
+def rank_nbytes(verdicts: list[RankVerdict]) -> list[int]:
+    """The bytes that reached each rank through the transport, in rank order."""
+    return [v.nbytes for v in sorted(verdicts, key=lambda v: v.rank)]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from weightbus.engine import messages
 from weightbus.engine.actions import Action, StepAction, tags_to_mask
 from weightbus.engine.control_requests import ControlRequests
-from weightbus.engine.pending_update import PendingUpdate, failure
+from weightbus.engine.pending_update import PendingUpdate, failure, rank_nbytes
 from weightbus.engine.rollback import RollbackSlot
 from weightbus.wire import RankVerdict
 
@@ -348,6 +348,7 @@ class UpdateController(ControlRequests):
                 version=update.version,
                 fingerprint=self._staged_fingerprint(update),
                 nbytes=update.nbytes,
+                rank_nbytes=list(update.rank_nbytes),
                 seconds=now - update.started_at,
                 phases=dict(update.phases),
                 staged=True,
@@ -367,6 +368,7 @@ class UpdateController(ControlRequests):
         update = self._update
         assert update is not None
         update.nbytes, update.phases = nbytes, phases
+        update.rank_nbytes = rank_nbytes(verdicts)
         ok = all(v.ok for v in verdicts)
         if ok and update.abort_reason is None:
             update.verdicts = verdicts
@@ -402,6 +404,7 @@ class UpdateController(ControlRequests):
         update = self._update
         assert update is not None
         update.nbytes, update.phases = nbytes, phases
+        update.rank_nbytes = rank_nbytes(verdicts)
         if all(v.ok for v in verdicts):
             self._commit(update, verdicts[0].fingerprint)
             return
@@ -440,6 +443,7 @@ class UpdateController(ControlRequests):
                 version=self.version,
                 fingerprint=self.fingerprint,
                 nbytes=update.nbytes,
+                rank_nbytes=list(update.rank_nbytes),
                 seconds=seconds,
                 phases={**update.phases, "total_s": seconds},
             )

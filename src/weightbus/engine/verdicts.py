@@ -47,5 +47,6 @@ def gather_verdicts(update_id: str, result: RankResult) -> list[RankVerdict]:
         timed_out=result.timed_out,
         touched=result.touched,
         fingerprint=result.fingerprint,
+        nbytes=result.nbytes,
     )
     return [RankVerdict.decode(frame) for frame in _all_gather_bytes(verdict.encode())]

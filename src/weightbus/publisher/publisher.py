@@ -405,6 +405,7 @@ class Publisher(FleetMembership):
             mode=self._sink.mode,
             two_phase=options.two_phase,
             gone=gone,
+            sent_bytes=session.sent_bytes,
         )
 
     def _plan(

@@ -51,7 +51,12 @@ class FleetVersion:
 
 @dataclass(frozen=True, slots=True)
 class PushResult:
-    """A committed push: every engine serves `version` with `fingerprint`."""
+    """A committed push: every engine serves `version` with `fingerprint`.
+
+    `nbytes` is the pushed tensors' size; `sent_bytes` the tensor bytes the transport's sink
+    handed over (`PushSession.sent_bytes` says what each transport counts; a rollback moves
+    none); each engine's `EngineResult.rank_nbytes` what reached its ranks.
+    """
 
     version: str
     fingerprint: str
@@ -63,6 +68,7 @@ class PushResult:
     two_phase: bool = False
     # engines that failed past the commit point (removed from the Publisher): URL -> reason
     gone: dict[str, str] = field(default_factory=dict)
+    sent_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -4,9 +4,9 @@
 named, each serving the engines routed to it (e.g. `shm` for engines on the trainer's host,
 `nixl` or `dist` for the others). The push stays one push: one plan, one set of digests, one
 fingerprint, one two-phase commit over every engine. Each child sink gets a session of its own
-engines that shares the push's digests; an engine answering early stops only its own sink's
-wait (the others' engines still read), a child that fails stops the others, and the children
-stream at the same time.
+engines that shares the push's digests and byte counter (the push's `sent_bytes` sums the
+children's); an engine answering early stops only its own sink's wait (the others' engines
+still read), a child that fails stops the others, and the children stream at the same time.
 """
 
 import dataclasses
@@ -195,9 +195,14 @@ class RoutedSink(BucketSink):
         self._session_id, self._sessions = session.session_id, {}
         parts = {}
         for position, (name, urls) in enumerate(groups.items()):
-            # shares the push's digests (same dict); an engine's answer stops its own sink only
+            # shares the push's digests (same dict) and byte counter (the push's `sent_bytes`
+            # is the sum of its children's); an engine's answer stops its own sink only
             child_session = dataclasses.replace(
-                session, receivers=len(urls), engines=tuple(urls), abandon_reasons=[]
+                session,
+                receivers=len(urls),
+                engines=tuple(urls),
+                abandon_reasons=[],
+                sent=session.sent,
             )
             self._sessions[name] = child_session
             child_progress = progress if position == 0 else no_progress

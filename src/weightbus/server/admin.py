@@ -163,6 +163,7 @@ def _response(result: messages.UpdateResult) -> UpdateWeightsResponse:
         version=result.version,
         fingerprint=result.fingerprint,
         bytes=result.nbytes,
+        rank_bytes=list(result.rank_nbytes),
         seconds=result.seconds,
         phases=dict(result.phases),
         staged=result.staged,

@@ -360,7 +360,12 @@ class UpdateWeightsResponse(BaseModel):
 
     version: str
     fingerprint: str | None
-    bytes: int
+    bytes: int = Field(description="bytes that reached rank 0 through the transport")
+    rank_bytes: list[int] = Field(
+        default_factory=list,
+        description="bytes that reached each rank through the transport, by TP rank (empty "
+        "for a rollback or a commit of one)",
+    )
     seconds: float
     phases: dict[str, float]
     staged: bool = False

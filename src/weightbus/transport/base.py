@@ -17,6 +17,7 @@ A transport that needs set-up across engines before its first push (the `dist` w
 does it in `sink.setup(engines, ...)`, reaching each engine through the narrow `EngineLink`.
 """
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,23 @@ class EngineLink(Protocol):
         """
 
 
+class ByteCounter:
+    """Bytes added up by any thread (a sink's workers, a routed push's child sinks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._total += nbytes
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._total
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PushSession:
     """What a sink needs to know about one push (publisher side).
@@ -79,6 +97,13 @@ class PushSession:
     `digests` fills while the session runs: a sink that reads every byte anyway (direct
     writes) digests as it copies; others call `ensure_digests` first. `fingerprint` needs them
     all.
+
+    `sent_bytes` counts the tensor bytes the sink handed to its transport in this push
+    (`count_sent`; never alignment padding or message frames): copied into the ranks'
+    parameters (`shm` direct: summed over every engine and rank), packed into slots (`shm`
+    slots: each bucket once), posted in WRITEs (`nixl`: summed over ranks), broadcast (`dist`
+    broadcast: each entry once, whatever the number of receivers) or sent to each rank (`dist`
+    scatter: summed over ranks), written to files (`disk`, `hf_dir`).
     """
 
     session_id: str
@@ -92,6 +117,16 @@ class PushSession:
     # filled (by the Publisher) once an engine has answered mid-stream: it will read no more,
     # so a sink waiting on its ranks stops at once instead of at its timeout
     abandon_reasons: list[str] = field(default_factory=list)
+    sent: ByteCounter = field(default_factory=ByteCounter, compare=False, repr=False)
+
+    def count_sent(self, nbytes: int) -> None:
+        """Add `nbytes` tensor bytes handed to the transport (any thread)."""
+        self.sent.add(nbytes)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Tensor bytes handed to the transport so far in this push."""
+        return self.sent.total
 
     def abandon(self, reason: str) -> None:
         """Record why the stream cannot complete (any thread)."""
@@ -160,6 +195,11 @@ class ReceivedBatch:
     tensors the publisher already wrote into this rank's parameters (direct mode) with the
     parameter region each one filled (None where this rank holds no slice of it), and
     `placed_digests` the digests of the bytes written into those regions.
+
+    `nbytes` are the tensor bytes that reached this rank through the transport for this batch:
+    the slices written into its parameters (direct writes: `shm` direct, `nixl`), the regions
+    sent to it (`dist` scatter), else the tensor bytes it was handed (a bucket's payload, the
+    tensors read from files).
     """
 
     tensors: list[tuple[str, torch.Tensor]]

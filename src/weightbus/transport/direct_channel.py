@@ -76,17 +76,21 @@ def written_batches(
     timeout_s: float,
 ) -> Iterator[ReceivedBatch]:
     """Rank side: the publisher's notices of what it wrote into this rank's `regions`, one
-    batch per plan bucket, with the digests the rank verifies them against."""
+    batch per plan bucket, with the digests the rank verifies them against.
+
+    A batch's `nbytes` are the bytes of this rank's slices of the tensors it completes (a
+    tensor split across buckets counts once, in the bucket of its last byte)."""
     deadline = time.monotonic() + timeout_s
     for bucket in plan.buckets:
         written = receive(TensorsWritten, deadline - time.monotonic())
         names = bucket.finished_names()
         if written.bucket_index != bucket.index or set(written.digests) != set(names):
             raise ValueError(f"written tensors of bucket {bucket.index} do not match the plan")
+        placed = [(name, regions.get(name)) for name in names]
         yield ReceivedBatch(
             tensors=[],
             digests=dict(written.digests),
-            nbytes=bucket.payload_bytes,
-            placed=[(name, regions.get(name)) for name in names],
+            nbytes=sum(region.nbytes for _, region in placed if region is not None),
+            placed=placed,
             placed_digests=dict(written.slice_digests),
         )

@@ -97,7 +97,9 @@ class DiskSink(BucketSink):
                 file = f"shard-{index:05d}.safetensors"
                 save_tensors(tmp / file, names, tensors)
                 shards.append(ShardRecord(file, names))
-                progress(sum(tensors[name].nbytes for name in names))
+                nbytes = sum(tensors[name].nbytes for name in names)
+                session.count_sent(nbytes)
+                progress(nbytes)
         manifest = DiskManifest(
             format=MANIFEST_FORMAT,
             begin=session.begin_message(),

@@ -84,6 +84,7 @@ class HfDirSink(BucketSink):
         tmp.mkdir(mode=0o700)
         names = [meta.name for meta in session.plan.metas]
         save_tensors(tmp / CHECKPOINT_NAME, names, tensors)
+        session.count_sent(session.plan.total_bytes)
         progress(session.plan.total_bytes)
         final = self.root / session.session_id
         tmp.rename(final)

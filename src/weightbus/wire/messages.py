@@ -205,7 +205,8 @@ class UpdateEnd(Message, kw_only=True):
 
 @register
 class RankVerdict(Message, kw_only=True):
-    """One rank's verification result for a session."""
+    """One rank's verification result for a session; `nbytes`: the bytes that reached this
+    rank through the transport (`RankResult.nbytes`)."""
 
     session_id: Hex128
     rank: NonNegative
@@ -215,6 +216,7 @@ class RankVerdict(Message, kw_only=True):
     timed_out: bool = False
     touched: bool = False
     fingerprint: Hex128 | None = None
+    nbytes: NonNegative = 0
 
 
 @register

@@ -70,7 +70,12 @@ class RollbackOrder:
 class EngineResult:
     """What one engine reported after committing (`fingerprint` is None from targets that
     cannot report it: their ranks verified the pushed fingerprint instead), or with `staged`
-    after staging a two-phase update."""
+    after staging a two-phase update.
+
+    `rank_nbytes[r]`: the bytes that reached TP rank r through the transport in this push, as
+    its source counted them (`ReceivedBatch.nbytes`); empty from targets that do not report
+    them.
+    """
 
     url: str
     version: str
@@ -79,6 +84,7 @@ class EngineResult:
     seconds: float
     phases: dict[str, float]
     staged: bool = False
+    rank_nbytes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -111,6 +111,7 @@ class HttpEngineTarget(EngineTarget):
             seconds=answer.get("seconds", 0.0),
             phases=answer.get("phases", {}),
             staged=answer.get("staged", False),
+            rank_nbytes=answer.get("rank_bytes", []),
         )
 
     def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:

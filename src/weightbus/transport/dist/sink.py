@@ -55,7 +55,13 @@ from weightbus.transport.dist.messages import (
     WeightsGroupInfo,
 )
 from weightbus.transport.dist.setup import form_group, leave_group
-from weightbus.transport.dist.slices import check_slices, layout_slices, pack_regions, rank_regions
+from weightbus.transport.dist.slices import (
+    check_slices,
+    layout_slices,
+    pack_regions,
+    rank_regions,
+    regions_nbytes,
+)
 from weightbus.wire.messages import BucketSent, SliceSpec
 
 Mode = Literal["auto", "broadcast", "scatter"]
@@ -113,7 +119,8 @@ class DistSink(BucketSink):
         prefetch_depth: buckets each rank receives ahead of the one it loads.
 
     Attributes:
-        sent_bytes: bytes each receiving group rank got in the last push.
+        sent_bytes: bytes each receiving group rank got in the last push, alignment padding
+            included (`PushSession.sent_bytes` counts the push's tensor bytes).
     """
 
     name = "dist"
@@ -333,6 +340,7 @@ class _Push:
             if entry.nbytes:
                 data = self._entry_bytes(entry, buffer)
                 pending.ops.append((self.group.pg.broadcast(data, 0, timeout), data))
+        self.session.count_sent(bucket.payload_bytes)  # one send, whatever the receivers
         for group_rank in self.sent_bytes:
             self.sent_bytes[group_rank] += bucket.nbytes
 
@@ -344,11 +352,13 @@ class _Push:
         message: BucketSent,
         pending: _InFlight,
     ) -> None:
-        packed_buffers = []
+        packed_buffers, payloads = [], []
         for index, target in enumerate(targets):
             packed = self.group.buffer(("packed", bucket.index % 2, index), buffer.numel())
-            nbytes = pack_regions(rank_regions(bucket, buffer, target.slices), packed)
+            regions = rank_regions(bucket, buffer, target.slices)
+            nbytes = pack_regions(regions, packed)
             packed_buffers.append(packed[:nbytes])
+            payloads.append(regions_nbytes(regions))
         sends = [
             (group_rank, packed)
             for target, packed in zip(targets, packed_buffers, strict=True)
@@ -365,6 +375,8 @@ class _Push:
         for group_rank, packed in sends:
             pending.ops.append((self.group.pg.send([packed], group_rank, DATA_TAG), packed))
             self.sent_bytes[group_rank] += packed.numel()
+        for target, payload in zip(targets, payloads, strict=True):
+            self.session.count_sent(payload * len(target.group_ranks))  # one send per rank
 
 
 def _completed_digests(session: PushSession, bucket: BucketPlan) -> dict[str, str]:

@@ -66,6 +66,11 @@ def rank_regions(
     return regions
 
 
+def regions_nbytes(regions: Sequence[torch.Tensor]) -> int:
+    """The tensor bytes of the regions (what a rank receives, without the packing's padding)."""
+    return sum(region.numel() * region.element_size() for region in regions)
+
+
 def packed_offsets(regions: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     """Aligned offsets of the regions packed back to back, and the bytes they need."""
     offsets, offset = [], 0

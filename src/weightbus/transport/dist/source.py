@@ -32,6 +32,7 @@ from weightbus.transport.dist.slices import (
     layout_slices,
     packed_offsets,
     rank_regions,
+    regions_nbytes,
     unpack_regions,
 )
 from weightbus.transport.prefetch import Prefetcher
@@ -135,6 +136,7 @@ class DistSource(BucketSource):
             )
 
     def _receive_whole(self, bucket: BucketPlan, buffer: torch.Tensor, deadline: float) -> int:
+        """Receive every entry of the bucket into `buffer`; returns their bytes."""
         what = f"bucket {bucket.index}"
         timeout = op_timeout(deadline, what)
         ops = [
@@ -144,11 +146,12 @@ class DistSource(BucketSource):
         ]
         for work in ops:
             wait(self.group, work, deadline, what)
-        return bucket.nbytes
+        return bucket.payload_bytes
 
     def _receive_slices(
         self, bucket: BucketPlan, buffer: torch.Tensor, message: BucketSent, deadline: float
     ) -> int:
+        """Receive this rank's regions of the bucket into `buffer`; returns their bytes."""
         group = self.group
         regions = rank_regions(bucket, buffer, layout_slices(group.layouts[group.group_rank]))
         _, nbytes = packed_offsets(regions)
@@ -158,7 +161,7 @@ class DistSource(BucketSource):
         if expected is None or bytes_digest(packed) != expected:
             raise ValueError(f"bucket {bucket.index}: the bytes received are corrupted (digest)")
         unpack_regions(packed, regions)
-        return nbytes
+        return regions_nbytes(regions)
 
     def end(self, timeout_s: float) -> UpdateEnd:
         end = self._recv(UpdateEnd, time.monotonic() + timeout_s)

@@ -232,6 +232,7 @@ class BucketWrites:
                 raise RuntimeError(
                     f"NIXL refused the write of bucket {bucket.index} to {rank.describe()}"
                 )
+            self._session.count_sent(sum(job.nbytes for job in writes.jobs))  # no padding
 
     def _poll(self) -> bool:
         """Collect finished WRITEs; True when any finished."""

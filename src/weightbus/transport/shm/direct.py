@@ -69,6 +69,11 @@ class MappedTarget:
             name: [(each.copy, self._param(each.region)) for each in copies]
             for name, copies in checked.items()
         }
+        # bytes of the rank's slices of each tensor: what writing it copies into this file
+        self.slice_bytes: dict[str, int] = {
+            name: sum(copy.destination(param).nbytes for copy, param in copies)
+            for name, copies in self.copies.items()
+        }
 
     def _param(self, region: ParamRegion) -> torch.Tensor:
         meta = region_meta(region)

@@ -200,6 +200,7 @@ class ShmSink(BucketSink):
             session.digests.update(digests)
             receivers.unacked[slot] = set(receivers.identities.values())
             self._send_all(receivers, _bucket_message(session, bucket, slot, digests))
+            session.count_sent(bucket.payload_bytes)  # once, whatever the number of ranks
             progress(bucket.payload_bytes)
         while any(receivers.unacked.values()):
             self._receive(receivers, deadline, "receivers to release the last slots")
@@ -257,6 +258,9 @@ class ShmSink(BucketSink):
         for bucket_index, written in writes:
             digests = {name: digest for name, (digest, _) in written.items()}
             session.digests.update(digests)
+            session.count_sent(
+                sum(target.slice_bytes.get(name, 0) for target in targets for name in written)
+            )
             for rank_index, identity in enumerate(identities):
                 message = TensorsWritten(
                     session_id=session.session_id,
