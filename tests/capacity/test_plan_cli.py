@@ -10,6 +10,7 @@ import pytest
 
 from weightbus.capacity.forecast import Scenario, forecast
 from weightbus.capacity.profiles import PROFILES
+from weightbus.capacity.published import CASES
 from weightbus.capacity.sharding import EngineLayout
 
 pytestmark = pytest.mark.e2e  # runs `weightbus plan` in child processes
@@ -69,7 +70,7 @@ def test_json_is_the_python_api_result() -> None:
     assert planned["traffic"]["share_bytes"] == list(expected.traffic.share_bytes)
     assert planned["traffic"]["trainer_send_bytes"] == list(expected.traffic.trainer_send_bytes)
     assert planned["timing"]["seconds"] == expected.timing.seconds
-    assert planned["model"]["tensors"] == 69
+    assert planned["model"]["tensors"] == len(expected.model.metas)
 
 
 def test_table_names_bytes_per_rank_and_the_prediction() -> None:
@@ -85,7 +86,9 @@ def test_bad_arguments_exit_with_the_reason() -> None:
     assert done.returncode == 1
     assert "weightbus plan: --link 'nic=fast': expected NAME=NUMBER" in done.stderr
     done = _plan("--model", str(CONFIG), "--engine-tp", "3")
-    assert "weightbus plan: engine tp (3) must divide num_attention_heads (4)" in done.stderr
+    assert "weightbus plan: num_attention_heads (4) is not divisible by 3 ranks" in done.stderr
+    done = _plan("--model", str(CONFIG), "--link", "nic=nan")
+    assert "weightbus plan: link nic must be a finite number > 0 GB/s, got nan" in done.stderr
     assert "--model is required" in _plan().stderr
 
 
@@ -112,3 +115,14 @@ def test_a_trillion_parameter_push_plans_without_its_weights() -> None:
     assert planned["traffic"]["receive_bytes"] == [planned["model"]["bytes"]] * 16
     peak_kib = int(done.stderr.rsplit("peak_rss_kib", 1)[1].split()[0])
     assert peak_kib < 4 * 2**20  # under 4 GiB for a ~1 TB model
+
+
+def test_published_cases_are_predicted_with_their_sources() -> None:
+    done = _plan("--published", "--json")
+    assert done.returncode == 0, done.stderr
+    cases = json.loads(done.stdout)
+    assert [case["key"] for case in cases] == [case.key for case in CASES]
+    for case in cases:
+        assert case["source"].startswith("https://")
+        assert case["timing"]["seconds"] > 0
+        assert case["traffic"]["total_bytes"] == case["model"]["bytes"]

@@ -1,8 +1,8 @@
 """`weightbus plan`'s byte counts against real pushes: for the tiny model and two Hugging Face
 test models (tied embeddings, one KV head replicated on TP 2, biases, a vocabulary TP 2 does not
-divide), pushed into a TP 2 and a TP 1 engine over `shm` direct, `dist` broadcast and `dist`
-scatter, the planner's bytes per engine rank equal what each rank's transport counted, and its
-trainer bytes what the publisher's sink counted."""
+divide), pushed into a TP 2 and a TP 1 engine over `shm` (direct and slots), `nixl` and `dist`
+(broadcast and scatter), the planner's bytes per engine rank equal what each rank's transport
+counted, and its trainer bytes what the publisher's sink counted."""
 
 import json
 from collections.abc import Iterator
@@ -26,6 +26,8 @@ BUCKET_BYTES = 64 * 1024  # several buckets, the largest tensors in chunks
 MODELS = ("tiny", "qwen2_tied_kv1_sharded", "llama_tied_bias_sharded")
 TRANSPORTS = {
     "shm": ("shm", {"direct": True}),
+    "shm-slots": ("shm", {"direct": False}),
+    "nixl": ("nixl", {}),
     "dist-broadcast": ("dist", {"mode": "broadcast"}),
     "dist-scatter": ("dist", {"mode": "scatter"}),
 }
@@ -96,7 +98,7 @@ def test_planned_bytes_equal_the_transports_counters(served, path: str) -> None:
         traffic(planned_model, EngineLayout(tp), path, bucket_bytes=BUCKET_BYTES) for tp in (2, 1)
     ]
     assert [list(plan.receive_bytes) for plan in plans] == [e.rank_nbytes for e in result.engines]
-    if path == "dist-broadcast":  # one collective reaches both engines
+    if path in ("dist-broadcast", "shm-slots"):  # written once for both engines
         assert plans[0].trainer_send_bytes == (result.sent_bytes,)
     else:
         assert sum(plan.trainer_send_bytes[0] for plan in plans) == result.sent_bytes

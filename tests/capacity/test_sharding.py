@@ -4,10 +4,18 @@ tensor- and expert-parallel rules, checked on small configs whose shares are kno
 from pathlib import Path
 
 import pytest
+import torch
 
 from weightbus.capacity.shapes import model_tensors
-from weightbus.capacity.sharding import EngineLayout, rank_shares, split_length
+from weightbus.capacity.sharding import (
+    EngineLayout,
+    check_layout,
+    rank_shares,
+    split_length,
+    unmatched_modules,
+)
 from weightbus.capacity.traffic import traffic
+from weightbus.meta import TensorMeta
 
 CONFIGS = Path(__file__).parent / "configs"
 MOE = model_tensors(CONFIGS / "small-qwen3-moe.json", "bfloat16")
@@ -86,7 +94,7 @@ def test_patterns_decide_what_ranks_receive_and_trainers_send() -> None:
 
 
 def test_layouts_the_model_cannot_take_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"engine tp \(3\) must divide num_attention_heads \(4\)"):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by 3 ranks"):
         traffic(MOE, EngineLayout(3), "nixl", bucket_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"engine ep \(3\) must divide engine tp \(4\)"):
         EngineLayout(4, 3)
@@ -94,3 +102,71 @@ def test_layouts_the_model_cannot_take_are_refused() -> None:
         ValueError, match="unknown transport 'tcp'; choose one of shm, shm-slots, nixl, dist"
     ):
         traffic(MOE, EngineLayout(2), "tcp", bucket_bytes=1 << 20)
+
+
+DSV3 = model_tensors(CONFIGS / "small-deepseek-v3.json")  # block FP8, as its config says
+
+
+def _dsv3_shares(name: str, layout: EngineLayout) -> tuple[int, ...]:
+    meta = next(m for m in DSV3.metas if m.name == name)
+    return rank_shares(meta, DSV3.config, layout)
+
+
+def test_mla_down_projections_are_replicated_and_shared_experts_split() -> None:
+    tp2 = EngineLayout(2)
+    attention = "model.layers.1.self_attn"
+    # kv_a_proj_with_mqa: (64 + 16, 256) fp8, 1 byte per element; q_a_proj (128, 256)
+    assert _dsv3_shares(f"{attention}.kv_a_proj_with_mqa.weight", tp2) == (80 * 256,) * 2
+    assert _dsv3_shares(f"{attention}.q_a_proj.weight", tp2) == (128 * 256,) * 2
+    # q_b_proj: 4 heads x (32 + 16) = 192 rows of 128, split by rows
+    assert _dsv3_shares(f"{attention}.q_b_proj.weight", EngineLayout(1)) == (192 * 128,)
+    shared = "model.layers.2.mlp.shared_experts"
+    assert _dsv3_shares(f"{shared}.down_proj.weight", EngineLayout(1)) == (256 * 128,)
+
+
+def test_fp8_scales_split_with_their_weights_under_ep() -> None:
+    # expert 5's gate_proj (128, 256) and its scales (1, 2); ep 2 of tp 2: experts 4-7 on rank 1
+    expert = "model.layers.1.mlp.experts.5.gate_proj"
+    assert _dsv3_shares(f"{expert}.weight", EngineLayout(2, 2)) == (0, 128 * 256)
+    assert _dsv3_shares(f"{expert}.weight_scale_inv", EngineLayout(2, 2)) == (0, 2 * 4)
+
+
+def test_fp8_blocks_cut_by_a_split_are_refused() -> None:
+    # the dense MLP's intermediate size 384 over 2 ranks: 192 columns each, a block and a half
+    with pytest.raises(
+        ValueError,
+        match=r"fp8-block: model\.layers\.0\.mlp\.down_proj\.weight splits 384 over 2 ranks, "
+        "192 each: not a multiple of the 128-wide blocks",
+    ):
+        traffic(DSV3, EngineLayout(2), "nixl", bucket_bytes=1 << 20)
+    bf16 = model_tensors(CONFIGS / "small-deepseek-v3.json", "bfloat16")
+    assert traffic(bf16, EngineLayout(2), "nixl", bucket_bytes=1 << 20).share_bytes[0] > 0
+
+
+def test_fused_projections_split_and_unknown_matrices_are_named() -> None:
+    fused = [
+        TensorMeta("model.layers.0.self_attn.qkv_proj.weight", torch.bfloat16, (96, 32)),
+        TensorMeta("model.layers.0.mlp.gate_up_proj.weight", torch.bfloat16, (128, 32)),
+        TensorMeta("model.layers.0.mlp.mystery.weight", torch.bfloat16, (8, 32)),
+    ]
+    config = {"num_attention_heads": 2}
+    shares = [rank_shares(meta, config, EngineLayout(2)) for meta in fused]
+    assert shares[:2] == [(48 * 32 * BF16,) * 2, (64 * 32 * BF16,) * 2]
+    assert shares[2] == (8 * 32 * BF16,) * 2  # no rule: replicated...
+    assert unmatched_modules(fused) == ["mystery"]  # ...and said so
+
+
+def test_expert_tensors_without_an_expert_count_plan_under_tp() -> None:
+    meta = TensorMeta("model.layers.0.mlp.experts.3.down_proj.weight", torch.bfloat16, (64, 32))
+    assert rank_shares(meta, {}, EngineLayout(2)) == (64 * 16 * BF16,) * 2
+
+
+def test_model_widths_must_divide_over_the_ranks() -> None:
+    with pytest.raises(
+        ValueError, match=r"moe_intermediate_size \(32\) is not divisible by 64 ranks"
+    ):
+        check_layout(
+            {**MOE.config, "num_attention_heads": 64, "num_key_value_heads": 64}, EngineLayout(64)
+        )
+    with pytest.raises(ValueError, match=r"engine ep \(2\): the model has no routed experts"):
+        check_layout({"num_attention_heads": 4}, EngineLayout(2, 2))

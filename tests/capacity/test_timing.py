@@ -58,7 +58,7 @@ def test_parallel_trainer_ranks_send_their_own_buckets() -> None:
     one = traffic(MOE, EngineLayout(2), "nixl", replicas=2, bucket_bytes=BUCKET)
     many = traffic(MOE, EngineLayout(2), "nixl", replicas=2, trainer_ranks=8, bucket_bytes=BUCKET)
     assert one.sequential_buckets == one.num_buckets
-    assert many.sequential_buckets == -(-max(many.trainer_send_bytes) // BUCKET) < one.num_buckets
+    assert many.sequential_buckets == -(-max(many.trainer_own_bytes) // BUCKET) < one.num_buckets
 
 
 def test_hardware_overrides_are_checked() -> None:
@@ -73,5 +73,5 @@ def test_hardware_overrides_are_checked() -> None:
         match="unknown link 'pcie'; choose from nic, local, broadcast, stage, copy, hash",
     ):
         hardware("h20", {"pcie": 1.0})
-    with pytest.raises(ValueError, match=r"link nic must be > 0 GB/s, got 0\.0"):
+    with pytest.raises(ValueError, match=r"link nic must be a finite number > 0 GB/s, got 0\.0"):
         hardware("h20", {"nic": 0.0})

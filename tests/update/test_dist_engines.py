@@ -75,7 +75,7 @@ def test_one_group_carries_pushes_into_tp1_and_tp2_bit_exactly(engines, mode):
         pub.push(_weights(SEED + 1), version=f"{mode}-0")
         result = pub.push(_weights(SEED), version=f"{mode}-1", atomic=False, pause_mode="in_place")
         assert get_group(info.name) is group  # created once, reused by every push
-        sent_bytes = pub.sink.sent_bytes
+        sent_bytes = pub.sink.rank_sent_bytes
     assert info.name not in group_names()  # close() left the group
     full_bytes = sent_bytes[3]  # the TP 1 engine loads every byte in both modes
     assert full_bytes >= result.nbytes

@@ -62,7 +62,7 @@ def test_each_engine_over_its_own_transport_in_one_push(engines):
     ) as pub:
         groups = pub.init_weights_group("127.0.0.1")
         result = pub.push(weights, version="routed")
-        sent = dict(pub.sink.children["dist"].sent_bytes)
+        sent = dict(pub.sink.children["dist"].rank_sent_bytes)
         served = pub.engine_weights()
     assert list(groups) == ["dist"]  # the shm route has no set-up
     assert groups["dist"].world_size == 2  # the publisher and tp1's one rank

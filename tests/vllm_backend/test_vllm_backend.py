@@ -207,8 +207,8 @@ def test_dist_pushes_reach_every_worker_over_a_weights_group(untied_tp2, dist_mo
         pub.push(model, version=f"over-dist-{dist_mode}", probe=probe)
         if dist_mode == "scatter":  # vLLM's workers report no slices: each gets all, whole
             total_bytes = sum(t.nbytes for t in model.state_dict().values())
-            assert sorted(pub.sink.sent_bytes) == [1, 2]
-            assert all(sent >= total_bytes for sent in pub.sink.sent_bytes.values())
+            assert sorted(pub.sink.rank_sent_bytes) == [1, 2]
+            assert all(sent >= total_bytes for sent in pub.sink.rank_sent_bytes.values())
     assert _served_version(untied_tp2) == f"over-dist-{dist_mode}"
     assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
     untied_tp2.model = model

@@ -175,7 +175,7 @@ class DistPusher:
         self.publisher = publisher
         self.mode = mode
         self.count = 0
-        self.sent_bytes: dict[int, int] = {}
+        self.rank_sent_bytes: dict[int, int] = {}
 
     def __call__(self, weights: list) -> None:
         self.publisher.sink.requested_mode = self.mode
@@ -184,7 +184,7 @@ class DistPusher:
         self.publisher.push(
             weights, version=version, atomic=False, pause_mode="in_place", verify="none"
         )
-        self.sent_bytes = dict(self.publisher.sink.sent_bytes)
+        self.rank_sent_bytes = dict(self.publisher.sink.rank_sent_bytes)
 
 
 def write_model(weights: list, size: int, workdir: Path) -> Path:
@@ -220,7 +220,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict:
     received = {
         "gloo broadcast, one tensor": model_bytes,
         "gloo broadcast per tensor": model_bytes,
-        **{f"dist {mode}": max(p.sent_bytes.values()) for mode, p in pushers.items()},
+        **{f"dist {mode}": max(p.rank_sent_bytes.values()) for mode, p in pushers.items()},
     }
     return {"size": model_bytes, "tp": args.tp, "rows": rows, "received": received}
 

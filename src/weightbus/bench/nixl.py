@@ -217,7 +217,7 @@ def _measure(setting: Setting, weights: list, args, baseline: BroadcastCase | No
         rows = _rounds(operations, nbytes, args.repeat)
         shares = {f"{e}.{r}": n for (e, r), n in nixl.sink.rank_bytes.items()}
         failures = _check_fingerprints(weights, {"nixl": nixl, "dist": dist})
-    share, dist_bytes = max(shares.values()), max(broadcast.sent_bytes.values())
+    share, dist_bytes = max(shares.values()), max(broadcast.rank_sent_bytes.values())
     per_rank = {FLOOR: share, IN_PLACE: share, ATOMIC: share, DIST: dist_bytes, PER_TENSOR: nbytes}
     return Result(setting.label, nbytes, rows, per_rank, shares, failures)
 

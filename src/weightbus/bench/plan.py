@@ -42,6 +42,9 @@ from weightbus.units import format_bytes, parse_bytes
 PATHS = ("shm", "dist-broadcast", "dist-scatter")
 _TINY_BYTES = 4 << 20
 _GROUP_TIMEOUT_S = 120.0
+FLOORS = ("memcpy into shared memory", "xxh3, one thread", "gloo broadcast", "gloo send, each peer")
+# bandwidths do not change bytes: the share per rank is computed with any
+_BYTES_ONLY = Hardware(name="bytes only", nic_gb_per_s=1, local_gb_per_s=1, copy_gb_per_s=1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +124,7 @@ def _measure_size(size: int, fixed: dict, args: argparse.Namespace, workdir: Pat
     model = ModelTensors(
         f"llama {format_bytes(size)}", tuple(metas_of(weights)), hf_config(llama_shape(size, 2))
     )
-    share = max(forecast(model, _scenario("shm", args.tp, _PLACEHOLDER)).traffic.share_bytes)
+    share = max(forecast(model, _scenario("shm", args.tp, _BYTES_ONLY)).traffic.share_bytes)
     folder = _write_model(weights, size, workdir / f"model-{size}")
     proc, url = start_engine(str(folder), args.tp, extra=["--dtype", "bfloat16"])
     (folder / "model.safetensors").unlink()
@@ -142,7 +145,7 @@ def _measure_size(size: int, fixed: dict, args: argparse.Namespace, workdir: Pat
         pushers.close()
         baseline.close()
         stop_engine(proc)
-    floors = {name: rows[name].gb_per_s for name in list(rows)[:4]}
+    floors = {name: rows[name].gb_per_s for name in FLOORS}
     predicted = {
         path: forecast(model, _scenario(path, args.tp, _hardware(floors, fixed[path]))).timing
         for path in PATHS
@@ -154,9 +157,6 @@ def _measure_size(size: int, fixed: dict, args: argparse.Namespace, workdir: Pat
         "rows": rows,
         "predicted": predicted,
     }
-
-
-_PLACEHOLDER = Hardware(name="bytes only", nic_gb_per_s=1, local_gb_per_s=1, copy_gb_per_s=1)
 
 
 def _hardware(floors: dict[str, float], push_s: float) -> Hardware:

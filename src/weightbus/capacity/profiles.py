@@ -3,15 +3,17 @@
 Bandwidths are per GPU and per direction (NVIDIA quotes NVLink as the sum of both directions:
 halved here). Per-tensor, per-bucket and per-push costs are not vendor figures: they are this
 project's assumptions, named as such, and `docs/scale.md` shows how much of each prediction
-they make up.
+they make up. The GPU profiles do not hash (`hash_gb_per_s` None): they model systems that push
+without a fingerprint; weightbus's own fingerprint pass on GPU tensors is not modelled.
 """
 
+import math
 from dataclasses import replace
 
 from weightbus.capacity.timing import Hardware
 
 _NVLINK_H100 = "https://www.nvidia.com/en-us/data-center/h100/ (NVLink 900 GB/s, both directions)"
-_CX7 = "https://www.nvidia.com/en-us/networking/ethernet-adapters/connectx-7/ (400 Gb/s = 50 GB/s)"
+_CX7 = "ConnectX-7: 400 Gb/s = 50 GB/s (NVIDIA MLNX_OFED release notes; DeepEP README for H800)"
 _PCIE5 = "PCI-SIG: PCIe 5.0 x16, 32 GT/s x 16 lanes = 64 GB/s per direction (~50 GB/s achieved)"
 _ASSUMED = "assumed (not a vendor figure): see docs/scale.md"
 
@@ -25,7 +27,6 @@ def _gpu(
 ) -> Hardware:
     return Hardware(
         name=name,
-        ranks_per_node=8,
         nic_gb_per_s=50.0,
         local_gb_per_s=nvlink_both_gb_per_s / 2,
         stage_gb_per_s=50.0,
@@ -53,35 +54,31 @@ PROFILES: dict[str, Hardware] = {
         "h800",
         400.0,
         3350.0,
-        "H800 SXM5 HBM3 3.35 TB/s (NVIDIA H800 product brief)",
-        "H800 SXM5 NVLink 400 GB/s, both directions (NVIDIA H800 product brief)",
+        "H800 SXM5 HBM3 3.35 TB/s (secondary sources quoting NVIDIA; as H100)",
+        "H800 SXM5 NVLink 400 GB/s, both directions (secondary sources quoting NVIDIA)",
     ),
     "h20": _gpu(
         "h20",
         900.0,
         4000.0,
-        "H20 HBM3 4.0 TB/s (NVIDIA HGX H20 product brief)",
-        "H20 NVLink 900 GB/s, both directions (NVIDIA HGX H20 product brief)",
+        "H20 HBM3 4.0 TB/s (secondary sources quoting NVIDIA)",
+        "H20 NVLink 900 GB/s, both directions (secondary sources quoting NVIDIA)",
     ),
     # A CPU host where the trainer and every rank share the cores, as on this project's 2-core
     # CI machine (figures measured there; `weightbus bench plan` measures your own).
     "cpu-host": Hardware(
         name="cpu-host",
-        ranks_per_node=64,
-        nic_gb_per_s=1.6,
-        local_gb_per_s=19.5,
-        broadcast_gb_per_s=1.8,
-        copy_gb_per_s=19.5,
-        hash_gb_per_s=25.0,
-        bucket_s=1e-3,
-        push_s=6e-3,
+        nic_gb_per_s=2.1,
+        local_gb_per_s=10.7,
+        broadcast_gb_per_s=1.1,
+        copy_gb_per_s=10.7,
+        hash_gb_per_s=13.9,
+        push_s=0.05,
         shared_cpu=True,
         sources={
-            "local_gb_per_s, copy_gb_per_s": "memcpy into a preallocated tensor, 2 threads",
-            "broadcast_gb_per_s": "gloo broadcast per receiver, loopback",
-            "nic_gb_per_s": "ZMQ tcp, loopback",
-            "hash_gb_per_s": "xxh3-128",
-            "bucket_s, push_s": "weightbus bench update (fixed cost of a push, tiny model)",
+            "all": "measured by `weightbus bench plan` at 1 GiB on the 2-core CI machine "
+            "(docs/scale.md section 4): memcpy into shared memory, xxh3 on one thread, gloo "
+            "broadcast to 2 peers and point-to-point sends over loopback, a push's fixed cost",
         },
     ),
 }
@@ -112,14 +109,14 @@ def hardware(
     for key, value in (links or {}).items():
         if key not in LINK_FIELDS:
             raise ValueError(f"unknown link {key!r}; choose from {', '.join(LINK_FIELDS)}")
-        if value <= 0:
-            raise ValueError(f"link {key} must be > 0 GB/s, got {value}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"link {key} must be a finite number > 0 GB/s, got {value}")
         changes[LINK_FIELDS[key]] = value
     for key, value in (costs or {}).items():
         if key not in COST_FIELDS:
             raise ValueError(f"unknown cost {key!r}; choose from {', '.join(COST_FIELDS)}")
-        if value < 0:
-            raise ValueError(f"cost {key} must be >= 0 s, got {value}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"cost {key} must be a finite number >= 0 s, got {value}")
         changes[COST_FIELDS[key]] = value
     profile = PROFILES[name]
     if changes:

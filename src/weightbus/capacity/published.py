@@ -94,12 +94,14 @@ CASES = (
             transport="dist-scatter",
             hardware=PROFILES["h100"],
             replicas=8,
-            trainer_ranks=256,
+            trainer_ranks=32,
             cross_node=True,
         ),
         published_s=7.65,
         source="https://github.com/NVIDIA-NeMo/RL/pull/2413 (table: 7.65s-9.94s)",
-        assumed="DGX-H100 (the merged PR #2971 names it; #2413 does not)",
+        assumed="32 of the 256 training ranks send at once: the refit runs one NCCL group per "
+        "PP stage (16 ranks each) on 2 streams (NRL_REFIT_NUM_STREAMS, docs/design-docs/"
+        "nccl-reshard-refit.md); DGX-H100 (the merged PR #2971 names it, #2413 does not)",
     ),
 )
 

@@ -31,17 +31,22 @@ def print_forecast(result: Forecast) -> None:
         ["engine rank holds (its share)", _span(moved.share_bytes)],
         ["engine rank staging, atomic", _span(moved.staging_bytes)],
         [
-            "engine rank applies (tensors)",
+            "engine rank tensors",
             ", ".join(sorted({f"{n:,}" for n in moved.rank_tensors})),
         ],
         ["trainer rank sends", _span(moved.trainer_send_bytes)],
         ["trainer rank buffers", format_bytes(moved.trainer_buffer_bytes)],
     ]
     print_table(["per rank", "bytes"], rows)
-    print(
-        f"\npredicted push: {timing.seconds:.3f} s = stage {timing.stage_s:.3f} + wire "
-        f"{timing.wire_s:.3f} + apply {timing.apply_s:.3f} "
-        f"({'added: shared cores' if scenario.hardware.shared_cpu else 'overlapped'}; "
-        f"fill {timing.fill_s:.3f}) + buckets {timing.buckets_s:.3f} + push {timing.push_s:.3f}; "
-        f"bottleneck: {timing.bottleneck}"
-    )
+    if moved.replicated_by_default:
+        print(
+            f"\nnote: no TP rule for {', '.join(moved.replicated_by_default)}: planned as "
+            "replicated on every rank"
+        )
+    print(f"\npredicted push: {timing.seconds:.3f} s, bottleneck: {timing.bottleneck}")
+    stages = f"stage {timing.stage_s:.3f}, wire {timing.wire_s:.3f}, apply {timing.apply_s:.3f}"
+    if timing.overlapped:
+        print(f"  = the slowest stage + fill {timing.fill_s:.3f} (stages overlap: {stages})")
+    else:
+        print(f"  = {stages}, added (shared cores, or one bucket)")
+    print(f"  + buckets {timing.buckets_s:.3f} + push {timing.push_s:.3f}")

@@ -27,8 +27,10 @@ FP8_BLOCK = (128, 128)
 _PRESETS = "weightbus.capacity.configs"
 # Config fields that make transformers load remote code or quantize at build time.
 _DROPPED_FIELDS = ("auto_map", "quantization_config", "torch_dtype", "dtype")
-# Decoder-layer linear weights that fp8-block checkpoints keep unquantized (MoE routers).
-_UNQUANTIZED_SUFFIXES = (".mlp.gate.weight",)
+# Decoder-layer matrices that fp8-block checkpoints keep unquantized (MoE routers).
+_UNQUANTIZED_SUFFIXES = (".mlp.gate.weight", ".shared_expert_gate.weight")
+# Kept in float32 whatever the model's dtype, as DeepSeek-V3 and Kimi-K2 checkpoints store it.
+_FLOAT32_SUFFIXES = (".e_score_correction_bias",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +78,10 @@ def load_config(model: str | Path) -> tuple[str, dict[str, Any]]:
             f"no config.json at {model!r} and no preset of that name; presets: "
             f"{', '.join(preset_names())}"
         )
-    config = json.loads(text)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{model}: not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(  # noqa: TRY004 - bad file content, not a bad argument type
             f"{model}: a config must be a JSON object, got {type(config).__name__}"
@@ -107,7 +112,10 @@ def model_tensors(model: str | Path, dtype: str | None = None) -> ModelTensors:
         else torch.bfloat16
     )
     named = _checkpoint_shapes(config, base)
-    metas = [TensorMeta(n, base, shape) for n, shape in named]
+    metas = [
+        TensorMeta(n, torch.float32 if n.endswith(_FLOAT32_SUFFIXES) else base, shape)
+        for n, shape in named
+    ]
     if dtype == "fp8-block":
         metas = fp8_block(metas)
     return ModelTensors(name=name, metas=tuple(metas), config=config)
@@ -138,9 +146,10 @@ def fp8_block(metas: list[TensorMeta]) -> list[TensorMeta]:
 
 
 def _quantized(meta: TensorMeta) -> bool:
+    """Every matrix inside the decoder layers (all of them linear weights) but the routers."""
     return (
         ".layers." in meta.name
-        and meta.name.endswith("_proj.weight")
+        and meta.name.endswith(".weight")
         and len(meta.shape) == 2
         and not meta.name.endswith(_UNQUANTIZED_SUFFIXES)
     )
@@ -163,8 +172,9 @@ def _checkpoint_shapes(config: dict[str, Any], dtype: torch.dtype) -> list[tuple
         hf_config = AutoConfig.for_model(model_type, **fields)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"transformers cannot build model_type {model_type!r}: {exc}") from exc
+    except Exception as exc:  # any failure of a third-party build from user input
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise ValueError(f"transformers cannot build model_type {model_type!r}: {reason}") from exc
     state = dict(model.named_parameters())  # tied parameters once, as pushes send them
     state.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
     return [(n, tuple(t.shape)) for n, t in _revert_fused(model, state).items()]

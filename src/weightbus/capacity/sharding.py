@@ -1,28 +1,35 @@
-"""What each engine rank holds of each pushed tensor: vLLM's tensor- and expert-parallel rules.
+"""What each engine rank holds of each pushed tensor: tensor- and expert-parallel rules.
 
-The rules are those of vLLM's (and SGLang's) linear layers, which the reference engine follows
-(`layers/linear.py`, `layers/embedding.py`): column-parallel matrices split their rows, row-
-parallel ones their columns, KV heads are replicated when there are fewer than ranks, the
-vocabulary is split in ranges of `ceil(vocab / tp)` rows, everything else is replicated. With
-expert parallelism the routed experts are divided into `ep` contiguous groups of `tp / ep` ranks,
-and each group splits its experts' matrices like a dense MLP. An FP8 `weight_scale_inv` is split
-like its weight, in 128-row/column blocks.
+Tensor parallelism follows vLLM's linear layers, which the reference engine follows too
+(`layers/linear.py`, `layers/embedding.py`): column-parallel matrices split their rows,
+row-parallel ones their columns, KV heads are replicated when there are fewer than ranks,
+routers, norms and MLA's down-projections are replicated. The vocabulary is split in ranges of
+`ceil(vocab / tp)` rows (the reference engine's rule; vLLM pads the vocabulary to a multiple of
+64 first, which moves a few rows between ranks). Expert parallelism divides the routed experts
+into `ep` contiguous groups of `tp / ep` ranks, each splitting its experts like a dense MLP
+(SGLang's layout; `ep = tp` is vLLM's: whole experts per rank). A block-FP8 `weight_scale_inv`
+is split like its weight, in 128-row/column blocks.
 """
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 from typing import Any
 
+import torch
+
 from weightbus.meta import TensorMeta
 
+FP8_BLOCK_ROWS = 128
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|bias)$")
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
 _KV = ("k_proj", "v_proj")
-_COLUMN = ("q_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "w1", "w3")
-_ROW = ("o_proj", "down_proj", "w2")
-_EXPERT_COLUMN = ("gate_proj", "up_proj", "w1", "w3", "gate_up_proj")
+_COLUMN = ("q_proj", "qkv_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "gate_up_proj")
+_ROW = ("o_proj", "down_proj")
+_REPLICATED = ("gate", "q_a_proj", "kv_a_proj_with_mqa", "shared_expert_gate")
+_EXPERT_COLUMN = ("gate_proj", "up_proj", "gate_up_proj")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +45,10 @@ class EngineLayout:
         if self.tp % self.ep:
             raise ValueError(f"engine ep ({self.ep}) must divide engine tp ({self.tp})")
 
+    @property
+    def expert_group_ranks(self) -> int:
+        return self.tp // self.ep
+
 
 def split_length(size: int, parts: int, index: int) -> int:
     """Length of part `index` when `size` is cut into `parts` ranges of `ceil(size / parts)`
@@ -49,34 +60,37 @@ def split_length(size: int, parts: int, index: int) -> int:
 
 def rank_shares(meta: TensorMeta, config: dict[str, Any], layout: EngineLayout) -> tuple[int, ...]:
     """Bytes of `meta` that each engine rank of a replica holds, by TP rank."""
+    return _shares(_kind_of(meta, config, layout), meta.shape, meta.element_bytes, layout)
+
+
+def unmatched_modules(metas: Iterable[TensorMeta]) -> list[str]:
+    """Modules of decoder-layer matrices no rule names: planned as replicated on every rank,
+    which overstates their bytes if the engine splits them."""
+    known = (*_KV, *_COLUMN, *_ROW, *_REPLICATED)
+    modules = {
+        _module(m.name)
+        for m in metas
+        if ".layers." in m.name and len(m.shape) == 2 and not _EXPERT.search(m.name)
+    }
+    return sorted(modules - set(known))
+
+
+def _kind_of(meta: TensorMeta, config: dict[str, Any], layout: EngineLayout) -> tuple:
     expert = _EXPERT.search(meta.name)
     if expert:
-        group = int(expert[1]) * layout.ep // num_experts(config)
-        kind = ("expert", expert[2] in _EXPERT_COLUMN, group)
-    elif meta.name.endswith(_VOCAB):
-        kind = ("column",)
-    else:
-        kind = _kind(_module(meta.name), meta.name.endswith("bias"), config, layout.tp)
-    return _shares(kind, meta.shape, meta.element_bytes, layout)
+        experts = num_experts(config)
+        group = int(expert[1]) * layout.ep // experts if layout.ep > 1 else 0
+        return ("expert", expert[2] in _EXPERT_COLUMN, group)
+    if meta.name.endswith(_VOCAB):
+        return ("column",)
+    return _dense_kind(_module(meta.name), meta.name.endswith("bias"), config, layout.tp)
 
 
-def rank_share_bytes(
-    meta: TensorMeta, config: dict[str, Any], layout: EngineLayout, rank: int
-) -> int:
-    """Bytes of `meta` that engine rank `rank` of a replica holds."""
-    return rank_shares(meta, config, layout)[rank]
-
-
-def _module(name: str) -> str:
-    parts = name.split(".")
-    return parts[-2] if len(parts) >= 2 else ""
-
-
-def _kind(module: str, bias: bool, config: dict[str, Any], tp: int) -> tuple:
+def _dense_kind(module: str, bias: bool, config: dict[str, Any], tp: int) -> tuple:
     if bias and module in _ROW:
         return ("replicated",)
     if module in _KV:
-        heads = config.get("num_key_value_heads") or config.get("num_attention_heads") or tp
+        heads = config.get("num_key_value_heads") or config.get("num_attention_heads") or 1
         return ("column",) if heads >= tp else ("kv_replicated", heads)
     if module in _COLUMN:
         return ("column",)
@@ -85,39 +99,58 @@ def _kind(module: str, bias: bool, config: dict[str, Any], tp: int) -> tuple:
     return ("replicated",)
 
 
+def _module(name: str) -> str:
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+def _split_of(kind: tuple, layout: EngineLayout) -> tuple[int, int] | None:
+    """`(dim, parts)` a kind splits a matrix along, or None when it does not split it."""
+    if kind[0] == "column" and layout.tp > 1:
+        return 0, layout.tp
+    if kind[0] == "row" and layout.tp > 1:
+        return 1, layout.tp
+    if kind[0] == "expert" and layout.expert_group_ranks > 1:
+        return (0 if kind[1] else 1), layout.expert_group_ranks
+    return None
+
+
 @lru_cache(maxsize=4096)
 def _shares(kind: tuple, shape: tuple[int, ...], element_bytes: int, layout: EngineLayout) -> tuple:
     nbytes = prod(shape) * element_bytes
-    if kind[0] == "replicated" or not shape:
-        return (nbytes,) * layout.tp
     if kind[0] == "kv_replicated":
         return (nbytes // kind[1],) * layout.tp  # one head per rank, on tp // heads ranks each
+    split = _split_of(kind, layout) if shape else None
     if kind[0] == "expert":
-        _, column, group = kind
-        group_ranks = layout.tp // layout.ep
-        inner = [
-            _split(shape, nbytes, 0 if column else 1, group_ranks, p) for p in range(group_ranks)
-        ]
+        group_ranks = layout.expert_group_ranks
+        inner = [_split(shape, nbytes, split, p) for p in range(group_ranks)]
         return tuple(
-            inner[r % group_ranks] if r // group_ranks == group else 0 for r in range(layout.tp)
+            inner[r % group_ranks] if r // group_ranks == kind[2] else 0 for r in range(layout.tp)
         )
-    dim = 0 if kind[0] == "column" else 1
-    return tuple(_split(shape, nbytes, dim, layout.tp, rank) for rank in range(layout.tp))
+    return tuple(_split(shape, nbytes, split, rank) for rank in range(layout.tp))
 
 
-def _split(shape: tuple[int, ...], nbytes: int, dim: int, parts: int, index: int) -> int:
-    if dim >= len(shape) or not shape[dim]:
+def _split(shape: tuple[int, ...], nbytes: int, split: tuple[int, int] | None, index: int) -> int:
+    if split is None or split[0] >= len(shape) or not shape[split[0]]:
         return nbytes
+    dim, parts = split
     return nbytes // shape[dim] * split_length(shape[dim], parts, index)
 
 
 def check_layout(config: dict[str, Any], layout: EngineLayout) -> None:
     """Raise ValueError where vLLM's layers would refuse this layout for this model: attention
-    heads not divided by tp, KV heads neither a multiple nor a divisor of tp, experts not
-    divided by ep."""
+    heads or MLP widths not divided by tp, KV heads neither a multiple nor a divisor of tp,
+    experts not divided by ep."""
+    divided = {
+        "num_attention_heads": layout.tp,
+        "intermediate_size": layout.tp,
+        "moe_intermediate_size": layout.expert_group_ranks,
+    }
+    for field, parts in divided.items():
+        value = config.get(field)
+        if isinstance(value, int) and value and value % parts:
+            raise ValueError(f"{field} ({value}) is not divisible by {parts} ranks")
     heads = config.get("num_attention_heads")
-    if heads and heads % layout.tp:
-        raise ValueError(f"engine tp ({layout.tp}) must divide num_attention_heads ({heads})")
     kv_heads = config.get("num_key_value_heads") or heads
     if kv_heads and (kv_heads % layout.tp if kv_heads >= layout.tp else layout.tp % kv_heads):
         raise ValueError(
@@ -125,13 +158,32 @@ def check_layout(config: dict[str, Any], layout: EngineLayout) -> None:
             "one must divide the other"
         )
     experts = num_experts(config)
-    if layout.ep > 1 and (not experts or experts % layout.ep):
+    if layout.ep > 1 and not experts:
+        raise ValueError(f"engine ep ({layout.ep}): the model has no routed experts")
+    if layout.ep > 1 and experts % layout.ep:
         raise ValueError(f"engine ep ({layout.ep}) must divide the routed experts ({experts})")
 
 
+def check_block_alignment(
+    metas: Iterable[TensorMeta], config: dict[str, Any], layout: EngineLayout
+) -> None:
+    """Raise ValueError where a block-FP8 matrix would be split inside a 128x128 block (vLLM
+    refuses such shards)."""
+    for meta in metas:
+        if meta.dtype != torch.float8_e4m3fn or len(meta.shape) != 2:
+            continue
+        split = _split_of(_kind_of(meta, config, layout), layout)
+        if split and meta.shape[split[0]] % (split[1] * FP8_BLOCK_ROWS):
+            size, parts = meta.shape[split[0]], split[1]
+            raise ValueError(
+                f"fp8-block: {meta.name} splits {size} over {parts} ranks, "
+                f"{size / parts:g} each: not a multiple of the {FP8_BLOCK_ROWS}-wide blocks"
+            )
+
+
 def num_experts(config: dict[str, Any]) -> int:
-    """Routed experts per MoE layer (0 for a dense model)."""
-    for key in ("n_routed_experts", "num_experts", "num_local_experts"):
-        if config.get(key):
+    """Routed experts per MoE layer (0 for a dense model or an unknown config key)."""
+    for key in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"):
+        if isinstance(config.get(key), int) and config[key]:
             return int(config[key])
     return 0

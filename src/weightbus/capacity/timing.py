@@ -32,7 +32,6 @@ class Hardware:
     """Bandwidths (GB/s = 1e9 bytes/s, one direction, per rank) and fixed costs of a cluster."""
 
     name: str
-    ranks_per_node: int = 8
     nic_gb_per_s: float  # between nodes, per rank
     local_gb_per_s: float  # between ranks of one node (NVLink; on a CPU host: a memcpy)
     broadcast_gb_per_s: float | None = None  # a broadcast's algorithm bandwidth; None: derived
@@ -65,7 +64,8 @@ class Timing:
     fill_s: float  # pipeline fill and drain
     buckets_s: float  # latency of the buckets one stream sends in turn
     push_s: float
-    bottleneck: str
+    bottleneck: str  # the slowest stage
+    overlapped: bool  # stages overlap (pipelined buckets) rather than add up
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -95,14 +95,14 @@ def predict(
     }
     buckets = traffic.sequential_buckets
     bottleneck = max(stages, key=stages.get)
-    if hardware.shared_cpu or buckets == 1:
+    serial = hardware.shared_cpu or buckets == 1
+    if serial:
         stream_s, fill_s = sum(stages.values()), 0.0
     else:
-        overlapped = stages if stage_overlaps else {k: v for k, v in stages.items() if k != "stage"}
+        overlapped = {k: v for k, v in stages.items() if stage_overlaps or k != "stage"}
         slowest = max(overlapped.values())
-        stream_s = slowest + (0.0 if stage_overlaps else stages["stage"])
+        stream_s = slowest + sum(v for k, v in stages.items() if k not in overlapped)
         fill_s = (sum(overlapped.values()) - slowest) / buckets
-        bottleneck = max(overlapped, key=overlapped.get) if stage_overlaps else bottleneck
     buckets_s = buckets * hardware.bucket_s
     return Timing(
         seconds=stream_s + fill_s + buckets_s + hardware.push_s,
@@ -113,17 +113,17 @@ def predict(
         buckets_s=buckets_s,
         push_s=hardware.push_s,
         bottleneck=bottleneck,
+        overlapped=not serial,
     )
 
 
 def _stage_s(traffic: Traffic, hardware: Hardware, staged_from_host: bool) -> float:
-    sent = max(traffic.trainer_send_bytes)
     seconds = 0.0
     if hardware.hash_gb_per_s:
         seconds += traffic.trainer_hash_bytes / (hardware.hash_gb_per_s * GB)
     seconds += traffic.pack_bytes / (hardware.copy_gb_per_s * GB)
     if staged_from_host and hardware.stage_gb_per_s:
-        seconds += sent / (hardware.stage_gb_per_s * GB)
+        seconds += max(traffic.trainer_own_bytes) / (hardware.stage_gb_per_s * GB)
     return seconds
 
 

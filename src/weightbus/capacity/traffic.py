@@ -14,7 +14,13 @@ import heapq
 from dataclasses import dataclass
 
 from weightbus.capacity.shapes import ModelTensors
-from weightbus.capacity.sharding import EngineLayout, check_layout, rank_shares
+from weightbus.capacity.sharding import (
+    EngineLayout,
+    check_block_alignment,
+    check_layout,
+    rank_shares,
+    unmatched_modules,
+)
 from weightbus.plan.planner import plan_buckets
 
 TRANSPORTS = ("shm", "shm-slots", "nixl", "dist", "dist-broadcast", "dist-scatter")
@@ -54,12 +60,14 @@ class Traffic:
     receive_bytes: tuple[int, ...]  # by engine TP rank: bytes the transport delivers to it
     rank_tensors: tuple[int, ...]  # by engine TP rank: tensors it applies
     rank_copy_bytes: tuple[int, ...]  # by engine TP rank: bytes it copies to apply them
+    trainer_own_bytes: tuple[int, ...]  # by trainer rank: bytes of the tensors it sends
     trainer_send_bytes: tuple[int, ...]  # by trainer rank: bytes it hands to the transport
     pack_bytes: int  # per trainer rank: bytes it copies into send buffers or slots first
     trainer_hash_bytes: int  # per trainer rank: bytes it hashes (fingerprint, transport checks)
     rank_hash_bytes: tuple[int, ...]  # by engine TP rank: bytes it hashes (verify, checks)
     staging_bytes: tuple[int, ...]  # by engine TP rank, atomic pushes: staging copy + buffers
     trainer_buffer_bytes: int  # per trainer rank: transport buffers it allocates
+    replicated_by_default: tuple[str, ...]  # decoder modules no rule names (see sharding)
 
 
 def traffic(
@@ -84,6 +92,7 @@ def traffic(
             f"replicas and trainer ranks must be >= 1, got {replicas}, {trainer_ranks}"
         )
     check_layout(model.config, layout)
+    check_block_alignment(model.metas, model.config, layout)
     transport = resolve_transport(transport, layout)
     pattern = pattern_of(transport)
     shares = [rank_shares(meta, model.config, layout) for meta in model.metas]
@@ -98,9 +107,9 @@ def traffic(
         costs = [meta.nbytes for meta in model.metas]
         tensors = (len(model.metas),) * layout.tp
     buckets = plan_buckets(model.metas, bucket_bytes).num_buckets
-    senders = _spread(costs, trainer_ranks)
+    own, senders = _spread([meta.nbytes for meta in model.metas], costs, trainer_ranks)
     # sharded: trainer ranks send their own buckets at the same time; else they take turns
-    in_turn = buckets if pattern != "sharded" else min(buckets, -(-max(senders) // bucket_bytes))
+    in_turn = buckets if pattern != "sharded" else -(-max(own) // bucket_bytes)
     return Traffic(
         transport=transport,
         pattern=pattern,
@@ -112,25 +121,31 @@ def traffic(
         receive_bytes=receive,
         rank_tensors=tensors,
         rank_copy_bytes=tuple(_copies(transport) * share for share in share_bytes),
+        trainer_own_bytes=own,
         trainer_send_bytes=senders,
-        pack_bytes=total // trainer_ranks
-        if transport == "shm-slots"
-        else _packed(transport, senders),
-        trainer_hash_bytes=total // trainer_ranks + _checked(transport, max(senders), verify),
+        pack_bytes=max(own) if transport == "shm-slots" else _packed(transport, senders),
+        trainer_hash_bytes=max(own) + _checked(transport, max(senders), verify),
         rank_hash_bytes=_rank_hashes(transport, share_bytes, receive, verify),
         staging_bytes=tuple(s + _rank_buffers(transport, bucket_bytes) for s in share_bytes),
         trainer_buffer_bytes=_trainer_buffers(transport, bucket_bytes),
+        replicated_by_default=tuple(unmatched_modules(model.metas)),
     )
 
 
-def _spread(costs: list[int], senders: int) -> tuple[int, ...]:
-    """Each tensor sent by one trainer rank, largest first to the least loaded (how
-    checkpoint-engine and Perplexity's transfer spread owners): bytes per trainer rank."""
+def _spread(
+    sizes: list[int], costs: list[int], senders: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each tensor sent by one trainer rank, costliest first to the least loaded (how
+    checkpoint-engine and Perplexity's transfer spread owners): per trainer rank, the bytes of
+    its tensors and the bytes it sends (`costs`: a tensor's bytes over every destination)."""
     loads = [(0, rank) for rank in range(senders)]
-    for cost in sorted(costs, reverse=True):
+    own = [0] * senders
+    for cost, size in sorted(zip(costs, sizes, strict=True), reverse=True):
         load, rank = heapq.heappop(loads)
+        own[rank] += size
         heapq.heappush(loads, (load + cost, rank))
-    return tuple(load for load, _ in sorted(loads, key=lambda item: item[1]))
+    sent = {rank: load for load, rank in loads}
+    return tuple(own), tuple(sent[rank] for rank in range(senders))
 
 
 def _packed(transport: str, senders: tuple[int, ...]) -> int:

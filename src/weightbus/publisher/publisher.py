@@ -158,7 +158,7 @@ class Publisher(FleetMembership):
 
     @property
     def sink(self) -> BucketSink:
-        """The transport's sink (e.g. `DistSink.sent_bytes`: bytes per rank of the last push)."""
+        """The transport's sink (e.g. `DistSink.rank_sent_bytes`: per rank, the last push)."""
         return self._sink
 
     def __enter__(self) -> "Publisher":

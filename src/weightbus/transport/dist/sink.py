@@ -119,7 +119,7 @@ class DistSink(BucketSink):
         prefetch_depth: buckets each rank receives ahead of the one it loads.
 
     Attributes:
-        sent_bytes: bytes each receiving group rank got in the last push, alignment padding
+        rank_sent_bytes: bytes each receiving group rank got in the last push, alignment padding
             included (`PushSession.sent_bytes` counts the push's tensor bytes).
     """
 
@@ -137,7 +137,7 @@ class DistSink(BucketSink):
         self.group_name = group_name
         self.requested_mode = mode
         self.prefetch_depth = prefetch_depth
-        self.sent_bytes: dict[int, int] = {}
+        self.rank_sent_bytes: dict[int, int] = {}
         self._session_mode: tuple[str, str] = ("", "broadcast")
         self._members: Sequence[EngineLink] = ()  # the engines of the group this sink formed
         self._engine_at_offset: dict[int, str] = {}  # first group rank -> engine URL
@@ -240,7 +240,7 @@ class DistSink(BucketSink):
         session_id, mode = self._session_mode
         assert session_id == session.session_id, "prepare() the session first"
         push = _Push(group, session, tensors, time.monotonic() + timeout_s)
-        self.sent_bytes = push.sent_bytes
+        self.rank_sent_bytes = push.rank_sent_bytes
         # raises when the push cannot start: nothing moved, the group stays usable
         start_stream(
             group,
@@ -285,7 +285,7 @@ class _Push:
         self.session = session
         self.tensors = tensors
         self.deadline = deadline
-        self.sent_bytes = dict.fromkeys(range(1, group.world_size), 0)
+        self.rank_sent_bytes = dict.fromkeys(range(1, group.world_size), 0)
         self.in_flight = [_InFlight(), _InFlight()]  # double buffering: pack one, send one
 
     def run(self, mode: str, progress: Progress) -> None:
@@ -341,8 +341,8 @@ class _Push:
                 data = self._entry_bytes(entry, buffer)
                 pending.ops.append((self.group.pg.broadcast(data, 0, timeout), data))
         self.session.count_sent(bucket.payload_bytes)  # one send, whatever the receivers
-        for group_rank in self.sent_bytes:
-            self.sent_bytes[group_rank] += bucket.nbytes
+        for group_rank in self.rank_sent_bytes:
+            self.rank_sent_bytes[group_rank] += bucket.nbytes
 
     def _scatter(
         self,
@@ -374,7 +374,7 @@ class _Push:
         pending.ops += broadcast_message(self.group, message, self.deadline)
         for group_rank, packed in sends:
             pending.ops.append((self.group.pg.send([packed], group_rank, DATA_TAG), packed))
-            self.sent_bytes[group_rank] += packed.numel()
+            self.rank_sent_bytes[group_rank] += packed.numel()
         for target, payload in zip(targets, payloads, strict=True):
             self.session.count_sent(payload * len(target.group_ranks))  # one send per rank
 
