@@ -132,3 +132,13 @@ def test_unknown_architectures_are_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="a config must be a JSON object, got list"):
         model_tensors(tmp_path)
+
+
+def test_configs_transformers_cannot_build_are_named(tmp_path: Path) -> None:
+    fields = json.loads((CONFIGS / "small-qwen3-moe.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "num_attention_heads": 0}))
+    with pytest.raises(ValueError, match="transformers cannot build model_type 'qwen3_moe': "):
+        model_tensors(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON: Expecting property name"):
+        model_tensors(tmp_path)

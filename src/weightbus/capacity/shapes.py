@@ -70,9 +70,10 @@ def load_config(model: str | Path) -> tuple[str, dict[str, Any]]:
         path = path / "config.json"
     if path.is_file():
         name = path.parent.name if path.name == "config.json" else path.stem
-        text = path.read_text()
+        source, text = str(path), path.read_text()
     elif str(model) in preset_names():
-        name, text = str(model), resources.files(_PRESETS).joinpath(f"{model}.json").read_text()
+        name = source = str(model)
+        text = resources.files(_PRESETS).joinpath(f"{model}.json").read_text()
     else:
         raise FileNotFoundError(
             f"no config.json at {model!r} and no preset of that name; presets: "
@@ -81,10 +82,10 @@ def load_config(model: str | Path) -> tuple[str, dict[str, Any]]:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{model}: not valid JSON: {exc}") from None
+        raise ValueError(f"{source}: not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(  # noqa: TRY004 - bad file content, not a bad argument type
-            f"{model}: a config must be a JSON object, got {type(config).__name__}"
+            f"{source}: a config must be a JSON object, got {type(config).__name__}"
         )
     return name, config
 

@@ -86,6 +86,7 @@ class MappedTarget:
 
     def close(self) -> None:
         self.copies.clear()
+        self.slice_bytes.clear()
         self._file.close()
 
 
