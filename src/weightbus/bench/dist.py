@@ -187,8 +187,10 @@ class DistPusher:
         self.rank_sent_bytes = dict(self.publisher.sink.rank_sent_bytes)
 
 
-def write_model(weights: list, size: int, workdir: Path) -> Path:
-    model_dir = workdir / "model"
+def write_model(weights: list, size: int, workdir: Path, name: str = "model") -> Path:
+    """Write `weights` and a Llama config of `size` as a Hugging Face checkpoint in
+    `workdir / name`; return that directory."""
+    model_dir = workdir / name
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(hf_config(llama_shape(size, 2))))
     save_file(dict(weights), str(model_dir / "model.safetensors"))

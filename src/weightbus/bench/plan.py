@@ -15,7 +15,6 @@ into a real TP-N engine (in place, verify none) and times them: predicted agains
 """
 
 import argparse
-import json
 import logging
 import os
 import tempfile
@@ -23,9 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from weightbus.bench.dist import Baseline, DistPusher
+from weightbus.bench.dist import Baseline, DistPusher, write_model
 from weightbus.bench.engine import start_engine, stop_engine
 from weightbus.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.bench.timing import Measurement, measure_interleaved, write_json
@@ -83,18 +81,11 @@ class _Pushers:
         self.dist.close()
 
 
-def _write_model(weights: list, size: int, folder: Path) -> Path:
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(hf_config(llama_shape(size, 2))))
-    save_file(dict(weights), str(folder / "model.safetensors"))
-    return folder
-
-
 def _fixed_costs(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     """Median push time of a tiny model per path: the fixed cost of a push."""
     weights = llama_weights(_TINY_BYTES, torch.bfloat16)
     proc, url = start_engine(
-        str(_write_model(weights, _TINY_BYTES, workdir / "tiny")),
+        str(write_model(weights, _TINY_BYTES, workdir, "tiny")),
         args.tp,
         extra=["--dtype", "bfloat16"],
     )
@@ -125,7 +116,7 @@ def _measure_size(size: int, fixed: dict, args: argparse.Namespace, workdir: Pat
         f"llama {format_bytes(size)}", tuple(metas_of(weights)), hf_config(llama_shape(size, 2))
     )
     share = max(forecast(model, _scenario("shm", args.tp, _BYTES_ONLY)).traffic.share_bytes)
-    folder = _write_model(weights, size, workdir / f"model-{size}")
+    folder = write_model(weights, size, workdir, f"model-{size}")
     proc, url = start_engine(str(folder), args.tp, extra=["--dtype", "bfloat16"])
     (folder / "model.safetensors").unlink()
     baseline = Baseline(args.tp, [t for _, t in weights])

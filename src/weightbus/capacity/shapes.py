@@ -177,7 +177,8 @@ def _checkpoint_shapes(config: dict[str, Any], dtype: torch.dtype) -> list[tuple
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise ValueError(f"transformers cannot build model_type {model_type!r}: {reason}") from exc
     state = dict(model.named_parameters())  # tied parameters once, as pushes send them
-    state.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
+    persistent = model.state_dict().keys()
+    state.update((n, b) for n, b in model.named_buffers() if n in persistent)
     return [(n, tuple(t.shape)) for n, t in _revert_fused(model, state).items()]
 
 

@@ -123,7 +123,7 @@ def traffic(
         rank_copy_bytes=tuple(_copies(transport) * share for share in share_bytes),
         trainer_own_bytes=own,
         trainer_send_bytes=senders,
-        pack_bytes=max(own) if transport == "shm-slots" else _packed(transport, senders),
+        pack_bytes=_packed(transport, own, senders),
         trainer_hash_bytes=max(own) + _checked(transport, max(senders), verify),
         rank_hash_bytes=_rank_hashes(transport, share_bytes, receive, verify),
         staging_bytes=tuple(s + _rank_buffers(transport, bucket_bytes) for s in share_bytes),
@@ -148,9 +148,12 @@ def _spread(
     return tuple(own), tuple(sent[rank] for rank in range(senders))
 
 
-def _packed(transport: str, senders: tuple[int, ...]) -> int:
-    """nixl and dist scatter pack each rank's slices into a send buffer; shm direct's copy is
-    its wire, dist broadcast sends from the trainer's tensors."""
+def _packed(transport: str, own: tuple[int, ...], senders: tuple[int, ...]) -> int:
+    """Bytes a trainer rank packs first: shm slots its tensors, nixl and dist scatter each
+    rank's slices into a send buffer; shm direct's copy is its wire, dist broadcast sends from
+    the trainer's tensors."""
+    if transport == "shm-slots":
+        return max(own)
     return max(senders) if transport in ("nixl", "dist-scatter") else 0
 
 
