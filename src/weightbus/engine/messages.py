@@ -15,6 +15,8 @@ from typing import Any, Literal
 import msgspec
 
 from weightbus.wire import PauseMode, VerifyLevel
+from weightbus.wire.delta import DeltaSpec
+from weightbus.wire.messages import SliceSpec
 
 PROTOCOL_VERSION = 1
 
@@ -45,6 +47,9 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     max_model_len: int
     eos_token_ids: list[int]
     weight_version: str
+    # each rank's slice of every tensor (`GET /v1/weights/layout`: what a delta's publisher
+    # digests per rank)
+    rank_slices: list[list[SliceSpec]] = msgspec.field(default_factory=list)
 
 
 class TokenOutput(msgspec.Struct, frozen=True):
@@ -76,7 +81,8 @@ class UpdateWeights(msgspec.Struct, tag="update", frozen=True, kw_only=True):
 
     `update_id` is a 32-hex-digit id the API server draws; ranks use it in their verdicts.
     With `two_phase` (atomic only) rank 0 answers once every rank staged and verified the
-    version (`UpdateResult.staged`) and swaps only on a `Decide` to commit.
+    version (`UpdateResult.staged`) and swaps only on a `Decide` to commit. With `delta` the
+    stream carries changes to the version served, which must be `delta.base_fingerprint`.
     """
 
     update_id: str
@@ -91,6 +97,7 @@ class UpdateWeights(msgspec.Struct, tag="update", frozen=True, kw_only=True):
     verify: VerifyLevel = "full"
     timeout_s: float = 60.0
     two_phase: bool = False
+    delta: DeltaSpec | None = None  # changes to the version the engine serves
 
 
 class Decide(msgspec.Struct, tag="decide", frozen=True, kw_only=True):

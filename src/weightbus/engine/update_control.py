@@ -23,6 +23,7 @@ from weightbus.engine.control_requests import ControlRequests
 from weightbus.engine.pending_update import PendingUpdate, failure, rank_nbytes
 from weightbus.engine.rollback import RollbackSlot
 from weightbus.wire import RankVerdict
+from weightbus.wire.delta import DELTA_BASE_REFUSAL, DeltaSpec
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,18 @@ class UpdateController(ControlRequests):
             return f"version {request.version!r} is already being served (set force to re-push)"
         if request.step is not None and self.step is not None and request.step <= self.step:
             return f"step {request.step} is not above the current step {self.step}"
+        if request.delta is not None:
+            return self._delta_conflict(request.delta)
+        return None
+
+    def _delta_conflict(self, delta: DeltaSpec) -> str | None:
+        """A delta applies only onto the exact version it was computed from."""
+        base = f"{DELTA_BASE_REFUSAL} {delta.base_version!r} ({delta.base_fingerprint})"
+        if not self.weights_valid or self.status == "FAILED" or self.released:
+            return f"{base} cannot apply: this engine serves no valid weights"
+        if delta.base_fingerprint != self.fingerprint:
+            served = f"{self.version!r} ({self.fingerprint})"
+            return f"{base} is not served here: this engine serves {served}"
         return None
 
     # --- the action of this step ---

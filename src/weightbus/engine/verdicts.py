@@ -4,12 +4,14 @@ These run on the TP group at a step boundary, on every rank alike, and only whil
 is in flight (the steady state pays nothing).
 """
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from weightbus.layers.parallel import get_tp
 from weightbus.receiver import RankResult
 from weightbus.wire import RankVerdict
+from weightbus.wire.messages import SliceSpec
 
 
 def all_flags(*flags: bool) -> list[bool]:
@@ -50,3 +52,9 @@ def gather_verdicts(update_id: str, result: RankResult) -> list[RankVerdict]:
         nbytes=result.nbytes,
     )
     return [RankVerdict.decode(frame) for frame in _all_gather_bytes(verdict.encode())]
+
+
+def gather_slice_maps(slices: list[SliceSpec]) -> list[list[SliceSpec]]:
+    """Every rank's slice map, on every rank, in rank order (once, at start-up)."""
+    frames = _all_gather_bytes(msgspec.msgpack.encode(slices))
+    return [msgspec.msgpack.decode(frame, type=list[SliceSpec]) for frame in frames]

@@ -16,10 +16,13 @@ cannot hold them they stay in private memory and updates stream through the slot
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 
 from weightbus.engine import messages
+from weightbus.engine.delta_slices import ModelSlices, copy_parameters
 from weightbus.engine.model_runner import ModelRunner
 from weightbus.meta import TensorMeta
 from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
@@ -50,23 +53,30 @@ def _swap_parameters(live: LlamaForCausalLM, staged: LlamaForCausalLM) -> None:
 
 
 class _StagedReceive:
-    """A receive running in a background thread; `result` is set when it ends."""
+    """A receive running in a background thread; `result` is set when it ends. `prepare`
+    runs first in the same thread (a delta's base copied into the staging model)."""
 
     def __init__(
         self,
         receiver: Receiver,
         request: messages.UpdateWeights,
         direct: DirectPlacement | None,
+        prepare: Callable[[], None],
     ) -> None:
         self.result: RankResult | None = None
         self._receiver = receiver
         self._request = request
         self._direct = direct
+        self._prepare = prepare
         self._thread = threading.Thread(target=self._run, name="staged-receive", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        tick = time.perf_counter()
+        self._prepare()
+        prepare_s = time.perf_counter() - tick
         self.result = receive(self._receiver, self._request, self._direct)
+        self.result.phases["base_copy_s"] = prepare_s
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -82,6 +92,7 @@ def receive(
         plan_hash=request.plan_hash,
         verify=request.verify,
         timeout_s=request.timeout_s,
+        delta=request.delta,
     )
     try:
         source = open_source(
@@ -162,6 +173,7 @@ class WeightsManager:
             expected=self.expected,
             rank=self.tp_rank,
             tp_size=self.tp_size,
+            slices=ModelSlices(model, self._copies),
         )
 
     # atomic: stage, then swap
@@ -171,8 +183,11 @@ class WeightsManager:
         if self._staging is None:
             self._staging = create_model(self.runner.config, self.dtype)
             self._staging_arena = self._place(self._staging, copy=False)
+        staging, live = self._staging, self.runner.model
+        # a delta changes the version served: the staging model starts as a copy of it
+        prepare = (lambda: copy_parameters(live, staging)) if request.delta else (lambda: None)
         self._staged = _StagedReceive(
-            self._receiver(self._staging), request, self._placement(self._staging_arena)
+            self._receiver(staging), request, self._placement(self._staging_arena), prepare
         )
 
     def staged_result(self) -> RankResult | None:

@@ -31,7 +31,7 @@ from weightbus.engine.sampler import SampleResult, sample
 from weightbus.engine.scheduler import Scheduler
 from weightbus.engine.sequence import SamplingParams, Sequence
 from weightbus.engine.update_control import UpdateController
-from weightbus.engine.verdicts import all_flags, gather_verdicts
+from weightbus.engine.verdicts import all_flags, gather_slice_maps, gather_verdicts
 from weightbus.engine.weights_group import GroupChange, slice_specs
 from weightbus.engine.weights_manager import WeightsManager
 from weightbus.layers.attention import AttentionMetadata
@@ -128,6 +128,7 @@ class Worker:
         )
         # what this rank loads of each tensor, for `dist` scatter (taken while weights exist)
         self.slices = slice_specs(self.runner.model)
+        self.rank_slices = gather_slice_maps(self.slices)
 
     def _init_step_state(self) -> None:
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
@@ -167,6 +168,7 @@ class Worker:
                 max_model_len=self.config.max_model_len,
                 eos_token_ids=list(model_config.eos_token_ids),
                 weight_version=self.config.weight_version,
+                rank_slices=self.rank_slices,
             )
         )
         self.control.publish_state()

@@ -24,6 +24,15 @@ from typing import Any
 import httpx
 
 from weightbus.plan import DEFAULT_BUCKET_BYTES
+from weightbus.publisher.delta import (
+    DEFAULT_MAX_RATIO,
+    DELTA_MODES,
+    DeltaMode,
+    DeltaPlan,
+    DeltaReport,
+    DeltaState,
+    is_base_refusal,
+)
 from weightbus.publisher.fleet import FleetMembership
 from weightbus.publisher.probe import LogprobProbe
 from weightbus.publisher.progress import PushProgress
@@ -43,6 +52,7 @@ from weightbus.transport import BucketSink, PushSession, SourceDescription, make
 from weightbus.transport.base import Progress
 from weightbus.transport.dist.messages import WeightsGroupInfo
 from weightbus.wire import PauseMode, VerifyLevel
+from weightbus.wire.delta import DeltaSpec
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +95,12 @@ class Publisher(FleetMembership):
         timeout_s: bound of one push on every engine.
         transport_options: keyword arguments of the transport's sink (e.g. `root` for disk);
             with routes, keyword arguments by transport name.
+        delta: how pushes go by default (`push(delta=...)`): `never` (whole), `always` (as
+            changes to the last version pushed, whenever every engine can take them) or
+            `auto` (as changes when they carry at most `delta_max_ratio` of the bytes). With
+            deltas on, the Publisher keeps a host copy of the last version pushed
+            (`delta_base_nbytes`).
+        delta_max_ratio: see `delta`.
 
     Attributes:
         fleet_version: what every member serves since this Publisher's last commit (None
@@ -106,11 +122,15 @@ class Publisher(FleetMembership):
         token: str | None = None,
         timeout_s: float = 120.0,
         transport_options: dict[str, Any] | None = None,
+        delta: DeltaMode = "never",
+        delta_max_ratio: float = DEFAULT_MAX_RATIO,
     ) -> None:
         if not engines:
             raise ValueError("engines: give at least one engine URL or target")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.delta = _delta_mode(delta)
+        self._delta = DeltaState(delta_max_ratio)
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self._token = token
@@ -155,6 +175,12 @@ class Publisher(FleetMembership):
     def transports(self) -> set[str]:
         """The transports pushes take (one, or each routed engine's)."""
         return {self.transport} if isinstance(self.transport, str) else set(self.transport.values())
+
+    @property
+    def delta_base_nbytes(self) -> int:
+        """Host memory held to encode deltas: a copy of the last version pushed (0 with
+        deltas off)."""
+        return self._delta.base_nbytes
 
     @property
     def sink(self) -> BucketSink:
@@ -272,6 +298,7 @@ class Publisher(FleetMembership):
         progress: Progress | None = None,
         probe: LogprobProbe | None = None,
         two_phase: bool | None = None,
+        delta: DeltaMode | None = None,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed.
 
@@ -294,6 +321,9 @@ class Publisher(FleetMembership):
             two_phase: every engine stages and verifies, then all commit or none does. None
                 (default): two-phase for atomic pushes to several engines when every target
                 supports it (else one-phase, logged).
+            delta: `never`, `always` or `auto` (None: the Publisher's `delta`). A delta names
+                the version it applies to; an engine serving another refuses it and gets the
+                whole version in the same call. `PushResult.delta` says how the push went.
 
         Returns:
             The committed version, its fingerprint and per-engine results; `gone` names engines
@@ -319,13 +349,10 @@ class Publisher(FleetMembership):
                 probe=probe,
                 two_phase=use_two_phase,
             )
+            tensors = dict(normalize_weights(weights, name_map))
+            mode = self.delta if delta is None else _delta_mode(delta)
             return self._push(
-                weights,
-                version=version,
-                step=step,
-                options=options,
-                name_map=name_map,
-                progress=progress,
+                tensors, version, step=step, options=options, progress=progress, mode=mode
             )
 
     def _two_phase(self, requested: bool | None, atomic: bool) -> bool:
@@ -348,18 +375,58 @@ class Publisher(FleetMembership):
 
     def _push(
         self,
-        weights: Weights,
-        *,
+        tensors: dict,
         version: str,
+        *,
         step: int | None,
-        options: "PushOptions",
-        name_map: NameMap | None,
+        options: PushOptions,
         progress: Progress | None,
+        mode: DeltaMode,
     ) -> PushResult:
+        """A delta when every engine can take one, else (or after an engine refused the
+        delta's base) the whole version; the base then becomes what was pushed."""
+        tick = time.perf_counter()
+        carries = self._sink.carries_any_tensors
+        plan = self._delta.plan(mode, tensors, self.targets, carries, _CONTROL_TIMEOUT_S)
+        delta_s = time.perf_counter() - tick
+        if isinstance(plan, DeltaPlan):
+            try:
+                result, _ = self._send(
+                    plan.stream, version, step=step, options=options, progress=progress, delta=plan
+                )
+            except PushError as exc:
+                if not any(is_base_refusal(reason) for reason in exc.failures.values()):
+                    raise
+                logger.warning("%s: pushing the whole version instead", exc)
+                base = plan.report.base_version
+                report = DeltaReport.full(f"refused: {exc}", plan.encoding, base)
+                options = dataclasses.replace(options, force=True)  # some may serve it already
+            else:
+                self._delta.committed_delta(plan, tensors, version)
+                return _with_delta(result, plan.report, delta_s)
+        else:
+            report = plan
+        result, session = self._send(
+            tensors, version, step=step, options=options, progress=progress, delta=None
+        )
+        if mode != "never":
+            self._delta.committed_full(tensors, version, result.fingerprint, session.digests)
+        return _with_delta(result, report, delta_s)
+
+    def _send(
+        self,
+        tensors: dict,
+        version: str,
+        *,
+        step: int | None,
+        options: PushOptions,
+        progress: Progress | None,
+        delta: DeltaPlan | None,
+    ) -> tuple[PushResult, PushSession]:
+        """One session to every engine: `tensors` travel, engines commit the version (the
+        delta's when given, else the tensors' own fingerprint)."""
         start = time.perf_counter()
         phases: dict[str, float] = {}
-        # normalize + plan
-        tensors = dict(normalize_weights(weights, name_map))
         session = self._plan(tensors, version, step, options.verify)
         phases["plan_s"] = time.perf_counter() - start
         progress_bar = PushProgress(version, session.plan.total_bytes)
@@ -369,7 +436,8 @@ class Publisher(FleetMembership):
             tick = time.perf_counter()
             description = self._sink.prepare(session, tensors, advance)
             phases["prepare_s"] = time.perf_counter() - tick
-            futures = self._request_all(session, description, options)
+            specs = {} if delta is None else delta.specs
+            futures = self._request_all(session, description, options, specs)
             tick = time.perf_counter()
             stream_error = self._stream(session, tensors, advance)
             phases["stream_s"] = time.perf_counter() - tick
@@ -378,11 +446,13 @@ class Publisher(FleetMembership):
         # collect (two-phase: every engine staged), then commit
         tick = time.perf_counter()
         # a failed stream may have left tensors undigested: no engine can match then
-        pushed = session.fingerprint if stream_error is None else "(stream failed)"
+        fingerprint = "(stream failed)"
+        if stream_error is None:
+            fingerprint = session.fingerprint if delta is None else delta.fingerprint
         staged = self._collect(
             futures,
             version,
-            check=self._fingerprint_check(pushed),
+            check=self._fingerprint_check(fingerprint),
             two_phase=options.two_phase,
             stream_error=stream_error,
         )
@@ -390,14 +460,14 @@ class Publisher(FleetMembership):
         engines, gone = staged, {}
         if options.two_phase:
             tick = time.perf_counter()
-            engines, gone = self._commit(staged, version, session.fingerprint)
+            engines, gone = self._commit(staged, version, fingerprint)
             phases["commit_s"] = time.perf_counter() - tick
-        self.fleet_version = FleetVersion(version, step, session.fingerprint)
+        self.fleet_version = FleetVersion(version, step, fingerprint)
         seconds = time.perf_counter() - start
         logger.info("pushed %s to %d engine(s) in %.3f s", version, len(engines), seconds)
-        return PushResult(
+        result = PushResult(
             version=version,
-            fingerprint=session.fingerprint,
+            fingerprint=fingerprint,
             nbytes=session.plan.total_bytes,
             seconds=seconds,
             engines=engines,
@@ -407,6 +477,7 @@ class Publisher(FleetMembership):
             gone=gone,
             sent_bytes=session.sent_bytes,
         )
+        return result, session
 
     def _plan(
         self, tensors: dict, version: str, step: int | None, verify: VerifyLevel
@@ -421,7 +492,11 @@ class Publisher(FleetMembership):
         )
 
     def _request_all(
-        self, session: PushSession, description: SourceDescription, options: PushOptions
+        self,
+        session: PushSession,
+        description: SourceDescription,
+        options: PushOptions,
+        deltas: Mapping[str, DeltaSpec],
     ) -> dict[str, Future]:
         """Hand every target its order (in parallel); an early answer abandons the stream."""
         futures = {}
@@ -440,6 +515,7 @@ class Publisher(FleetMembership):
                 timeout_s=self.timeout_s,
                 probe=options.probe,
                 two_phase=options.two_phase,
+                delta=deltas.get(target.url),
             )
             futures[target.url] = self._pool.submit(target.update, order)
         for url, future in futures.items():
@@ -509,6 +585,19 @@ class Publisher(FleetMembership):
         if gone:
             self._redo_setup_or_log()  # the push committed: report that, not a set-up failure
         return committed, gone
+
+
+def _delta_mode(mode: str) -> DeltaMode:
+    if mode not in DELTA_MODES:
+        raise ValueError(f"delta must be one of {', '.join(DELTA_MODES)}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def _with_delta(result: PushResult, report: DeltaReport, delta_s: float) -> PushResult:
+    phases = {"delta_s": delta_s, **result.phases}
+    return dataclasses.replace(
+        result, delta=report, phases=phases, seconds=result.seconds + delta_s
+    )
 
 
 def _both(first: Progress, second: Progress | None) -> Progress:

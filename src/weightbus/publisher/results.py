@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from weightbus.publisher.delta import DeltaReport
 from weightbus.publisher.probe import LogprobProbe
 from weightbus.publisher.targets import EngineResult
 from weightbus.wire import PauseMode, VerifyLevel
@@ -69,6 +70,7 @@ class PushResult:
     # engines that failed past the commit point (removed from the Publisher): URL -> reason
     gone: dict[str, str] = field(default_factory=dict)
     sent_bytes: int = 0
+    delta: DeltaReport | None = None  # whether the push went as a delta, and why
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -116,6 +116,10 @@ class RoutedSink(BucketSink):
         self.routes.pop(url.rstrip("/"), None)
 
     @property
+    def carries_any_tensors(self) -> bool:  # type: ignore[override]
+        return all(child.carries_any_tensors for child in self.children.values())
+
+    @property
     def mode(self) -> str:
         names = sorted(self._sessions) or list(self.children)
         return ", ".join(f"{name}: {self.children[name].mode}" for name in names)

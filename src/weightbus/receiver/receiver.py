@@ -16,9 +16,11 @@ import torch
 from weightbus.digest import fingerprint_of_digests, tensor_digest
 from weightbus.meta import TensorMeta, dtype_name
 from weightbus.plan import plan_buckets
+from weightbus.receiver.delta import DeltaReceive, SliceWriter
 from weightbus.transport import BucketSource, ReceivedBatch
 from weightbus.transport.prefetch import Prefetcher
 from weightbus.wire import UpdateBegin, VerifyLevel
+from weightbus.wire.delta import DeltaSpec
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class UpdateRequest:
     plan_hash: str | None = None
     verify: VerifyLevel = "full"
     timeout_s: float = 60.0
+    delta: DeltaSpec | None = None  # a delta push: the stream carries changes to the base
 
 
 @dataclass(slots=True, kw_only=True)
@@ -65,11 +68,12 @@ class _Session:
     order: dict[str, int]
     digests: dict[str, str] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
+    delta: DeltaReceive | None = None
 
     @classmethod
-    def of(cls, header: UpdateBegin) -> "_Session":
+    def of(cls, header: UpdateBegin, delta: DeltaReceive | None) -> "_Session":
         metas = {meta.name: meta.to_meta() for meta in header.tensors}
-        return cls(header, metas, {name: index for index, name in enumerate(metas)})
+        return cls(header, metas, {name: index for index, name in enumerate(metas)}, delta=delta)
 
 
 def _describe(meta: TensorMeta) -> str:
@@ -111,6 +115,8 @@ class Receiver:
         rank, tp_size: digests are split across ranks: this rank checks tensors
             `rank, rank + tp_size, ...` of the stream; the engine combines all verdicts.
         prefetch_depth: batches received ahead of the one being loaded.
+        slices: the rank's parameters as slices of full tensors, for delta pushes (None:
+            this rank refuses them).
     """
 
     def __init__(
@@ -121,7 +127,9 @@ class Receiver:
         rank: int = 0,
         tp_size: int = 1,
         prefetch_depth: int = 1,
+        slices: SliceWriter | None = None,
     ) -> None:
+        self.slices = slices
         self.load_weights = load_weights
         self.expected = dict(expected)
         self.rank = rank
@@ -164,11 +172,24 @@ class Receiver:
         if request.plan_hash is not None and request.plan_hash != header.plan_hash:
             result.fail(f"stale plan: stream has {header.plan_hash}, expected {request.plan_hash}")
         stream = {meta.name: meta for meta in plan.metas}
-        for message, names in _layout_errors(stream, self.expected):
+        delta = self._delta(request, result)
+        if delta is not None:
+            problems = delta.check_open(stream)
+        else:
+            problems = [] if request.delta else _layout_errors(stream, self.expected)
+        for message, names in problems:
             result.fail(message, names)
         # direct mode: the publisher writes into the parameters from now on
         result.touched = result.touched or header.direct
-        return _Session.of(header)
+        return _Session.of(header, delta)
+
+    def _delta(self, request: UpdateRequest, result: RankResult) -> DeltaReceive | None:
+        if request.delta is None:
+            return None
+        if self.slices is None:
+            result.fail("this engine cannot apply a delta push")
+            return None
+        return DeltaReceive(request.delta, self.expected, self.slices, self.rank)
 
     # consume
     def _consume(
@@ -197,7 +218,7 @@ class Receiver:
                         timings["verify_s"] += time.perf_counter() - tick
                     if result.ok and batch.tensors:
                         tick = time.perf_counter()
-                        self._load(batch, result)
+                        self._load(batch, session, result)
                         timings["load_s"] += time.perf_counter() - tick
                     result.nbytes += batch.nbytes
                 finally:
@@ -247,11 +268,22 @@ class Receiver:
                     [name],
                 )
 
-    def _load(self, batch: ReceivedBatch, result: RankResult) -> None:
-        names = [name for name, _ in batch.tensors]
+    def _load(self, batch: ReceivedBatch, session: _Session, result: RankResult) -> None:
+        tensors = batch.tensors
         result.touched = True
+        if session.delta is not None:
+            tensors, parts = session.delta.split(tensors)
+            for name, part, tensor in parts:
+                try:
+                    session.delta.take(name, part, tensor)
+                except (ValueError, RuntimeError, IndexError) as exc:
+                    result.fail(str(exc), [name])
+                    return
+            if not tensors:
+                return
+        names = [name for name, _ in tensors]
         try:
-            loaded = set(self.load_weights(batch.tensors))
+            loaded = set(self.load_weights(tensors))
         except (KeyError, ValueError, RuntimeError) as exc:
             result.fail(f"load_weights failed: {exc}", names)
             return
@@ -279,8 +311,21 @@ class Receiver:
         if fingerprint != end.fingerprint:
             result.fail(f"fingerprint mismatch: stream {end.fingerprint}, computed {fingerprint}")
             return
+        if session.delta is not None:
+            self._close_delta(session.delta, session.digests, result)
+            return
         result.fingerprint = fingerprint
         result.digests = session.digests
+
+    @staticmethod
+    def _close_delta(delta: DeltaReceive, digests: dict[str, str], result: RankResult) -> None:
+        tick = time.perf_counter()
+        for message, names in delta.close_errors(digests):
+            result.fail(message, names)
+        result.phases["delta_verify_s"] = time.perf_counter() - tick
+        if result.ok:
+            result.fingerprint = delta.spec.fingerprint
+            result.digests = delta.digests()
 
 
 def _remaining(deadline: float) -> float:

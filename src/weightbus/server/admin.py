@@ -13,7 +13,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Annotated
 
+import msgspec
 from fastapi import APIRouter, Body, Request
+from fastapi.responses import Response
 
 from weightbus.engine import messages
 from weightbus.server.engine_client import EngineClient, EngineDeadError
@@ -38,6 +40,7 @@ from weightbus.server.protocol import (
     error_responses,
 )
 from weightbus.wire import PauseMode
+from weightbus.wire.delta import DeltaSpec
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +191,10 @@ async def update_weights(
         APIError: rank 0's error status (400 with `names`, 409, 503, 504), or 503/504 when the
             engine died or did not answer in time.
     """
-    message = messages.UpdateWeights(update_id=secrets.token_hex(16), **body.model_dump())
+    fields = body.model_dump()
+    if fields["delta"] is not None:
+        fields["delta"] = msgspec.convert(fields["delta"], DeltaSpec)
+    message = messages.UpdateWeights(update_id=secrets.token_hex(16), **fields)
     logger.info("update %s to %r via %s", message.update_id, body.version, body.transport)
     result = await _answered(request, message, body.timeout_s + config.update_margin_s)
     return _response(result)
@@ -371,6 +377,15 @@ def _add_state_routes(router: APIRouter) -> None:
         state = _client(request).weights
         assert state is not None  # set at Ready, before the server accepts
         return weights_info(state)
+
+    @router.get("/v1/weights/layout")
+    async def weights_layout_route(request: Request) -> Response:
+        """Each rank's slice of every tensor: `{"tp_size": N, "ranks": [[[name, dim, start,
+        length], ...], ...]}` (a delta's publisher digests each rank's slice)."""
+        ready = _client(request).ready
+        assert ready is not None  # set at Ready, before the server accepts
+        layout = {"tp_size": ready.tp_size, "ranks": ready.rank_slices}
+        return Response(msgspec.json.encode(layout), media_type="application/json")
 
     @router.get("/v1/server_info")
     async def server_info_route(request: Request) -> ServerInfo:

@@ -16,6 +16,7 @@ from weightbus.engine.messages import MemoryTag, WeightsStatus
 from weightbus.transport import decode_description, transport_names
 from weightbus.transport.dist.messages import DEFAULT_GROUP_NAME, GROUP_NAME_PATTERN
 from weightbus.wire import PauseMode, VerifyLevel
+from weightbus.wire.delta import DeltaSpec
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
@@ -251,6 +252,17 @@ class UpdateWeightsRequest(AdminRequest):
     verify: VerifyLevel = "full"
     timeout_s: float = _timeout()
     two_phase: bool = False
+    delta: dict[str, Any] | None = None  # `weightbus.wire.delta.DeltaSpec`
+
+    @field_validator("delta")
+    @classmethod
+    def _check_delta(cls, delta: dict[str, Any] | None) -> dict[str, Any] | None:
+        if delta is not None:
+            try:
+                msgspec.convert(delta, DeltaSpec)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"delta: {exc}") from None
+        return delta
 
     @field_validator("transport")
     @classmethod

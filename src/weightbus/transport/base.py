@@ -211,9 +211,14 @@ class ReceivedBatch:
 
 
 class BucketSink(ABC):
-    """Publisher side of a transport. One sink serves many pushes; `close()` frees it."""
+    """Publisher side of a transport. One sink serves many pushes; `close()` frees it.
+
+    `carries_any_tensors`: a session may carry tensors that are not the engines' parameters
+    (a delta's payload); False for a transport that writes only into parameters (`nixl`).
+    """
 
     name: str
+    carries_any_tensors: bool = True
 
     @property
     def mode(self) -> str:

@@ -21,6 +21,8 @@ from weightbus.publisher.probe import LogprobProbe
 from weightbus.transport import SourceDescription
 from weightbus.transport.base import EngineRequestError
 from weightbus.wire import PauseMode, VerifyLevel
+from weightbus.wire.delta import DeltaSpec
+from weightbus.wire.messages import SliceSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,6 +40,8 @@ class UpdateOrder:
             `scores_probes` only).
         two_phase: stage and verify only; the engine swaps on `commit` (atomic orders, targets
             with `supports_two_phase` only).
+        delta: the stream carries changes to the version the engine serves (targets whose
+            `slice_maps` is not None only).
     """
 
     version: str
@@ -52,6 +56,7 @@ class UpdateOrder:
     timeout_s: float
     probe: LogprobProbe | None = None
     two_phase: bool = False
+    delta: DeltaSpec | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,6 +148,15 @@ class EngineTarget(ABC):
         Raises:
             EngineRequestError: the engine did not answer.
         """
+
+    def slice_maps(self, timeout_s: float) -> list[list[SliceSpec]] | None:
+        """Each rank's slice of every tensor, in rank order; None (the default) when the
+        engine cannot apply a delta push.
+
+        Raises:
+            EngineRequestError: the engine did not answer.
+        """
+        return None
 
     def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
         """Have every rank run transport `transport`'s set-up (`info` is its request).

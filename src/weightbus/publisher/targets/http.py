@@ -13,6 +13,7 @@ from weightbus.publisher.targets.base import (
 )
 from weightbus.transport import encode_description
 from weightbus.transport.base import EngineRequestError
+from weightbus.wire.messages import SliceSpec
 
 # Margin on top of an update's own timeout for the HTTP answer to travel back.
 HTTP_MARGIN_S = 10.0
@@ -96,6 +97,7 @@ class HttpEngineTarget(EngineTarget):
             "verify": order.verify,
             "force": order.force,
             "two_phase": order.two_phase,
+            "delta": None if order.delta is None else msgspec.to_builtins(order.delta),
         }
         answer = self._request(
             "POST", "/v1/update_weights", order.timeout_s + HTTP_MARGIN_S, json=body
@@ -113,6 +115,13 @@ class HttpEngineTarget(EngineTarget):
             staged=answer.get("staged", False),
             rank_nbytes=answer.get("rank_bytes", []),
         )
+
+    def slice_maps(self, timeout_s: float) -> list[list[SliceSpec]] | None:
+        answer = self._request("GET", "/v1/weights/layout", timeout_s)
+        try:
+            return msgspec.convert(answer["ranks"], list[list[SliceSpec]])
+        except (KeyError, TypeError, msgspec.ValidationError) as exc:
+            raise EngineRequestError(f"{self.url}: unreadable slice maps: {exc}") from None
 
     def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
         body = {"version": version, "fingerprint": fingerprint, "timeout_s": timeout_s}

@@ -94,6 +94,7 @@ class NixlSink(BucketSink):
     """
 
     name = "nixl"
+    carries_any_tensors = False  # one-sided writes into the ranks' registered parameters
 
     def __init__(
         self,

@@ -213,6 +213,9 @@ class ShmSink(BucketSink):
         offers = [receivers.direct[identity] for identity in receivers.identities]
         if not self.direct or any(offer is None for offer in offers):
             return None
+        planned = {meta.name for meta in session.plan.metas}
+        if any({copy.hf_name for copy in offer.copies} != planned for offer in offers):
+            return None  # not the parameters' tensors (a delta's payload): the slots carry it
         try:
             targets = [self._mapped_target(offer, session) for offer in offers]
         except ValueError as exc:

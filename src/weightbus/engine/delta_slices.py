@@ -1,0 +1,48 @@
+"""A rank's parameters as slices of full Hugging Face tensors: where a delta push writes.
+
+The slice map is the rank's `shard_copies` (what `load_weights` does, as data). Parameters are
+looked up at each call, so the writer follows the pointer swaps of atomic commits.
+"""
+
+import torch
+
+from weightbus.delta import apply_to_slice
+from weightbus.digest import tensor_digest
+from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
+from weightbus.plan.shard import ShardCopy
+
+
+class ModelSlices:
+    """`SliceWriter` (see `weightbus.receiver`) over one model's parameters.
+
+    Args:
+        model: the model written (live, or the staging copy).
+        copies: the rank's slice map, `(hf_name, parameter name, ShardCopy)`.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, copies: list[tuple[str, str, ShardCopy]]) -> None:
+        params = dict(model.named_parameters())
+        shapes = hf_weight_shapes(model.config)
+        self._slices = {
+            hf_name: (params[param_name], copy, shapes[hf_name])
+            for hf_name, param_name, copy in copies
+        }
+
+    def _destination(self, name: str) -> torch.Tensor:
+        param, copy, _ = self._slices[name]
+        return copy.destination(param.data)
+
+    def apply(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        _, copy, full_shape = self._slices[name]
+        with torch.no_grad():
+            apply_to_slice(self._destination(name), full_shape, copy, indices, values)
+
+    def digest(self, name: str) -> str:
+        return tensor_digest(self._destination(name))
+
+
+def copy_parameters(source: LlamaForCausalLM, destination: LlamaForCausalLM) -> None:
+    """Make `destination` hold `source`'s weights (a delta's base, before staging it)."""
+    with torch.no_grad():
+        for src, dst in zip(source.parameters(), destination.parameters(), strict=True):
+            dst.data.copy_(src.data)
