@@ -8,7 +8,7 @@ the changes that fall inside it and writes them at their place in its parameter.
 
 import torch
 
-from weightbus.delta.bits import scatter
+from weightbus.delta.bits import gather, scatter
 from weightbus.plan.shard import ShardCopy
 
 PAYLOAD_PREFIX = "weightbus.delta/"
@@ -77,5 +77,5 @@ def apply_to_slice(
     flat, coordinate = flat[inside], coordinate[inside]
     outer = torch.div(flat, dim_size * inner, rounding_mode="floor")
     local = (outer * copy.length + coordinate - copy.src_start) * inner + flat % inner
-    scatter(destination, local, values[inside])
+    scatter(destination, local, gather(values, inside.nonzero().view(-1)))
     return int(local.numel())
