@@ -56,3 +56,13 @@ def test_demo_with_engines_placed_by_ray(tmp_path):
     assert "replica 0: http://" in result.stdout
     assert "replica 1: http://" in result.stdout
     assert result.stdout.count("ranks on bundles [0, 1]") == 2
+
+
+def test_ten_consecutive_delta_pushes_keep_the_engine_on_the_trainer(tmp_path):
+    result, record = _demo(
+        "--steps", "10", "--tp", "2", "--delta", "always", "--seed", "4", tmp_path=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_demo_passed(record, result.stdout, num_steps=10)
+    assert [step["push_delta"] for step in record["steps"]] == [True] * 10
+    assert "deltas:         10/10 pushes sent as changes to the last one" in result.stdout

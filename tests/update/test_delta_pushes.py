@@ -57,8 +57,8 @@ def _step(
     contains `frozen` left alone, and the final norm changed everywhere."""
     generator = torch.Generator().manual_seed(seed)
     new = {}
-    for name, tensor in weights.items():
-        tensor = tensor.clone()
+    for name, old in weights.items():
+        tensor = old.clone()
         flat = tensor.view(-1)
         if name == "model.norm.weight":
             flat.add_(0.25)

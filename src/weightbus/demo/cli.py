@@ -28,6 +28,7 @@ from weightbus.demo.task import prompts, render
 from weightbus.demo.trainer import Trainer
 from weightbus.models.config import tiny_config
 from weightbus.publisher import Publisher, PushError
+from weightbus.publisher.delta import DELTA_MODES
 from weightbus.publisher.probe import LogprobProbe
 from weightbus.transport import transport_names
 from weightbus.units import format_bytes
@@ -64,6 +65,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument(
+        "--delta",
+        default="auto",
+        choices=DELTA_MODES,
+        help="push each step as its changes to the last (auto: when they are at most half the "
+        "bytes; always; never)",
+    )
     parser.add_argument("--json", default=None, help="also write the run's record to this file")
     parser.set_defaults(handler=run)
 
@@ -79,6 +87,8 @@ class StepRecord:
     push_bytes: int
     fingerprint: str
     fingerprint_matched: bool
+    push_delta: bool = False  # the push carried changes only (`PushResult.delta`)
+    changed_fraction: float | None = None  # of the elements, against the last push
 
 
 @dataclass(slots=True)
@@ -128,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             client = RolloutClient(url, max_tokens=args.max_tokens, temperature=args.temperature)
             token = os.environ.get(TOKEN_ENV) or None
-            publisher = Publisher([url], transport=args.transport, token=token)
+            publisher = Publisher([url], transport=args.transport, token=token, delta=args.delta)
             _run_steps(
                 args, trainer, client=client, publisher=publisher, record=record,
                 engine_started=proc is not None,
@@ -197,7 +207,7 @@ def _run_ray(args: argparse.Namespace) -> int:
                 [r.url for r in fleet.replicas], token=fleet.api_token,
                 max_tokens=args.max_tokens, temperature=args.temperature,
             )  # fmt: skip
-            publisher = fleet.publisher(local=args.transport)
+            publisher = fleet.publisher(local=args.transport, delta=args.delta)
             _run_steps(
                 args, trainer, client=client, publisher=publisher, record=record,
                 engine_started=True,
@@ -274,6 +284,8 @@ class _Loop:
                 f"engine serves fingerprint {state['fingerprint']}, the trainer holds {expected}"
             )
         print(f"engine {state['version']!r} serves the trainer's weights (fingerprint {expected})")
+        if self.args.delta != "never":  # step 1 may be a delta on what the engine serves
+            self.publisher.set_delta_base(self.trainer.model, version=state["version"])
         return state["version"]
 
     def _probe(self) -> LogprobProbe | None:
@@ -326,6 +338,8 @@ class _Loop:
             push_bytes=result.nbytes,
             fingerprint=result.fingerprint,
             fingerprint_matched=matched,
+            push_delta=result.delta is not None and result.delta.sent,
+            changed_fraction=None if result.delta is None else result.delta.changed_fraction,
         )
         self.record.steps.append(entry)
         _print_step(entry, args.steps, render(rollouts[0].token_ids))
@@ -344,12 +358,19 @@ def _probe_ids(args: argparse.Namespace) -> list[int]:
 def _print_step(entry: StepRecord, num_steps: int, sample: str) -> None:
     print(
         f"step {entry.step:>3}/{num_steps}  reward {entry.reward:.3f}  "
-        f"push {entry.push_s:.3f} s  version {entry.version}  "
+        f"push {entry.push_s:.3f} s {_push_kind(entry)}  version {entry.version}  "
         f"fingerprint {'ok' if entry.fingerprint_matched else 'MISMATCH'}  "
         f"rollout {entry.rollout_tokens_per_s:.0f} tok/s  "
         f"logprob gap {entry.logprob_gap:.1e}  sample {sample!r}",
         flush=True,
     )
+
+
+def _push_kind(entry: StepRecord) -> str:
+    """`delta` or `whole`, with the changed share of the elements when they were compared."""
+    kind = "delta" if entry.push_delta else "whole"
+    changed = entry.changed_fraction
+    return kind if changed is None else f"{kind} ({changed:.1%} changed)"
 
 
 def _summarize(record: DemoRecord) -> None:
@@ -369,6 +390,8 @@ def _summarize(record: DemoRecord) -> None:
             f"  pushes:         {len(steps)} over {record.transport}, "
             f"{format_bytes(steps[0].push_bytes)} each, median {push_s:.3f} s"
         )
+        deltas = sum(s.push_delta for s in steps)
+        print(f"  deltas:         {deltas}/{len(steps)} pushes sent as changes to the last one")
         print(f"  fingerprints:   {matched}/{len(steps)} matched the trainer's")
         print(
             f"  logprob gap:    max {max(s.logprob_gap for s in steps):.1e} "

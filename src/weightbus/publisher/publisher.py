@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from weightbus.delta import version_digests
 from weightbus.plan import DEFAULT_BUCKET_BYTES
 from weightbus.publisher.delta import (
     DEFAULT_MAX_RATIO,
@@ -283,6 +284,22 @@ class Publisher(FleetMembership):
         session = self._sessions.session(normalized, "local", None)
         session.ensure_digests(dict(normalized))
         return session.fingerprint
+
+    def set_delta_base(
+        self, weights: Weights, *, version: str, name_map: NameMap | None = None
+    ) -> str:
+        """Take `weights` as the version the engines serve (e.g. the checkpoint they started
+        from), so the next push with deltas on may be a delta against it. Engines are checked
+        before each delta: one that does not serve it gets the whole version.
+
+        Returns:
+            Its fingerprint.
+        """
+        with self._lock:
+            tensors = dict(normalize_weights(weights, name_map))
+            digests, fingerprint = version_digests(tensors)
+            self._delta.committed_full(tensors, version, fingerprint, digests)
+            return fingerprint
 
     def push(
         self,
