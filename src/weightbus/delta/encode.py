@@ -32,7 +32,8 @@ class DeltaEncoding:
         sparse: the changed elements of each sparse tensor, `(indices, values)`.
         stream: what the push sends: whole tensors under their names, and the payload tensors
             of each sparse one (`payload_names`).
-        changed_elements, total_elements: elements whose bits differ, and all elements.
+        changed_elements, total_elements: elements whose bits differ (in compared tensors),
+            and all elements.
         stream_bytes, full_bytes: the bytes the push carries, and what a full push would.
         encode_s: seconds spent comparing and gathering.
     """
@@ -45,11 +46,20 @@ class DeltaEncoding:
     stream_bytes: int = 0
     full_bytes: int = 0
     encode_s: float = 0.0
+    compared: bool = True  # every changed tensor was compared element by element
 
     @property
-    def changed_fraction(self) -> float:
-        """Changed elements over all elements (0.0 for a version identical to its base)."""
+    def changed_fraction(self) -> float | None:
+        """Changed elements over all elements (None when changed tensors were not compared)."""
+        if not self.compared:
+            return None
         return self.changed_elements / self.total_elements if self.total_elements else 0.0
+
+    def whole(self, name: str, tensor: torch.Tensor) -> None:
+        """Send `name` whole."""
+        self.kinds[name] = "full"
+        self.stream.append((name, tensor))
+        self.stream_bytes += _nbytes(tensor)
 
     @property
     def unchanged_tensors(self) -> int:
@@ -104,14 +114,22 @@ class DeltaBase:
         return None
 
     def encode(
-        self, tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str]
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        digests: Mapping[str, str],
+        *,
+        sparse: bool = True,
     ) -> DeltaEncoding:
-        """Compare `tensors` (the next version, with its digests) with the base, bit-wise."""
+        """Compare `tensors` (the next version, with its digests) with the base, bit-wise.
+
+        With `sparse` False a changed tensor always goes whole (only unchanged ones are
+        skipped) and is not compared element by element.
+        """
         start = time.perf_counter()
         encoding = DeltaEncoding()
         with ThreadPoolExecutor(max_workers=max(torch.get_num_threads(), 1)) as pool:
             for name, tensor in tensors.items():
-                self._encode_tensor(encoding, name, tensor, digests[name], pool)
+                self._encode_tensor(encoding, name, tensor, digests[name], pool if sparse else None)
         encoding.encode_s = time.perf_counter() - start
         return encoding
 
@@ -121,13 +139,18 @@ class DeltaBase:
         name: str,
         tensor: torch.Tensor,
         digest: str,
-        pool: ThreadPoolExecutor,
+        pool: ThreadPoolExecutor | None,
     ) -> None:
+        """`pool` None: a changed tensor goes whole, uncompared."""
         nbytes = _nbytes(tensor)
         encoding.total_elements += tensor.numel()
         encoding.full_bytes += nbytes
         if digest == self.digests[name]:
             encoding.kinds[name] = "same"
+            return
+        if pool is None:
+            encoding.compared = False
+            encoding.whole(name, tensor)
             return
         new = _host(tensor)
         indices = changed_indices(self.tensors[name], new, pool)
@@ -140,9 +163,7 @@ class DeltaBase:
             encoding.stream.extend(zip(payload_names(name), (indices, values), strict=True))
             encoding.stream_bytes += sparse_bytes
         else:
-            encoding.kinds[name] = "full"
-            encoding.stream.append((name, tensor))
-            encoding.stream_bytes += nbytes
+            encoding.whole(name, tensor)
 
     def advance(
         self,

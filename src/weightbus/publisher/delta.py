@@ -86,12 +86,15 @@ class DeltaState:
 
     Args:
         max_ratio: `auto` sends a delta only when it carries at most this share of the bytes.
+        sparse: send changed elements of changed tensors; False: changed tensors go whole
+            (only unchanged tensors are skipped).
     """
 
-    def __init__(self, max_ratio: float = DEFAULT_MAX_RATIO) -> None:
+    def __init__(self, max_ratio: float = DEFAULT_MAX_RATIO, sparse: bool = True) -> None:
         if not 0 < max_ratio <= 1:
             raise ValueError(f"delta_max_ratio must be in (0, 1], got {max_ratio}")
         self.max_ratio = max_ratio
+        self.sparse = sparse
         self.base: DeltaBase | None = None
         self._slice_maps: dict[str, list[list[SliceSpec]] | None] = {}
 
@@ -127,7 +130,7 @@ class DeltaState:
         if why:
             return DeltaReport.full(why, base=base.version)
         digests, fingerprint = version_digests(tensors)
-        encoding = base.encode(tensors, digests)
+        encoding = base.encode(tensors, digests, sparse=self.sparse)
         ratio = encoding.stream_bytes / max(encoding.full_bytes, 1)
         if mode == "auto" and ratio > self.max_ratio:
             reason = (

@@ -102,6 +102,8 @@ class Publisher(FleetMembership):
             deltas on, the Publisher keeps a host copy of the last version pushed
             (`delta_base_nbytes`).
         delta_max_ratio: see `delta`.
+        delta_sparse: a delta carries the changed elements of each changed tensor (False:
+            changed tensors go whole, only unchanged ones are skipped).
 
     Attributes:
         fleet_version: what every member serves since this Publisher's last commit (None
@@ -125,13 +127,14 @@ class Publisher(FleetMembership):
         transport_options: dict[str, Any] | None = None,
         delta: DeltaMode = "never",
         delta_max_ratio: float = DEFAULT_MAX_RATIO,
+        delta_sparse: bool = True,
     ) -> None:
         if not engines:
             raise ValueError("engines: give at least one engine URL or target")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.delta = _delta_mode(delta)
-        self._delta = DeltaState(delta_max_ratio)
+        self._delta = DeltaState(delta_max_ratio, delta_sparse)
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self._token = token
