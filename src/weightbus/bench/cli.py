@@ -10,6 +10,10 @@ import importlib
 # suite name -> (module, one-line help); modules are imported only when their suite runs.
 SUITES = {
     "buckets": ("weightbus.bench.buckets", "flat-bucket packing vs a memcpy floor, same run"),
+    "delta": (
+        "weightbus.bench.delta",
+        "bits changed between RL steps; full vs tensor-skip vs sparse delta pushes, same run",
+    ),
     "dist": (
         "weightbus.bench.dist",
         "dist pushes (broadcast, scatter) vs raw gloo broadcasts, same run",
