@@ -55,9 +55,9 @@ from weightbus.units import format_bytes, parse_bytes
 NUM_PROMPTS, GROUP_SIZE, MAX_TOKENS = 4, 8, 16
 DEMO_LR, RL_LR = 3e-3, 1e-6
 TRAINING_RUNS = (  # (name, lr, input embeddings frozen)
-    (f"demo lr {DEMO_LR:g}", DEMO_LR, False),
-    (f"lr {RL_LR:g}", RL_LR, False),
-    (f"lr {RL_LR:g}, frozen embeddings", RL_LR, True),
+    ("demo lr 3e-3", DEMO_LR, False),
+    ("lr 1e-6", RL_LR, False),
+    ("lr 1e-6, frozen embeddings", RL_LR, True),
 )
 
 # Part 2

@@ -388,7 +388,8 @@ def _summarize(record: DemoRecord) -> None:
         print(f"  reward curve:   {curve} (every {every} step(s))")
         print(
             f"  pushes:         {len(steps)} over {record.transport}, "
-            f"{format_bytes(steps[0].push_bytes)} each, median {push_s:.3f} s"
+            f"median {format_bytes(statistics.median(s.push_bytes for s in steps))} and "
+            f"{push_s:.3f} s each"
         )
         deltas = sum(s.push_delta for s in steps)
         print(f"  deltas:         {deltas}/{len(steps)} pushes sent as changes to the last one")
