@@ -124,3 +124,44 @@ def test_a_waiting_drain_pause_is_cancelled_not_forgotten(action, mode, reason):
     control.on_control(messages.Control(request_id="x1", action=action, mode=mode))
     assert _replies(sent)["d1"] == (409, reason)
     assert _replies(sent)["x1"][0] == 200
+
+
+def _delta_update(base_fingerprint: str) -> messages.UpdateWeights:
+    from weightbus.wire.delta import DeltaSpec
+
+    spec = DeltaSpec(
+        base_version="v0",
+        base_fingerprint=base_fingerprint,
+        fingerprint="ef" * 16,
+        tensors=[],
+        rank_digests=[[]],
+    )
+    return messages.UpdateWeights(
+        update_id="02" * 16, version="v1", transport="disk", source={}, delta=spec
+    )
+
+
+@pytest.mark.parametrize(
+    ("served", "released", "answer"),
+    [
+        (FINGERPRINT, set(), None),
+        (FINGERPRINT, {"kv_cache"}, None),
+        ("aa" * 16, set(), "is not served here: this engine serves 'v0' (" + "aa" * 16 + ")"),
+        (FINGERPRINT, {"weights"}, "cannot apply: this engine serves no valid weights"),
+    ],
+)
+def test_a_delta_is_accepted_only_onto_the_version_served(served, released, answer):
+    sent: list = []
+    control = UpdateController(
+        version="v0", fingerprint=served, send=sent.append, abort=lambda reason, notify: None
+    )
+    control.released = set(released)
+    control.on_update(_delta_update(FINGERPRINT))
+    results = [m for m in sent if isinstance(m, messages.UpdateResult)]
+    if answer is None:
+        assert not results
+        assert control.updating
+        return
+    assert [(r.status_code, r.error) for r in results] == [
+        (409, f"delta base 'v0' ({FINGERPRINT}) {answer}")
+    ]

@@ -170,6 +170,10 @@ def test_an_engine_on_another_base_refuses_with_409(engines):
             "rank_digests": [[]],
         },
     }
+    malformed = {**body, "delta": {"base_version": "old"}}
+    response = engine.client.post("/v1/update_weights", json=malformed)
+    assert response.status_code == 422, response.text
+    assert "missing required field `base_fingerprint`" in response.json()["error"]["message"]
     response = engine.client.post("/v1/update_weights", json=body)
     assert response.status_code == 409, response.text
     assert response.json()["error"]["message"] == (

@@ -305,11 +305,10 @@ class PushBench:
 
     def _check(self, row: Row, result: PushResult, expected: str) -> None:
         """The push went as its row says and the engine serves what was pushed."""
-        assert result.delta is not None
-        if result.delta.sent != (row.delta != "never"):
-            raise RuntimeError(
-                f"{row.label}: delta sent {result.delta.sent}: {result.delta.reason}"
-            )
+        report = result.delta
+        if report is None or report.sent != (row.delta != "never"):
+            why = "no delta report" if report is None else f"sent {report.sent}: {report.reason}"
+            raise RuntimeError(f"{row.label}: {why}")
         served = {state.fingerprint for state in row.publisher.engine_weights()}
         if result.fingerprint != expected or served != {expected}:
             raise RuntimeError(
@@ -432,6 +431,7 @@ def _print_size(result: dict, repeat: int) -> None:
             r["row"],
             r["mode"],
             format_bytes(r["nbytes"]),
+            format_bytes(r["sent_bytes"]),
             f"{r['median_s']:.3f}",
             f"{r['speedup_vs_full']:.2f}x",
             f"{r['encode_s']:.3f}" if r["delta"] != "never" else "",
@@ -440,7 +440,7 @@ def _print_size(result: dict, repeat: int) -> None:
         ]
         for r in result["rows"]
     ]
-    headers = ["transport", "row", "mode", "bytes carried", "median s", "vs full"]
+    headers = ["transport", "row", "mode", "bytes carried", "sent bytes", "median s", "vs full"]
     headers += ["encode s", "encode x memcpy", "delta phase s"]
     print_table(headers, rows)
     target = result["target"]

@@ -175,7 +175,7 @@ class UpdateController(ControlRequests):
     def _delta_conflict(self, delta: DeltaSpec) -> str | None:
         """A delta applies only onto the exact version it was computed from."""
         base = f"{DELTA_BASE_REFUSAL} {delta.base_version!r} ({delta.base_fingerprint})"
-        if not self.weights_valid or self.status == "FAILED" or self.released:
+        if not self.weights_valid or self.status == "FAILED" or "weights" in self.released:
             return f"{base} cannot apply: this engine serves no valid weights"
         if delta.base_fingerprint != self.fingerprint:
             served = f"{self.version!r} ({self.fingerprint})"
