@@ -236,8 +236,8 @@ def _corrupting_encode(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     range): the stream's digests match what is sent, only the result is wrong."""
     encode = DeltaBase.encode
 
-    def corrupted(self, tensors, digests):
-        encoding = encode(self, tensors, digests)
+    def corrupted(self, tensors, digests, **options):
+        encoding = encode(self, tensors, digests, **options)
         indices, _ = encoding.sparse[name]
         indices[-1] += 1  # the last changed element: the next one is never changed
         return encoding

@@ -25,8 +25,11 @@ over `dist` and `shm`, in place (verify none) unless named atomic:
 Rows run round-robin for `--repeat` rounds after one untimed warm-up round, with a memcpy of the
 model's bytes into a preallocated buffer (the floor of the encode's cost) in every round. Every
 delta row must have gone as a delta and every push must leave the engine serving the pushed
-fingerprint, else the run fails. Reports medians: bytes the push carried, seconds, speed-up
-against the same transport's full push, the delta's encode seconds and their ratio to the memcpy.
+fingerprint, else the run fails. Reports medians: bytes the push carried (`PushResult.nbytes`)
+and the bytes the transport handed over (`sent_bytes`: `dist` scatter sums its ranks), seconds,
+speed-up against the same transport's full push, the delta's encode seconds (`encode_s`) and
+their ratio to the memcpy, and the whole delta phase (`phases["delta_s"]`: the engines' base
+check, the new version's digests and the encode). `--json` adds every sample and push phase.
 """
 
 import argparse
@@ -366,6 +369,10 @@ def _row_summary(row: Row, full: Row, memcpy_s: float) -> dict:
         "encode_s": encode_s,
         "encode_x_memcpy": encode_s / memcpy_s,
         "delta_phase_s": statistics.median(r.phases["delta_s"] for r in row.results),
+        "phases_s": {
+            phase: statistics.median(r.phases.get(phase, 0.0) for r in row.results)
+            for phase in row.results[-1].phases
+        },
         "tensors": row.results[-1].delta.tensors,
         "changed_fraction": row.results[-1].delta.changed_fraction,
     }

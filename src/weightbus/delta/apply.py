@@ -6,6 +6,8 @@ dtype). A rank holding a slice of the tensor (`ShardCopy`: a range along one dim
 the changes that fall inside it and writes them at their place in its parameter.
 """
 
+import math
+
 import torch
 
 from weightbus.delta.bits import gather, scatter
@@ -57,24 +59,22 @@ def apply_to_slice(
     """Write the changes inside this rank's slice of the full tensor into `destination`
     (`copy.destination(param)`); returns how many elements it wrote.
 
-    `indices` are flat indices into the full tensor of `full_shape`; the slice is
+    `indices` are increasing flat indices into the full tensor of `full_shape`; the slice is
     `full.narrow(copy.src_dim, copy.src_start, copy.length)` and has `destination`'s shape.
     """
-    if not full_shape:  # a 0-d tensor is held whole
-        scatter(destination, indices, values)
+    if not full_shape or (copy.src_start == 0 and copy.length == full_shape[copy.src_dim]):
+        scatter(destination, indices, values)  # held whole
         return indices.numel()
-    dim = copy.src_dim
-    dim_size = full_shape[dim]
-    if copy.src_start == 0 and copy.length == dim_size:
-        scatter(destination, indices, values)
-        return indices.numel()
-    inner = 1
-    for size in full_shape[dim + 1 :]:
-        inner *= size
-    flat = indices.long()
-    coordinate = torch.div(flat, inner, rounding_mode="floor") % dim_size
+    inner = math.prod(full_shape[copy.src_dim + 1 :])
+    if copy.src_dim == 0:  # a range of rows: a range of flat indices, found by bisection
+        bounds = torch.tensor([copy.src_start * inner, (copy.src_start + copy.length) * inner])
+        low, high = torch.searchsorted(indices, bounds.to(indices.dtype)).tolist()
+        scatter(destination, indices[low:high] - copy.src_start * inner, values[low:high])
+        return high - low
+    dim_size = full_shape[copy.src_dim]
+    coordinate = torch.div(indices, inner, rounding_mode="floor") % dim_size
     inside = (coordinate >= copy.src_start) & (coordinate < copy.src_start + copy.length)
-    flat, coordinate = flat[inside], coordinate[inside]
+    flat, coordinate = indices[inside], coordinate[inside]
     outer = torch.div(flat, dim_size * inner, rounding_mode="floor")
     local = (outer * copy.length + coordinate - copy.src_start) * inner + flat % inner
     scatter(destination, local, gather(values, inside.nonzero().view(-1)))

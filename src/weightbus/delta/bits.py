@@ -5,6 +5,7 @@ differs from `0.0`, every NaN payload is kept, and float8 / float4 types (which 
 index) work like any other. An element of 16 bytes (complex128) is a row of two int64 words.
 """
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -27,24 +28,48 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def changed_indices(
+_scratch = threading.local()  # each comparing thread's reused mask buffer
+
+
+def _mask(numel: int) -> np.ndarray:
+    buffer = getattr(_scratch, "mask", None)
+    if buffer is None or buffer.size < numel:
+        buffer = _scratch.mask = np.empty(max(numel, CHUNK_ELEMENTS), dtype=bool)
+    return buffer[:numel]
+
+
+def changes(
     base: torch.Tensor, new: torch.Tensor, pool: ThreadPoolExecutor | None = None
-) -> torch.Tensor:
-    """Flat indices, increasing, of the elements whose bits differ between two contiguous
-    tensors of one dtype and shape (compared in chunks, on `pool` when given)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat indices, increasing, of the elements whose bits differ between two contiguous
+    tensors of one dtype and shape, and their values in `new` (1-D, its dtype).
+
+    Compared in chunks (on `pool` when given), each chunk's changed values gathered while it
+    is in cache.
+    """
     old_words, new_words = element_words(base).numpy(), element_words(new).numpy()
-    numel = old_words.shape[0]
+    numel, words = new_words.shape
     out_dtype = np.int32 if index_dtype(numel) == torch.int32 else np.int64
 
-    def chunk(start: int) -> np.ndarray:
+    def chunk(start: int) -> tuple[np.ndarray, np.ndarray]:
         stop = min(start + CHUNK_ELEMENTS, numel)
-        differs = old_words[start:stop] != new_words[start:stop]
-        found = np.flatnonzero(differs.any(axis=1) if differs.shape[1] > 1 else differs)
-        return (found + start).astype(out_dtype, copy=False)
+        if words == 1:
+            differs = _mask(stop - start)
+            np.not_equal(old_words[start:stop, 0], new_words[start:stop, 0], out=differs)
+        else:
+            differs = (old_words[start:stop] != new_words[start:stop]).any(axis=1)
+        found = np.flatnonzero(differs)
+        indices = np.empty(found.size, dtype=out_dtype)
+        np.add(found, start, out=indices, casting="unsafe")
+        return indices, new_words[start:stop][found]
 
     starts = range(0, numel, CHUNK_ELEMENTS)
     parts = list(pool.map(chunk, starts)) if pool is not None else [chunk(s) for s in starts]
-    return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, out_dtype))
+    if not parts:
+        return torch.empty(0, dtype=torch.int32), new.reshape(-1)[:0].clone()
+    indices = torch.from_numpy(np.concatenate([part[0] for part in parts]))
+    values = torch.from_numpy(np.concatenate([part[1] for part in parts]))
+    return indices, values.view(-1).view(new.dtype)
 
 
 def gather(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -57,7 +82,7 @@ def scatter(destination: torch.Tensor, indices: torch.Tensor, values: torch.Tens
     """`destination.flat[indices] = values`, bit-exact; `destination` may be a strided view
     (a rank's column slice), whose elements are then addressed in row-major order."""
     if destination.is_contiguous():
-        element_words(destination)[indices.long()] = element_words(values)
+        element_words(destination).index_put_((indices,), element_words(values))
         return
     coords = torch.unravel_index(indices.long(), destination.shape)
     if destination.element_size() > 8:  # complex128: torch indexes it natively, bit-exact

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightbus.delta.apply import payload_names
-from weightbus.delta.bits import changed_indices, gather, scatter
+from weightbus.delta.bits import changes, scatter
 from weightbus.digest import fingerprint_of_digests, tensor_digest
 from weightbus.meta import dtype_name
 from weightbus.wire.delta import DeltaKind, DeltaTensor
@@ -152,12 +152,10 @@ class DeltaBase:
             encoding.compared = False
             encoding.whole(name, tensor)
             return
-        new = _host(tensor)
-        indices = changed_indices(self.tensors[name], new, pool)
+        indices, values = changes(self.tensors[name], _host(tensor), pool)
         encoding.changed_elements += indices.numel()
         sparse_bytes = indices.numel() * (indices.element_size() + tensor.element_size())
         if sparse_bytes < nbytes:
-            values = gather(new, indices)
             encoding.kinds[name] = "sparse"
             encoding.sparse[name] = (indices, values)
             encoding.stream.extend(zip(payload_names(name), (indices, values), strict=True))

@@ -17,6 +17,7 @@ import torch
 
 from weightbus.delta import DeltaBase, DeltaEncoding, rank_digests, version_digests
 from weightbus.publisher.targets import EngineTarget
+from weightbus.transport import BucketSink
 from weightbus.wire.delta import DELTA_BASE_REFUSAL, DeltaSpec
 from weightbus.wire.messages import SliceSpec
 
@@ -38,6 +39,8 @@ class DeltaReport:
         tensors: per kind (`same`, `sparse`, `full`), how many tensors.
         stream_bytes, full_bytes: the bytes a delta carries, and a full push's.
         encode_s: seconds spent comparing with the base.
+        prepare_s: seconds the publisher spent on the delta before sending: the new version's
+            digests, the engines' checks, the comparison and the slice digests.
     """
 
     sent: bool
@@ -48,6 +51,7 @@ class DeltaReport:
     stream_bytes: int = 0
     full_bytes: int = 0
     encode_s: float = 0.0
+    prepare_s: float = 0.0
 
     @classmethod
     def full(cls, reason: str, encoding: DeltaEncoding | None = None, base: str | None = None):
@@ -115,15 +119,19 @@ class DeltaState:
         mode: DeltaMode,
         tensors: Mapping[str, torch.Tensor],
         targets: Sequence[EngineTarget],
-        carries_any_tensors: bool,
+        sink: BucketSink,
         timeout_s: float,
     ) -> DeltaPlan | DeltaReport:
-        """A delta plan for this push, or the report of why it goes whole."""
+        """A delta plan for this push over `sink`, or the report of why it goes whole."""
         base = self.base
         if mode == "never":
             return DeltaReport.full("delta='never'")
         if base is None:
             return DeltaReport.full("no base: the first push with deltas on goes whole")
+        if mode == "auto" and sink.copies_locally:
+            why = f"auto: {sink.name} copies at memory speed, a delta would cost more than it saves"
+            return DeltaReport.full(why, base=base.version)
+        carries_any_tensors = sink.carries_any_tensors
         why = base.mismatch(tensors) or self._engines_refuse(
             targets, carries_any_tensors, timeout_s
         )
@@ -192,6 +200,10 @@ class DeltaState:
                 rank_digests=by_layout[key],
             )
         return specs
+
+    def keeps_base(self, mode: DeltaMode) -> bool:
+        """A whole push of `mode` becomes the next base (deltas on, or a base already kept)."""
+        return mode != "never" or self.base is not None
 
     def committed_delta(
         self, plan: DeltaPlan, tensors: Mapping[str, torch.Tensor], version: str

@@ -406,8 +406,7 @@ class Publisher(FleetMembership):
         """A delta when every engine can take one, else (or after an engine refused the
         delta's base) the whole version; the base then becomes what was pushed."""
         tick = time.perf_counter()
-        carries = self._sink.carries_any_tensors
-        plan = self._delta.plan(mode, tensors, self.targets, carries, _CONTROL_TIMEOUT_S)
+        plan = self._delta.plan(mode, tensors, self.targets, self._sink, _CONTROL_TIMEOUT_S)
         delta_s = time.perf_counter() - tick
         if isinstance(plan, DeltaPlan):
             try:
@@ -429,7 +428,7 @@ class Publisher(FleetMembership):
         result, session = self._send(
             tensors, version, step=step, options=options, progress=progress, delta=None
         )
-        if mode != "never":
+        if self._delta.keeps_base(mode):
             self._delta.committed_full(tensors, version, result.fingerprint, session.digests)
         return _with_delta(result, report, delta_s)
 
@@ -615,6 +614,7 @@ def _delta_mode(mode: str) -> DeltaMode:
 
 def _with_delta(result: PushResult, report: DeltaReport, delta_s: float) -> PushResult:
     phases = {"delta_s": delta_s, **result.phases}
+    report = dataclasses.replace(report, prepare_s=delta_s)
     return dataclasses.replace(
         result, delta=report, phases=phases, seconds=result.seconds + delta_s
     )

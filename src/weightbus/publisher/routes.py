@@ -120,6 +120,10 @@ class RoutedSink(BucketSink):
         return all(child.carries_any_tensors for child in self.children.values())
 
     @property
+    def copies_locally(self) -> bool:  # type: ignore[override]
+        return all(child.copies_locally for child in self.children.values())
+
+    @property
     def mode(self) -> str:
         names = sorted(self._sessions) or list(self.children)
         return ", ".join(f"{name}: {self.children[name].mode}" for name in names)

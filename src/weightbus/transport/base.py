@@ -214,11 +214,14 @@ class BucketSink(ABC):
     """Publisher side of a transport. One sink serves many pushes; `close()` frees it.
 
     `carries_any_tensors`: a session may carry tensors that are not the engines' parameters
-    (a delta's payload); False for a transport that writes only into parameters (`nixl`).
+    (a delta's payload); False for a transport that writes only into parameters.
+    `copies_locally`: it moves bytes at memory-copy speed on one host (`shm`), where comparing
+    a version with the last one costs more than the bytes it saves.
     """
 
     name: str
     carries_any_tensors: bool = True
+    copies_locally: bool = False
 
     @property
     def mode(self) -> str:

@@ -85,6 +85,7 @@ class ShmSink(BucketSink):
     """
 
     name = "shm"
+    copies_locally = True  # memcpy speed: `auto` pushes whole versions over it
 
     def __init__(self, num_slots: int = DEFAULT_NUM_SLOTS, direct: bool = True) -> None:
         if num_slots < 2:
