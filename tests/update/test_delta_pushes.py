@@ -269,3 +269,30 @@ def test_a_corrupted_index_fails_closed(engines, monkeypatch, atomic):
         result = pub.push(new, version=f"{run}-2")
         assert result.delta.sent == atomic
         assert _fingerprints(pub) == {pub.fingerprint(new)}
+
+
+def test_auto_sends_a_delta_only_where_it_pays(engines):
+    weights = _initial()
+    run = secrets.token_hex(2)
+    with Publisher([engines["tp1"].url], transport="disk", delta="auto") as pub:
+        pub.push(weights, version=f"{run}-0")
+        weights = _step(weights, seed=1)
+        assert pub.push(weights, version=f"{run}-1").delta.sent  # 2%: a delta
+        weights = _step(weights, seed=2, fraction=1.0, frozen="nothing")
+        dense = pub.push(weights, version=f"{run}-2")
+        assert not dense.delta.sent
+        assert dense.delta.reason.startswith("a delta would carry ")
+        assert dense.delta.reason.endswith(" of the bytes (auto: at most 50%)")
+        # a whole push by request still becomes the base: the next one is a delta again
+        weights = _step(weights, seed=3)
+        assert not pub.push(weights, version=f"{run}-3", delta="never").delta.sent
+        weights = _step(weights, seed=4)
+        assert pub.push(weights, version=f"{run}-4").delta.sent
+        assert _fingerprints(pub) == {pub.fingerprint(weights)}
+    with Publisher([engines["tp1"].url], transport="shm", delta="auto") as pub:
+        pub.push(weights, version=f"{run}-5")
+        local = pub.push(_step(weights, seed=5), version=f"{run}-6")
+    assert not local.delta.sent
+    assert local.delta.reason == (
+        "auto: shm copies at memory speed, a delta would cost more than it saves"
+    )
