@@ -253,10 +253,13 @@ class PushBench:
         self.publishers: list[Publisher] = []
         self.rows: list[Row] = []
         for transport in TRANSPORTS:
-            sparse = self._publisher(url, transport, sparse=True)
-            skip = self._publisher(url, transport, sparse=False)
+            # full pushes from a publisher that keeps no base (one that does copies each
+            # pushed version into it)
+            full = self._publisher(url, transport, role="full")
+            sparse = self._publisher(url, transport, role="sparse")
+            skip = self._publisher(url, transport, role="skip")
             self.rows += [
-                Row(transport, "full", sparse, "never", atomic=False),
+                Row(transport, "full", full, "never", atomic=False),
                 Row(transport, "tensor-skip", skip, "always", atomic=False),
                 Row(transport, "sparse", sparse, "always", atomic=False),
                 Row(transport, "sparse, atomic", sparse, "always", atomic=True),
@@ -269,14 +272,14 @@ class PushBench:
         self.served = Served(state.version, 0)
         self.count = 0
 
-    def _publisher(self, url: str, transport: str, *, sparse: bool) -> Publisher:
+    def _publisher(self, url: str, transport: str, *, role: str) -> Publisher:
         # each dist publisher forms its own weights group with the engine's ranks
-        options = {"group_name": f"bench-delta-{'sparse' if sparse else 'skip'}"}
+        options = {"group_name": f"bench-delta-{role}"}
         publisher = Publisher(
             [url],
             transport=transport,
             timeout_s=_PUSH_TIMEOUT_S,
-            delta_sparse=sparse,
+            delta_sparse=role != "skip",
             transport_options=options if transport == "dist" else None,
         )
         self.publishers.append(publisher)
@@ -287,7 +290,8 @@ class PushBench:
     def push(self, row: Row) -> tuple[float, PushResult]:
         """Move the engine to the other version through `row`: (seconds, result)."""
         current, other = self.served.index, 1 - self.served.index
-        row.publisher.set_delta_base(self.versions[current], version=self.served.version)
+        if row.delta != "never":
+            row.publisher.set_delta_base(self.versions[current], version=self.served.version)
         self.count += 1
         version = (
             f"{row.transport}-{row.name.replace(', ', '-')}-{self.count}-{time.monotonic_ns()}"
