@@ -118,16 +118,6 @@ def test_deltas_land_bit_exactly_over_each_transport(engines, transport, options
     _assert_whole_push_serves_the_same(engines, members, weights)
 
 
-def test_nixl_pushes_whole_versions_and_says_why(engines):
-    weights = _initial()
-    run = secrets.token_hex(2)
-    with Publisher([engines["tp1"].url], transport="nixl", delta="always") as pub:
-        pub.push(weights, version=f"{run}-0")
-        result = pub.push(_step(weights, seed=1), version=f"{run}-1")
-    assert not result.delta.sent
-    assert result.delta.reason == "the transport writes only into parameters (no delta over it)"
-
-
 @settings(
     max_examples=6,
     deadline=None,

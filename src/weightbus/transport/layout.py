@@ -67,9 +67,12 @@ def _check_copy(meta: TensorMeta, param: TensorMeta, copy: ShardCopy) -> None:
 
 
 def checked_copies(
-    target: DirectTarget, metas: dict[str, TensorMeta]
+    target: DirectTarget, metas: dict[str, TensorMeta], *, partial: bool = False
 ) -> dict[str, list[RegionCopy]]:
     """Every slice `target` asks for, by full tensor name, checked against `metas`.
+
+    With `partial`, slices of tensors that `metas` lacks are left out (a session that carries
+    some parameters only, e.g. a delta push over `nixl`); else they make the layout unknown.
 
     Raises:
         ValueError: the layout is inconsistent (the message names the tensor or parameter).
@@ -78,6 +81,8 @@ def checked_copies(
     regions = {region.name: region for region in target.params}
     copies: dict[str, list[RegionCopy]] = {}
     for wire in target.copies:
+        if partial and wire.hf_name not in metas and wire.param in regions:
+            continue
         if wire.hf_name not in metas or wire.param not in regions:
             raise ValueError(f"slice map names unknown {wire.hf_name!r} or {wire.param!r}")
         copy = ShardCopy(wire.dim, wire.src_start, wire.dim, wire.dst_start, wire.length)

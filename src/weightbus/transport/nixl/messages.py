@@ -48,3 +48,24 @@ class NixlHello(Message, kw_only=True):
     memory_address: NonNegative = 0
     target: DirectTarget | None = None
     refusal: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+
+
+@register
+class NixlInbox(Message, kw_only=True):
+    """A rank offers its inbox for the session: where the tensors it holds no slice of (a
+    delta's payload) are written whole.
+
+    Sent after the `UpdateBegin` and before the `DirectReady`, only by a rank whose slice map
+    lacks some tensor of the session. `slots` slots of `slot_bytes` each start at `address`
+    (registered with the rank's agent, whose metadata, `agent_metadata`, now includes it);
+    bucket b lands in slot `b % slots`, and the publisher reuses a slot only once the rank
+    acknowledged (`SlotAck`) the bucket it held before.
+    """
+
+    session_id: Hex128
+    group: NonNegative
+    rank: NonNegative
+    address: NonNegative
+    slot_bytes: NonNegative
+    slots: Annotated[int, msgspec.Meta(ge=1)]
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)]

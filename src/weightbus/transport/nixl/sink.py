@@ -9,6 +9,14 @@ and posts one WRITE per rank; `inflight_buckets` send buffers bound what is in f
 rank's WRITE of a bucket is complete, a `TensorsWritten` tells it which tensors are done, with
 the digests of the bytes now in its regions, which the rank re-reads to verify. An engine can
 join or leave between pushes: nothing else is re-formed.
+
+A session may carry tensors that are not parameters (a delta push's payload): a tensor of the
+plan that a rank's slice map does not name reaches that rank whole, in its inbox. Such a rank
+answers the `UpdateBegin` with a `NixlInbox` (where its inbox slots are, registered with its
+agent) before its `DirectReady`; the entries travel in the same WRITE as the bucket's slices,
+into slot `bucket % slots`, and the `TensorsWritten` carries their digests. The rank hands
+them to the Receiver as whole tensors and sends a `SlotAck` once the Receiver released the
+batch; a slot is written again only after that ack.
 """
 
 import logging
@@ -25,10 +33,10 @@ from weightbus.transport.base import BucketSink, Progress, PushSession, no_progr
 from weightbus.transport.direct_channel import receive_one
 from weightbus.transport.layout import checked_copies
 from weightbus.transport.nixl.agent import DEFAULT_UCX_TLS, interface_towards, publisher_agent
-from weightbus.transport.nixl.messages import NixlDescription, NixlHello
+from weightbus.transport.nixl.messages import NixlDescription, NixlHello, NixlInbox
 from weightbus.transport.nixl.schedule import Schedule
 from weightbus.transport.nixl.writes import POLL_PAUSE_S, BucketWrites, Rank
-from weightbus.wire import DirectReady, Message, UpdateAbort
+from weightbus.wire import DirectReady, Message, ProtocolError, SlotAck, UpdateAbort, decode
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +51,8 @@ class _Ranks:
         self.hellos: dict[bytes, NixlHello] = {}
         self.tp_sizes: dict[int, int] = {}
         self.ready: set[tuple[int, int]] = set()
+        self.inboxes: dict[tuple[int, int], NixlInbox] = {}
+        self.acks: set[tuple[int, int, int]] = set()  # (group, rank, bucket) released
 
     def complete(self) -> bool:
         joined = dict.fromkeys(self.tp_sizes, 0)
@@ -60,6 +70,10 @@ class _Ranks:
             self.tp_sizes[message.group] = message.tp_size
         elif isinstance(message, DirectReady):
             self.ready.add((message.group, message.rank))
+        elif isinstance(message, NixlInbox):
+            self.inboxes[(message.group, message.rank)] = message
+        elif isinstance(message, SlotAck):
+            self.acks.add((message.group, message.rank, message.bucket_index))
 
     def ordered(self) -> list[tuple[bytes, NixlHello]]:
         return sorted(self.hellos.items(), key=lambda item: (item[1].group, item[1].rank))
@@ -94,7 +108,7 @@ class NixlSink(BucketSink):
     """
 
     name = "nixl"
-    carries_any_tensors = False  # one-sided writes into the ranks' registered parameters
+    carries_any_tensors = True  # parameters into the ranks' memory, other tensors into inboxes
 
     def __init__(
         self,
@@ -126,7 +140,8 @@ class NixlSink(BucketSink):
         self._pool = ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="nixl-pack")
         # bytes written into each (engine, rank) by the last push: each rank's share
         self.rank_bytes: dict[tuple[int, int], int] = {}
-        self._last_targets: list[tuple[str, int]] = []  # (agent, memory address) per rank
+        # (agent, memory address, memory bytes) per rank
+        self._last_targets: list[tuple[str, int, int]] = []
 
     def sibling_options(
         self, sink_options: dict[str, Any], setup_options: dict[str, Any] | None
@@ -163,6 +178,7 @@ class NixlSink(BucketSink):
             # no byte lands in a rank's parameters before the rank knows they are being written
             while len(ranks.ready) < len(joined):
                 self._receive(ranks, deadline, "every rank to confirm the session")
+            inboxes = self._inboxes(ranks, joined)
             buffers = self._send_buffers(schedule.slot_bytes)
             writes = BucketWrites(
                 self._agent.nixl,
@@ -172,6 +188,9 @@ class NixlSink(BucketSink):
                 schedule=schedule,
                 buffers=buffers,
                 notify=self._send_to,
+                inboxes=inboxes,
+                acks=ranks.acks,
+                listen=lambda: self._listen(ranks),
             )
             writes.run(self._pool, deadline, progress)
         except Exception as exc:
@@ -180,7 +199,9 @@ class NixlSink(BucketSink):
             self._forget([hello for _, hello in joined])
             raise
         self.rank_bytes = writes.rank_bytes
-        self._last_targets = [(hello.agent_name, hello.memory_address) for _, hello in joined]
+        self._last_targets = [
+            (hello.agent_name, hello.memory_address, hello.target.nbytes) for _, hello in joined
+        ]
         self._send(identities, session.end_message())
 
     def _targets(
@@ -200,6 +221,21 @@ class NixlSink(BucketSink):
         ]
         return ranks, schedule
 
+    def _inboxes(
+        self, ranks: _Ranks, joined: list[tuple[bytes, NixlHello]]
+    ) -> list[NixlInbox | None]:
+        """Each rank's inbox (sent before its `DirectReady`, so here by now), its agent's
+        metadata loaded again: registering the inbox changed it."""
+        inboxes = []
+        for _, hello in joined:
+            inbox = ranks.inboxes.get((hello.group, hello.rank))
+            if inbox is not None:
+                self._load_agent(
+                    msgspec.structs.replace(hello, agent_metadata=inbox.agent_metadata)
+                )
+            inboxes.append(inbox)
+        return inboxes
+
     def _schedule(self, session: PushSession, hellos: list[NixlHello]) -> Schedule:
         key = (
             session.plan.plan_hash,
@@ -211,7 +247,10 @@ class NixlSink(BucketSink):
             ranks = []
             for hello in hellos:
                 try:
-                    ranks.append((hello.memory_address, checked_copies(hello.target, metas)))
+                    # a tensor of the slice map the session lacks is not written (a delta
+                    # push carries some parameters only); one the slice map lacks goes whole
+                    copies = checked_copies(hello.target, metas, partial=True)
+                    ranks.append((hello.memory_address, copies))
                 except ValueError as exc:
                     raise ValueError(f"engine {hello.group} rank {hello.rank}: {exc}") from None
             schedule = Schedule(session.plan, ranks)
@@ -248,7 +287,13 @@ class NixlSink(BucketSink):
         """
         if not self._last_targets:
             raise ValueError("nixl: no push completed yet")
-        shares = list(self.rank_bytes.values())
+        # a share written into an inbox too (a delta push) is written into the memory alone
+        shares = [
+            min(nbytes, memory)
+            for nbytes, (_, _, memory) in zip(
+                self.rank_bytes.values(), self._last_targets, strict=True
+            )
+        ]
         source = torch.ones(max(shares), dtype=torch.uint8)
         self._agent.register(f"{self._key}-floor", source)
         nixl = self._agent.nixl
@@ -260,7 +305,7 @@ class NixlSink(BucketSink):
                     nixl.get_xfer_descs([(address, nbytes, 0)], "DRAM"),
                     agent,
                 )
-                for (agent, address), nbytes in zip(self._last_targets, shares, strict=True)
+                for (agent, address, _), nbytes in zip(self._last_targets, shares, strict=True)
             ]
             start = time.perf_counter()
             for handle in handles:
@@ -284,6 +329,18 @@ class NixlSink(BucketSink):
 
     def _receive(self, ranks: _Ranks, deadline: float, what: str) -> None:
         receive_one(self._socket, ranks.session, ranks.on_message, deadline, what)
+
+    def _listen(self, ranks: _Ranks) -> bool:
+        """Take every rank message already here (never waits); True when any came."""
+        came = False
+        while self._socket.poll(0):
+            identity, data = self._socket.recv_multipart()
+            came = True
+            try:
+                ranks.on_message(identity, decode(data))
+            except ProtocolError as exc:
+                logger.warning("dropping a malformed message from a receiver: %s", exc)
+        return came
 
     def _send(self, identities: list[bytes], message: Message) -> None:
         frame = message.encode()

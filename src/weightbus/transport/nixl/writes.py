@@ -1,10 +1,15 @@
 """One push's WRITEs: per bucket, pack every rank's slices into a send buffer (digesting them
 as they pass), post one NIXL WRITE per rank, and tell each rank, in bucket order, once its
-WRITE of a bucket is complete."""
+WRITE of a bucket is complete.
+
+Entries a rank receives whole (tensors its slice map does not name: a delta's payload) are
+packed once per bucket and travel in the same WRITE into the rank's inbox slot
+`bucket % slots`; before a slot is written again the rank must have acknowledged (`SlotAck`)
+the bucket it held."""
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -13,9 +18,10 @@ import torch
 import xxhash
 
 from weightbus.plan import BucketPlan
-from weightbus.plan.bucket import BucketEntry, check_entry_tensor
+from weightbus.plan.bucket import BucketEntry, byte_view, check_entry_tensor
 from weightbus.transport.base import Progress, PushSession
 from weightbus.transport.copy import copy_elements, row_major_bytes
+from weightbus.transport.nixl.messages import NixlInbox
 from weightbus.transport.nixl.schedule import Schedule, SliceJob, entry_rows
 from weightbus.wire import Message, TensorsWritten
 
@@ -72,6 +78,20 @@ def _pack_entry(
         full_hasher.update(row_major_bytes(full[low:high]))
 
 
+def _copy_whole(
+    full: torch.Tensor, entry: BucketEntry, destination: torch.Tensor | None, hasher: Any
+) -> None:
+    """Copy `entry`'s bytes of `full` (contiguous) to `destination` and/or digest them, chunk
+    by chunk, from cache."""
+    source = byte_view(full)[entry.tensor_offset : entry.tensor_offset + entry.nbytes]
+    for low in range(0, entry.nbytes, CHUNK_BYTES):
+        high = min(low + CHUNK_BYTES, entry.nbytes)
+        if destination is not None:
+            copy_elements(destination[low:high], source[low:high])
+        if hasher is not None:
+            hasher.update(source[low:high].numpy())
+
+
 def _release(handle: Any) -> None:
     """Release a transfer handle, cancelling the transfer if it is still in flight."""
     try:
@@ -89,6 +109,11 @@ class BucketWrites:
         buffers: registered send buffers of `schedule.slot_bytes` at least (bucket b packs
             into `buffers[b % len(buffers)]`).
         notify: sends a message to one rank.
+        inboxes: per rank (schedule order), its inbox, or None: every rank that receives
+            entries whole needs one.
+        acks: `(group, rank, bucket)` of the inbox slots the ranks released, filled by
+            `listen`.
+        listen: takes the messages the ranks sent since (never waits); True when any came.
     """
 
     def __init__(
@@ -101,10 +126,24 @@ class BucketWrites:
         schedule: Schedule,
         buffers: list[torch.Tensor],
         notify: Callable[[Rank, Message], None],
+        inboxes: Sequence[NixlInbox | None] = (),
+        acks: set[tuple[int, int, int]] | None = None,
+        listen: Callable[[], bool] = lambda: False,
     ) -> None:
         self._agent, self._session, self._tensors = agent, session, tensors
         self._ranks, self._schedule, self._buffers = ranks, schedule, buffers
         self._notify = notify
+        self._inboxes = list(inboxes) or [None] * len(ranks)
+        self._acks = set() if acks is None else acks
+        self._listen = listen
+        for rank, need in zip(ranks, schedule.inbox_bytes, strict=True):
+            inbox = self._inboxes[rank.index]
+            if need and (inbox is None or inbox.slot_bytes < need):
+                raise ValueError(
+                    f"{rank.describe()} receives tensors whole and offered no inbox of {need} bytes"
+                )
+        # per rank: inbox slot -> the last bucket written into it
+        self._inbox_use: list[dict[int, int]] = [{} for _ in ranks]
         self._metas = {meta.name: meta for meta in session.plan.metas}
         # a non-contiguous tensor split across buckets is made contiguous once, not per bucket
         self._contiguous: dict[str, torch.Tensor] = {}
@@ -136,6 +175,7 @@ class BucketWrites:
                     packed.result(max(0.0, deadline - time.monotonic()))
                     if following is not None and depth > 1:  # its buffer is not this one's
                         packed = self._start_pack(packer, pool, following, deadline, progress)
+                    self._claim_inboxes(bucket, deadline, progress)
                     self._post(bucket, self._buffers[bucket.index % depth])
                     self._advance(progress)
                     if following is not None and depth == 1:
@@ -169,8 +209,12 @@ class BucketWrites:
             area = self._schedule.area_offsets[bucket.index][rank.index]
             for job in writes.jobs:
                 by_name.setdefault(job.name, []).append(self._destination(rank, job, buffer, area))
+            self.rank_bytes[(rank.group, rank.rank)] += writes.whole_nbytes
+        whole = self._schedule.whole_offsets[bucket.index]
         futures = [
-            pool.submit(self._pack_one, entry, by_name.get(entry.name, []))
+            pool.submit(
+                self._pack_one, entry, by_name.get(entry.name, []), buffer, whole.get(entry.name)
+            )
             for entry in sorted(bucket.entries, key=lambda entry: -entry.nbytes)
         ]
         for future in futures:
@@ -201,7 +245,9 @@ class BucketWrites:
         self.rank_bytes[(rank.group, rank.rank)] += job.nbytes
         return job, destination, hasher
 
-    def _pack_one(self, entry: BucketEntry, jobs: list) -> None:
+    def _pack_one(
+        self, entry: BucketEntry, jobs: list, buffer: torch.Tensor, whole_offset: int | None
+    ) -> None:
         tensor = self._tensors.get(entry.name)
         if tensor is None:
             raise ValueError(f"tensor {entry.name!r} is in the plan but was not given")
@@ -209,18 +255,26 @@ class BucketWrites:
         full = tensor if tensor.is_contiguous() else self._contiguous.get(entry.name)
         if full is None:
             full = self._contiguous[entry.name] = tensor.contiguous()
-        start, stop, _ = entry_rows(self._metas[entry.name], entry, self._session.plan.bucket_bytes)
         hasher = self._full_hashers.setdefault(entry.name, xxhash.xxh3_128())
-        _pack_entry(full, (start, stop), jobs, hasher)
+        if jobs:  # digests the full rows too
+            rows = entry_rows(self._metas[entry.name], entry, self._session.plan.bucket_bytes)
+            _pack_entry(full, rows[:2], jobs, hasher)
+        destination = None
+        if whole_offset is not None:  # packed once, for every rank that receives it whole
+            destination = buffer[whole_offset : whole_offset + entry.nbytes]
+        if destination is not None or not jobs:
+            _copy_whole(full, entry, destination, None if jobs else hasher)
 
     def _post(self, bucket: BucketPlan, buffer: torch.Tensor) -> None:
         self._done.append(set())
         for rank, writes in zip(self._ranks, self._schedule.buckets[bucket.index], strict=True):
-            if not writes.jobs:
+            area = self._schedule.area_offsets[bucket.index][rank.index]
+            local, remote = writes.descriptors(
+                buffer.data_ptr() + area, buffer.data_ptr(), self._inbox_slot(rank, bucket)
+            )
+            if not len(remote):
                 self._done[bucket.index].add(rank.index)
                 continue
-            area = self._schedule.area_offsets[bucket.index][rank.index]
-            local, remote = writes.descriptors(buffer.data_ptr() + area)
             handle = self._agent.initialize_xfer(
                 "WRITE",
                 self._agent.get_xfer_descs(local, "DRAM"),
@@ -232,7 +286,41 @@ class BucketWrites:
                 raise RuntimeError(
                     f"NIXL refused the write of bucket {bucket.index} to {rank.describe()}"
                 )
-            self._session.count_sent(sum(job.nbytes for job in writes.jobs))  # no padding
+            # no padding
+            self._session.count_sent(sum(job.nbytes for job in writes.jobs) + writes.whole_nbytes)
+
+    def _inbox_slot(self, rank: Rank, bucket: BucketPlan) -> int:
+        """Where bucket `bucket`'s slot of `rank`'s inbox starts (0: the rank has none)."""
+        inbox = self._inboxes[rank.index]
+        if inbox is None:
+            return 0
+        return inbox.address + (bucket.index % inbox.slots) * inbox.slot_bytes
+
+    def _claim_inboxes(self, bucket: BucketPlan, deadline: float, progress: Progress) -> None:
+        """Before `bucket` lands in a rank's inbox slot: until the rank released the bucket
+        that slot held before."""
+        for rank, writes in zip(self._ranks, self._schedule.buckets[bucket.index], strict=True):
+            inbox = self._inboxes[rank.index]
+            if not writes.whole or inbox is None:
+                continue
+            slot = bucket.index % inbox.slots
+            previous = self._inbox_use[rank.index].get(slot)
+            if previous is not None:
+                self._wait_ack(rank, previous, deadline, progress)
+            self._inbox_use[rank.index][slot] = bucket.index
+
+    def _wait_ack(self, rank: Rank, bucket_index: int, deadline: float, progress: Progress) -> None:
+        while (rank.group, rank.rank, bucket_index) not in self._acks:
+            if self._session.abandoned is not None:
+                raise ValueError(f"stopped writing: {self._session.abandoned}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{rank.describe()} did not release bucket {bucket_index} of its inbox in time"
+                )
+            before = list(self._next_notice)
+            self._advance(progress)
+            if not self._listen() and self._next_notice == before:
+                time.sleep(POLL_PAUSE_S)
 
     def _poll(self) -> bool:
         """Collect finished WRITEs; True when any finished."""
