@@ -12,15 +12,20 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-import torch
+from delta_harness import (
+    assert_whole_push_serves_the_same,
+    bf16_engines,
+    initial_weights,
+    next_version,
+    served_fingerprints,
+)
 from engine_harness import ServedEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from update_harness import engine_greedy, weights_state
+from update_harness import weights_state
 
 from weightbus import Publisher
 from weightbus.delta import DeltaBase
-from weightbus.models.config import tiny_config
 from weightbus.publisher import PushError
 from weightbus.publisher.targets import HttpEngineTarget
 from weightbus.wire.delta import DELTA_BASE_REFUSAL
@@ -30,59 +35,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServedEngine]]:
-    """bf16 tiny-model engines at TP 2 and TP 1."""
-    log_dir = tmp_path_factory.mktemp("log")
-    started: dict[str, ServedEngine] = {}
-    try:
-        for name, tp in (("tp2", 2), ("tp1", 1)):
-            started[name] = ServedEngine(
-                "--tp", str(tp), "--dtype", "bfloat16", log_path=log_dir / f"{name}.log"
-            )
+    with bf16_engines(tmp_path_factory.mktemp("log")) as started:
         yield started
-    finally:
-        for engine in started.values():
-            engine.stop()
-
-
-def _initial() -> dict[str, torch.Tensor]:
-    from weightbus.models.loader import random_hf_weights
-
-    return {n: t.to(torch.bfloat16) for n, t in random_hf_weights(tiny_config(), seed=11)}
-
-
-def _step(
-    weights: dict[str, torch.Tensor], seed: int, fraction: float = 0.02, frozen: str = "embed"
-) -> dict[str, torch.Tensor]:
-    """The next version: `fraction` of each tensor's elements nudged, tensors whose name
-    contains `frozen` left alone, and the final norm changed everywhere."""
-    generator = torch.Generator().manual_seed(seed)
-    new = {}
-    for name, old in weights.items():
-        tensor = old.clone()
-        flat = tensor.view(-1)
-        if name == "model.norm.weight":
-            flat.add_(0.25)
-        elif frozen not in name and fraction > 0:
-            count = max(1, int(fraction * flat.numel()))
-            picked = torch.randperm(flat.numel(), generator=generator)[:count]
-            flat[picked] += torch.randn(count, generator=generator).to(flat.dtype)
-        new[name] = tensor
-    return new
-
-
-def _fingerprints(publisher: Publisher) -> set[str | None]:
-    return {state.fingerprint for state in publisher.engine_weights()}
-
-
-def _assert_whole_push_serves_the_same(engines: dict[str, ServedEngine], members, weights):
-    """The engines' greedy logprobs after the deltas equal theirs after the same version
-    arrived whole."""
-    after_deltas = {name: engine_greedy(engines[name])["logprobs"] for name in members}
-    urls = [engines[name].url for name in members]
-    with Publisher(urls, transport="shm") as whole:
-        whole.push(weights, version=f"whole-{secrets.token_hex(3)}")
-    for name in members:
-        assert engine_greedy(engines[name])["logprobs"] == after_deltas[name], name
 
 
 @pytest.mark.parametrize(
@@ -98,7 +52,7 @@ def _assert_whole_push_serves_the_same(engines: dict[str, ServedEngine], members
 def test_deltas_land_bit_exactly_over_each_transport(engines, transport, options, members):
     urls = [engines[name].url for name in members]
     run = secrets.token_hex(2)
-    weights = _initial()
+    weights = initial_weights(11)
     with Publisher(urls, transport=transport, transport_options=options, delta="always") as pub:
         if transport == "dist":
             pub.init_weights_group("127.0.0.1")
@@ -107,15 +61,15 @@ def test_deltas_land_bit_exactly_over_each_transport(engines, transport, options
         assert first.delta.reason == "no base: the first push with deltas on goes whole"
         assert pub.delta_base_nbytes == first.nbytes
         for step in range(1, 4):
-            weights = _step(weights, seed=step)
+            weights = next_version(weights, seed=step)
             result = pub.push(weights, version=f"{run}-{step}")
             assert result.delta.sent, result.delta.reason
             assert result.delta.tensors["same"] == 1  # the frozen embedding
             assert result.delta.tensors["sparse"] >= 20
             assert result.nbytes < first.nbytes / 5
             assert result.fingerprint == pub.fingerprint(weights)
-            assert _fingerprints(pub) == {result.fingerprint}
-    _assert_whole_push_serves_the_same(engines, members, weights)
+            assert served_fingerprints(pub) == {result.fingerprint}
+    assert_whole_push_serves_the_same(engines, members, weights)
 
 
 @settings(
@@ -131,19 +85,19 @@ def test_deltas_land_bit_exactly_over_each_transport(engines, transport, options
 def test_random_changes_apply_bit_exactly_on_tp1_and_tp2(engines, fraction, frozen, seed):
     urls = [engines["tp2"].url, engines["tp1"].url]
     run = secrets.token_hex(2)
-    weights = _initial()
+    weights = initial_weights(11)
     with Publisher(urls, transport="shm", delta="always") as pub:
         pub.push(weights, version=f"{run}-0")
-        weights = _step(weights, seed, fraction, frozen)
+        weights = next_version(weights, seed, fraction, frozen)
         result = pub.push(weights, version=f"{run}-1")
         assert result.delta.sent
         assert result.fingerprint == pub.fingerprint(weights)
-        assert _fingerprints(pub) == {result.fingerprint}
+        assert served_fingerprints(pub) == {result.fingerprint}
 
 
 def test_an_engine_on_another_base_refuses_with_409(engines):
     engine = engines["tp1"]
-    weights = _initial()
+    weights = initial_weights(11)
     with Publisher([engine.url], transport="disk", delta="always") as pub:
         pub.push(weights, version=secrets.token_hex(3))
     served = weights_state(engine)
@@ -173,22 +127,22 @@ def test_an_engine_on_another_base_refuses_with_409(engines):
 
 
 def test_an_engine_pushed_by_someone_else_gets_the_whole_version(engines):
-    weights = _initial()
+    weights = initial_weights(11)
     run = secrets.token_hex(2)
     urls = [engines["tp2"].url, engines["tp1"].url]
     with Publisher(urls, transport="shm", delta="always") as pub:
         pub.push(weights, version=f"{run}-0")
         with Publisher([engines["tp1"].url], transport="disk") as other:
-            other.push(_step(weights, seed=5), version=f"{run}-other")
-        weights = _step(weights, seed=6)
+            other.push(next_version(weights, seed=5), version=f"{run}-other")
+        weights = next_version(weights, seed=6)
         result = pub.push(weights, version=f"{run}-1")
         assert not result.delta.sent
         assert (
             result.delta.reason == f"engine {engines['tp1'].url} does not serve the base '{run}-0'"
         )
-        assert _fingerprints(pub) == {pub.fingerprint(weights)}
+        assert served_fingerprints(pub) == {pub.fingerprint(weights)}
         # the base is the pushed version again: the next push is a delta
-        weights = _step(weights, seed=7)
+        weights = next_version(weights, seed=7)
         assert pub.push(weights, version=f"{run}-2").delta.sent
 
 
@@ -204,21 +158,21 @@ class _StaleReads(HttpEngineTarget):
 
 
 def test_a_delta_refused_in_flight_is_followed_by_the_whole_version(engines):
-    weights = _initial()
+    weights = initial_weights(11)
     run = secrets.token_hex(2)
     stale = _StaleReads(engines["tp1"].url)
     with Publisher([engines["tp2"].url, stale], transport="disk", delta="always") as pub:
         base = pub.push(weights, version=f"{run}-0")
         with Publisher([engines["tp1"].url], transport="disk") as other:
-            other.push(_step(weights, seed=5), version=f"{run}-other")
+            other.push(next_version(weights, seed=5), version=f"{run}-other")
         stale.served = base.fingerprint
-        weights = _step(weights, seed=6)
+        weights = next_version(weights, seed=6)
         result = pub.push(weights, version=f"{run}-1")
         assert not result.delta.sent
         assert result.delta.reason.startswith("refused: ")
         assert DELTA_BASE_REFUSAL in result.delta.reason
         stale.served = None
-        assert _fingerprints(pub) == {pub.fingerprint(weights)}
+        assert served_fingerprints(pub) == {pub.fingerprint(weights)}
 
 
 def _corrupting_encode(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
@@ -237,7 +191,7 @@ def _corrupting_encode(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
 
 @pytest.mark.parametrize("atomic", [True, False])
 def test_a_corrupted_index_fails_closed(engines, monkeypatch, atomic):
-    weights = _initial()
+    weights = initial_weights(11)
     run = secrets.token_hex(2)
     name = "model.layers.1.self_attn.o_proj.weight"  # split by columns at TP 2
     urls = [engines["tp2"].url, engines["tp1"].url]
@@ -245,7 +199,7 @@ def test_a_corrupted_index_fails_closed(engines, monkeypatch, atomic):
         base = pub.push(weights, version=f"{run}-0")
         with monkeypatch.context() as patch:
             _corrupting_encode(patch, name)
-            new = _step(weights, seed=3)
+            new = next_version(weights, seed=3)
             new[name].view(-1)[-1] = weights[name].view(-1)[-1]  # room for the shifted index
             with pytest.raises(PushError) as raised:
                 pub.push(new, version=f"{run}-1", atomic=atomic)
@@ -258,30 +212,30 @@ def test_a_corrupted_index_fails_closed(engines, monkeypatch, atomic):
         # the base did not advance: the next delta (or, after FAILED, the whole version) lands
         result = pub.push(new, version=f"{run}-2")
         assert result.delta.sent == atomic
-        assert _fingerprints(pub) == {pub.fingerprint(new)}
+        assert served_fingerprints(pub) == {pub.fingerprint(new)}
 
 
 def test_auto_sends_a_delta_only_where_it_pays(engines):
-    weights = _initial()
+    weights = initial_weights(11)
     run = secrets.token_hex(2)
     with Publisher([engines["tp1"].url], transport="disk", delta="auto") as pub:
         pub.push(weights, version=f"{run}-0")
-        weights = _step(weights, seed=1)
+        weights = next_version(weights, seed=1)
         assert pub.push(weights, version=f"{run}-1").delta.sent  # 2%: a delta
-        weights = _step(weights, seed=2, fraction=1.0, frozen="nothing")
+        weights = next_version(weights, seed=2, fraction=1.0, frozen="nothing")
         dense = pub.push(weights, version=f"{run}-2")
         assert not dense.delta.sent
         assert dense.delta.reason.startswith("a delta would carry ")
         assert dense.delta.reason.endswith(" of the bytes (auto: at most 50%)")
         # a whole push by request still becomes the base: the next one is a delta again
-        weights = _step(weights, seed=3)
+        weights = next_version(weights, seed=3)
         assert not pub.push(weights, version=f"{run}-3", delta="never").delta.sent
-        weights = _step(weights, seed=4)
+        weights = next_version(weights, seed=4)
         assert pub.push(weights, version=f"{run}-4").delta.sent
-        assert _fingerprints(pub) == {pub.fingerprint(weights)}
+        assert served_fingerprints(pub) == {pub.fingerprint(weights)}
     with Publisher([engines["tp1"].url], transport="shm", delta="auto") as pub:
         pub.push(weights, version=f"{run}-5")
-        local = pub.push(_step(weights, seed=5), version=f"{run}-6")
+        local = pub.push(next_version(weights, seed=5), version=f"{run}-6")
     assert not local.delta.sent
     assert local.delta.reason == (
         "auto: shm copies at memory speed, a delta would cost more than it saves"

@@ -11,13 +11,17 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
-import torch
+from delta_harness import (
+    assert_whole_push_serves_the_same,
+    bf16_engines,
+    initial_weights,
+    next_version,
+    served_fingerprints,
+)
 from engine_harness import ServedEngine
-from update_harness import KiB, engine_greedy
+from update_harness import KiB
 
 from weightbus import Publisher, PushError
-from weightbus.models.config import tiny_config
-from weightbus.models.loader import random_hf_weights
 from weightbus.transport.nixl.sink import NixlSink
 from weightbus.transport.nixl.writes import BucketWrites
 
@@ -28,44 +32,8 @@ MEMBERS = ("tp2", "tp1")
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServedEngine]]:
-    """bf16 tiny-model engines at TP 2 and TP 1."""
-    log_dir = tmp_path_factory.mktemp("log")
-    started: dict[str, ServedEngine] = {}
-    try:
-        for name, tp in (("tp2", 2), ("tp1", 1)):
-            started[name] = ServedEngine(
-                "--tp", str(tp), "--dtype", "bfloat16", log_path=log_dir / f"{name}.log"
-            )
+    with bf16_engines(tmp_path_factory.mktemp("log")) as started:
         yield started
-    finally:
-        for engine in started.values():
-            engine.stop()
-
-
-def _initial() -> dict[str, torch.Tensor]:
-    return {n: t.to(torch.bfloat16) for n, t in random_hf_weights(tiny_config(), seed=23)}
-
-
-def _step(weights: dict[str, torch.Tensor], seed: int, fraction: float) -> dict[str, torch.Tensor]:
-    """The next version: `fraction` of each tensor's elements nudged, the embedding left
-    alone, and the final norm changed everywhere (a tensor sent whole)."""
-    generator = torch.Generator().manual_seed(seed)
-    new = {}
-    for name, old in weights.items():
-        tensor = old.clone()
-        flat = tensor.view(-1)
-        if name == "model.norm.weight":
-            flat.add_(0.25)
-        elif "embed" not in name:
-            count = max(1, int(fraction * flat.numel()))
-            picked = torch.randperm(flat.numel(), generator=generator)[:count]
-            flat[picked] += torch.randn(count, generator=generator).to(flat.dtype)
-        new[name] = tensor
-    return new
-
-
-def _fingerprints(publisher: Publisher) -> set[str | None]:
-    return {state.fingerprint for state in publisher.engine_weights()}
 
 
 @pytest.mark.parametrize(
@@ -82,14 +50,14 @@ def test_deltas_over_nixl_land_bit_exactly_with_less_reaching_each_rank(
     urls = [engines[name].url for name in MEMBERS]
     options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     run = secrets.token_hex(2)
-    weights = _initial()
+    weights = initial_weights(23)
     with Publisher(urls, transport="nixl", delta="always", **options) as pub:
         first = pub.push(weights, version=f"{run}-0")
         assert not first.delta.sent
         full_ranks = [engine.rank_nbytes for engine in first.engines]
         assert [len(ranks) for ranks in full_ranks] == [2, 1]
         for step in range(1, 4):
-            weights = _step(weights, seed=100 * step + len(run), fraction=fraction)
+            weights = next_version(weights, seed=100 * step + len(run), fraction=fraction)
             # step 2 in place: the writes land in the live parameters, not a staged copy
             result = pub.push(weights, version=f"{run}-{step}", atomic=step != 2)
             assert result.delta.sent, result.delta.reason
@@ -97,7 +65,7 @@ def test_deltas_over_nixl_land_bit_exactly_with_less_reaching_each_rank(
             assert result.delta.tensors["sparse"] > 0
             assert result.delta.tensors["same"] == 1  # the embedding
             assert result.fingerprint == pub.fingerprint(weights)
-            assert _fingerprints(pub) == {result.fingerprint}
+            assert served_fingerprints(pub) == {result.fingerprint}
             for engine, full in zip(result.engines, full_ranks, strict=True):
                 assert len(engine.rank_nbytes) == len(full)
                 for got, whole in zip(engine.rank_nbytes, full, strict=True):
@@ -107,14 +75,8 @@ def test_deltas_over_nixl_land_bit_exactly_with_less_reaching_each_rank(
             # buckets, and the ranks' inbox slots were written again after their acks
             assert int(fraction * 688 * 256) * 4 > bucket_bytes
             assert acks_awaited
-        after_deltas = {name: engine_greedy(engines[name])["logprobs"] for name in MEMBERS}
-    # the same version pushed whole (delta off) serves the same greedy logprobs
-    with Publisher(urls, transport="nixl", delta="never", **options) as whole:
-        result = whole.push(weights, version=f"{run}-whole")
-        assert not result.delta.sent
-        assert _fingerprints(whole) == {result.fingerprint}
-    for name in MEMBERS:
-        assert engine_greedy(engines[name])["logprobs"] == after_deltas[name], name
+    # the same version pushed whole serves the same greedy logprobs
+    assert_whole_push_serves_the_same(engines, MEMBERS, weights, transport="nixl")
 
 
 def _count_ack_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
@@ -137,7 +99,7 @@ def test_a_rank_that_never_releases_its_inbox_fails_the_delta_then_the_next_one_
     slot, the engine keeps the base (atomic), and the same Publisher's next delta lands."""
     engine = engines["tp2"]
     run = secrets.token_hex(2)
-    weights = _initial()
+    weights = initial_weights(23)
     with Publisher(
         [engine.url], transport="nixl", delta="always", bucket_bytes=64 * KiB, timeout_s=10
     ) as pub:
@@ -145,10 +107,10 @@ def test_a_rank_that_never_releases_its_inbox_fails_the_delta_then_the_next_one_
         with monkeypatch.context() as patch:
             patch.setattr(NixlSink, "_listen", lambda self, ranks: False)
             with pytest.raises(PushError) as failed:
-                pub.push(_step(weights, seed=7, fraction=0.1), version=f"{run}-lost")
+                pub.push(next_version(weights, seed=7, fraction=0.1), version=f"{run}-lost")
         assert "did not release bucket" in str(failed.value.transport_error)
-        assert _fingerprints(pub) == {base.fingerprint}
-        weights = _step(weights, seed=8, fraction=0.1)
+        assert served_fingerprints(pub) == {base.fingerprint}
+        weights = next_version(weights, seed=8, fraction=0.1)
         result = pub.push(weights, version=f"{run}-1")
         assert result.delta.sent, result.delta.reason
-        assert _fingerprints(pub) == {result.fingerprint} == {pub.fingerprint(weights)}
+        assert served_fingerprints(pub) == {result.fingerprint} == {pub.fingerprint(weights)}
