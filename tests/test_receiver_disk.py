@@ -204,6 +204,18 @@ def test_tied_weights_are_sent_once():
     assert [name for name, _ in normalized] == ["embed.weight", "norm"]
 
 
+def test_a_draft_sharing_a_tensor_with_the_main_model_gets_its_own_copy():
+    embed = torch.randn(8, 4)
+    weights = {
+        "embed.weight": embed,
+        "lm_head.weight": embed,
+        "draft.embed.weight": embed,
+        "draft.lm_head.weight": embed,
+    }
+    normalized = normalize_weights(weights)
+    assert [name for name, _ in normalized] == ["embed.weight", "draft.embed.weight"]
+
+
 def test_name_map_renames_and_drops():
     weights = {"a": torch.ones(1), "b": torch.ones(2), "c": torch.ones(3)}
     normalized = normalize_weights(weights, name_map={"a": "model.a", "b": None})

@@ -120,3 +120,13 @@ def metas_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMe
         seen.add(name)
         metas.append(TensorMeta.of(name, tensor))
     return metas
+
+
+# A push may carry a draft model (speculative decoding) with its main model, as one version:
+# the draft's tensors under this prefix + their own Hugging Face names.
+DRAFT_PREFIX = "draft."
+
+
+def is_draft_name(name: str) -> bool:
+    """Whether a pushed tensor belongs to the draft model."""
+    return name.startswith(DRAFT_PREFIX)

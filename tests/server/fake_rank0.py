@@ -38,6 +38,7 @@ AT_REST_FLEET_INFO = {
     "waiting_for_initial_weights": False,
     "two_phase_aborts": 0,
     "rollbacks": 0,
+    "draft": None,
 }
 
 

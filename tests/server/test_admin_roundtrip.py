@@ -101,6 +101,7 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
         "seconds": 0.25,
         "phases": {"load_s": 0.125},
         "staged": False,
+        "draft": None,
     }
     (sent,) = rig.rank0.received_of(messages.UpdateWeights)
     assert re.fullmatch(r"[0-9a-f]{32}", sent.update_id)
@@ -132,6 +133,7 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
                 "committed_at": 1700000000.0,
                 "seconds": 0.25,
                 "bytes": 4096,
+                "draft": None,
             }
         ],
         **AT_REST_FLEET_INFO,

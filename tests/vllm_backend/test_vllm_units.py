@@ -2,6 +2,7 @@
 and the logprob probe (no vLLM server)."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,10 +13,17 @@ from vllm_harness import make_vllm_model
 from weightbus.integrations.vllm.reload import tied_modules, unloaded
 from weightbus.integrations.vllm.staging import StagingBuffers, changed_tensors, load_group
 from weightbus.integrations.vllm.verdicts import REASON_BYTES, _decode, _encode
-from weightbus.integrations.vllm.worker import _convert
+from weightbus.integrations.vllm.worker import (
+    DRAFT_OUTSIDE_SESSION,
+    DRAFT_SESSION_WITHOUT_DRAFT,
+    _convert,
+    _explain_draft_names,
+    _served_draft_config,
+)
 from weightbus.publisher import Publisher
 from weightbus.publisher.probe import LogprobProbe
 from weightbus.publisher.targets.vllm import UNTOUCHED, VllmUpdateInfo
+from weightbus.receiver import RankResult
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 K = "model.layers.0.self_attn.k_proj.weight"
@@ -116,3 +124,31 @@ def test_a_probe_for_an_engine_that_cannot_score_it_is_refused_before_anything_m
         pytest.raises(ValueError, match=unable),
     ):
         publisher.push({"w": torch.zeros(2)}, version="v", probe=probe)
+
+
+def test_draft_names_the_session_does_not_expect_are_explained():
+    outside = RankResult()
+    outside.fail("unknown tensors: ['draft.lm_head.weight']", ["draft.lm_head.weight"])
+    _explain_draft_names(outside)
+    assert outside.errors[0] == DRAFT_OUTSIDE_SESSION
+    missing = RankResult()
+    missing.fail("missing tensors: ['draft.lm_head.weight']", ["draft.lm_head.weight"])
+    _explain_draft_names(missing)
+    assert missing.errors[0] == DRAFT_SESSION_WITHOUT_DRAFT
+    main = RankResult()
+    main.fail("missing tensors: ['lm_head.weight']", ["lm_head.weight"])
+    _explain_draft_names(main)
+    assert main.errors == ["missing tensors: ['lm_head.weight']"]
+
+
+@pytest.mark.parametrize(
+    ("speculative", "served"),
+    [
+        (None, False),
+        (SimpleNamespace(method="eagle", draft_model_config="eagle-head"), False),
+        (SimpleNamespace(method="draft_model", draft_model_config="draft"), True),
+    ],
+)
+def test_only_a_draft_model_counts_as_a_served_draft(speculative, served):
+    config = SimpleNamespace(speculative_config=speculative)
+    assert (_served_draft_config(config) is not None) is served

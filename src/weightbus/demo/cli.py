@@ -23,6 +23,7 @@ import httpx
 import torch
 
 from weightbus.bench.engine import start_engine, stop_engine
+from weightbus.demo.draft import DraftRun
 from weightbus.demo.rollout import RolloutClient
 from weightbus.demo.task import prompts, render
 from weightbus.demo.trainer import Trainer
@@ -72,6 +73,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="push each step as its changes to the last (auto: when they are at most half the "
         "bytes; always; never)",
     )
+    parser.add_argument(
+        "--draft",
+        action="store_true",
+        help="speculative decoding: the engine serves a one-layer draft model that the trainer "
+        "distills on the policy's rollouts and pushes with the policy every step (one version)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=3, help="draft tokens per step with --draft"
+    )
     parser.add_argument("--json", default=None, help="also write the run's record to this file")
     parser.set_defaults(handler=run)
 
@@ -89,6 +99,11 @@ class StepRecord:
     fingerprint_matched: bool
     push_delta: bool = False  # the push carried changes only (`PushResult.delta`)
     changed_fraction: float | None = None  # of the elements, against the last push
+    # --draft: the engine's acceptance rate over the step's rollouts, and the expected rates
+    # of the draft kept in step and of the draft frozen at step 0 under the updated policy
+    draft_acceptance: float | None = None
+    draft_in_step: float | None = None
+    draft_frozen: float | None = None
 
 
 @dataclass(slots=True)
@@ -107,6 +122,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--ray starts its own engines: leave out --engine")
     if args.samples < 2:
         raise ValueError("--samples must be >= 2: the baseline is the group's mean")
+    if args.draft and args.num_speculative_tokens < 1:
+        raise ValueError("--num-speculative-tokens must be >= 1")
+    if args.draft and (args.ray or args.engine is not None):
+        raise ValueError("--draft starts its own engine: leave out --engine and --ray")
     prompts(args.prompts)
 
 
@@ -128,25 +147,54 @@ def run(args: argparse.Namespace) -> int:
         return _run_ray(args)
     trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
     record = DemoRecord(transport=args.transport, tp=None if args.engine else args.tp)
+    draft = _draft_run(args, trainer)
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
         proc = None
         url = args.engine
         if url is None:
             trainer.save(Path(tmp))
-            print(f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}")
-            proc, url = start_engine(tmp, args.tp)
+            extra = _draft_flags(args, draft, Path(tmp) / "draft")
+            print(
+                f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}"
+                + (" --draft-model <draft's HF dir> ..." if extra else "")
+            )
+            proc, url = start_engine(tmp, args.tp, extra=extra)
         try:
             client = RolloutClient(url, max_tokens=args.max_tokens, temperature=args.temperature)
             token = os.environ.get(TOKEN_ENV) or None
             publisher = Publisher([url], transport=args.transport, token=token, delta=args.delta)
             _run_steps(
                 args, trainer, client=client, publisher=publisher, record=record,
-                engine_started=proc is not None,
+                engine_started=proc is not None, draft=draft,
             )  # fmt: skip
         finally:
             if proc is not None:
                 stop_engine(proc)
     return _finish(record, args)
+
+
+def _draft_run(args: argparse.Namespace, trainer: Trainer) -> DraftRun | None:
+    """With --draft: the draft, distilled on the initial policy's samples."""
+    if not args.draft:
+        return None
+    draft = DraftRun(
+        tiny_config(), seed=args.seed + 1, temperature=args.temperature,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )  # fmt: skip
+    kl = draft.warm_up(trainer.model, prompts(args.prompts), args.max_tokens)
+    print(f"draft: one layer, distilled on the initial policy's samples (KL {kl:.3f})")
+    return draft
+
+
+def _draft_flags(args: argparse.Namespace, draft: DraftRun | None, directory: Path) -> list[str]:
+    """The engine's speculative-decoding flags (the draft saved to `directory`)."""
+    if draft is None:
+        return []
+    draft.trainer.save(directory)
+    return [
+        "--draft-model", str(directory),
+        "--num-speculative-tokens", str(args.num_speculative_tokens),
+    ]  # fmt: skip
 
 
 def _run_vllm(args: argparse.Namespace) -> int:
@@ -234,6 +282,7 @@ def _run_steps(
     publisher: Publisher,
     record: DemoRecord,
     engine_started: bool,
+    draft: DraftRun | None = None,
 ) -> None:
     loop = _Loop(
         args=args,
@@ -242,6 +291,7 @@ def _run_steps(
         client=client,
         publisher=publisher,
         record=record,
+        draft=draft,
     )
     try:
         version = loop.initial_version(engine_started)
@@ -269,12 +319,20 @@ class _Loop:
     client: RolloutClient
     publisher: Publisher
     record: DemoRecord
+    draft: DraftRun | None = None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What each push carries: the policy, and with --draft the draft under `draft.`."""
+        weights = dict(self.trainer.model.state_dict())
+        if self.draft is not None:
+            weights.update(self.draft.trainer.weights())
+        return weights
 
     def initial_version(self, engine_started: bool) -> str:
         """The version serving the trainer's initial weights: the started engine's, or a push."""
-        expected = self.publisher.fingerprint(self.trainer.model)
+        expected = self.publisher.fingerprint(self.weights())
         if not engine_started:
-            self.publisher.push(self.trainer.model, version=f"demo-{self.run_id}-init")
+            self.publisher.push(self.weights(), version=f"demo-{self.run_id}-init")
         state = self.client.weights()
         if state["fingerprint"] is None:  # vLLM: step 1's logprob check proves the policy
             print(f"engine {state['version']!r} serves the trainer's checkpoint")
@@ -285,7 +343,7 @@ class _Loop:
             )
         print(f"engine {state['version']!r} serves the trainer's weights (fingerprint {expected})")
         if self.args.delta != "never":  # step 1 may be a delta on what the engine serves
-            self.publisher.set_delta_base(self.trainer.model, version=state["version"])
+            self.publisher.set_delta_base(self.weights(), version=state["version"])
         return state["version"]
 
     def _probe(self) -> LogprobProbe | None:
@@ -305,8 +363,10 @@ class _Loop:
         # rollouts
         tick = time.perf_counter()
         seed = args.seed * 10**6 + step * args.prompts * args.samples
+        drafted = self.client.draft_tokens() if self.draft is not None else None
         rollouts = self.client.sample(prompts(args.prompts), args.samples, seed=seed)
         rollout_s = time.perf_counter() - tick
+        acceptance = None if drafted is None else self.client.acceptance_since(drafted)
         stale = {r.weight_version for r in rollouts} - {version}
         if stale:
             raise DemoCheckError(
@@ -319,14 +379,19 @@ class _Loop:
                 f"step {step}: engine and trainer logprobs differ by {gap:.2e} "
                 f"(> {LOGPROB_TOLERANCE:g}): the engine is not serving the trainer's policy"
             )
+        draft = (
+            None if self.draft is None else self.draft.after_update(self.trainer.model, rollouts)
+        )
         # push
         new_version = f"demo-{self.run_id}-step-{step}"
-        result = self.publisher.push(self.trainer.model, version=new_version, probe=self._probe())
+        weights = self.weights()
+        result = self.publisher.push(weights, version=new_version, probe=self._probe())
         state = self.client.weights()
         matched = (
-            result.fingerprint == self.publisher.fingerprint(self.trainer.model)
+            result.fingerprint == self.publisher.fingerprint(weights)
             and state["version"] == new_version
             and state["fingerprint"] in (result.fingerprint, None)  # None: vLLM (probed)
+            and (draft is None or state["draft"]["version"] == new_version)
         )
         entry = StepRecord(
             step=step,
@@ -340,6 +405,9 @@ class _Loop:
             fingerprint_matched=matched,
             push_delta=result.delta is not None and result.delta.sent,
             changed_fraction=None if result.delta is None else result.delta.changed_fraction,
+            draft_acceptance=acceptance,
+            draft_in_step=None if draft is None else draft.in_step,
+            draft_frozen=None if draft is None else draft.frozen,
         )
         self.record.steps.append(entry)
         _print_step(entry, args.steps, render(rollouts[0].token_ids))
@@ -361,8 +429,19 @@ def _print_step(entry: StepRecord, num_steps: int, sample: str) -> None:
         f"push {entry.push_s:.3f} s {_push_kind(entry)}  version {entry.version}  "
         f"fingerprint {'ok' if entry.fingerprint_matched else 'MISMATCH'}  "
         f"rollout {entry.rollout_tokens_per_s:.0f} tok/s  "
-        f"logprob gap {entry.logprob_gap:.1e}  sample {sample!r}",
+        f"logprob gap {entry.logprob_gap:.1e}  {_draft_text(entry)}sample {sample!r}",
         flush=True,
+    )
+
+
+def _draft_text(entry: StepRecord) -> str:
+    """With --draft: the engine's acceptance rate, and the expected rates of both drafts."""
+    if entry.draft_in_step is None:
+        return ""
+    measured = "-" if entry.draft_acceptance is None else f"{entry.draft_acceptance:.2f}"
+    return (
+        f"accepted {measured} (expected: in step {entry.draft_in_step:.2f}, "
+        f"frozen {entry.draft_frozen:.2f})  "
     )
 
 
@@ -394,8 +473,23 @@ def _summarize(record: DemoRecord) -> None:
         deltas = sum(s.push_delta for s in steps)
         print(f"  deltas:         {deltas}/{len(steps)} pushes sent as changes to the last one")
         print(f"  fingerprints:   {matched}/{len(steps)} matched the trainer's")
+        _summarize_draft(steps)
         print(
             f"  logprob gap:    max {max(s.logprob_gap for s in steps):.1e} "
             f"(tolerance {LOGPROB_TOLERANCE:g})"
         )
     print(f"  result:         {'FAILED: ' + record.failures[0] if record.failures else 'ok'}")
+
+
+def _summarize_draft(steps: list[StepRecord]) -> None:
+    drafted = [s for s in steps if s.draft_in_step is not None]
+    if not drafted:
+        return
+    measured = [s.draft_acceptance for s in drafted if s.draft_acceptance is not None]
+    engine = f"{statistics.mean(measured):.2f}" if measured else "-"
+    last = drafted[-1]
+    print(
+        f"  draft:          accepted {engine} of the draft tokens (engine, mean over steps); "
+        f"expected at step {last.step}: {last.draft_in_step:.2f} kept in step, "
+        f"{last.draft_frozen:.2f} frozen at step 0"
+    )

@@ -6,6 +6,9 @@ import httpx
 
 from weightbus.demo.task import Rollout
 
+# `/metrics` counters of speculative decoding: draft tokens proposed, and accepted
+SPEC_COUNTERS = ("weightbus_spec_draft_tokens_total", "weightbus_spec_accepted_tokens_total")
+
 
 class RolloutClient:
     """Samples completions from one engine, one request per sample (each with its own seed).
@@ -74,6 +77,23 @@ class RolloutClient:
     def _version_of(self, choice: dict) -> str:
         """The version that generated a completion (the engine stamps every choice)."""
         return choice["weight_version"]
+
+    def draft_tokens(self) -> tuple[int, int]:
+        """Draft tokens the engine proposed and accepted so far (`GET /metrics`)."""
+        response = self._http.get("/metrics")
+        response.raise_for_status()
+        counts = dict.fromkeys(SPEC_COUNTERS, 0)
+        for line in response.text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in counts:
+                counts[name] = int(float(value))
+        return counts[SPEC_COUNTERS[0]], counts[SPEC_COUNTERS[1]]
+
+    def acceptance_since(self, before: tuple[int, int]) -> float | None:
+        """The share of draft tokens accepted since `before` (None: none proposed)."""
+        drafted, accepted = self.draft_tokens()
+        proposed = drafted - before[0]
+        return (accepted - before[1]) / proposed if proposed else None
 
     def weights(self) -> dict:
         """The engine's `GET /v1/weights` answer."""

@@ -4,11 +4,13 @@ The slice map is the rank's `shard_copies` (what `load_weights` does, as data). 
 looked up at each call, so the writer follows the pointer swaps of atomic commits.
 """
 
+from collections.abc import Iterable
+
 import torch
 
 from weightbus.delta import apply_to_slice
 from weightbus.digest import tensor_digest
-from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
+from weightbus.models.served import ServedModels
 from weightbus.plan.shard import ShardCopy
 
 
@@ -16,13 +18,13 @@ class ModelSlices:
     """`SliceWriter` (see `weightbus.receiver`) over one model's parameters.
 
     Args:
-        model: the model written (live, or the staging copy).
+        model: the models written (live, or the staging copy).
         copies: the rank's slice map, `(hf_name, parameter name, ShardCopy)`.
     """
 
-    def __init__(self, model: LlamaForCausalLM, copies: list[tuple[str, str, ShardCopy]]) -> None:
+    def __init__(self, model: ServedModels, copies: list[tuple[str, str, ShardCopy]]) -> None:
         params = dict(model.named_parameters())
-        shapes = hf_weight_shapes(model.config)
+        shapes = model.weight_shapes()
         self._slices = {
             hf_name: (params[param_name], copy, shapes[hf_name])
             for hf_name, param_name, copy in copies
@@ -41,8 +43,9 @@ class ModelSlices:
         return tensor_digest(self._destination(name))
 
 
-def copy_parameters(source: LlamaForCausalLM, destination: LlamaForCausalLM) -> None:
-    """Make `destination` hold `source`'s weights (a delta's base, before staging it)."""
+def copy_parameters(source: Iterable[torch.Tensor], destination: Iterable[torch.Tensor]) -> None:
+    """Copy parameters onto their counterparts (a delta's base, or a kept draft, into the
+    staging model before a push writes there)."""
     with torch.no_grad():
-        for src, dst in zip(source.parameters(), destination.parameters(), strict=True):
+        for src, dst in zip(source, destination, strict=True):
             dst.data.copy_(src.data)

@@ -62,8 +62,16 @@ class TokenOutput(msgspec.Struct, frozen=True):
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):
+    """The tokens of one step, in order (a speculative step may bring several per request).
+
+    `num_draft_tokens` / `num_accepted_tokens`: draft tokens proposed and kept in the step
+    (0 without speculative decoding).
+    """
+
     weight_version: str
     outputs: list[TokenOutput]
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class RequestError(msgspec.Struct, tag="error", frozen=True):
@@ -98,6 +106,7 @@ class UpdateWeights(msgspec.Struct, tag="update", frozen=True, kw_only=True):
     timeout_s: float = 60.0
     two_phase: bool = False
     delta: DeltaSpec | None = None  # changes to the version the engine serves
+    keep_draft: bool = False  # the push carries no draft tensors: the draft served stays
 
 
 class Decide(msgspec.Struct, tag="decide", frozen=True, kw_only=True):
@@ -155,6 +164,18 @@ class WeightsGroupRequest(msgspec.Struct, tag="weights_group", frozen=True, kw_o
     timeout_s: float = 60.0
 
 
+class DraftInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The draft model an engine serves: the version its weights came with, their fingerprint
+    as a model of their own (names without `draft.`), and how rank 0 loaded them (bytes, the
+    largest chunk loaded at once, seconds; zero for the weights it started with)."""
+
+    version: str
+    fingerprint: str | None
+    nbytes: int = 0
+    max_chunk_bytes: int = 0
+    load_s: float = 0.0
+
+
 class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=True):
     """Outcome of an `UpdateWeights`; `status_code` is the HTTP status to answer with.
 
@@ -177,6 +198,7 @@ class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=Tru
     error: str | None = None
     names: list[str] = msgspec.field(default_factory=list)
     staged: bool = False
+    draft: DraftInfo | None = None  # the draft served once this update commits
 
 
 class ControlResult(msgspec.Struct, tag="control_result", frozen=True, kw_only=True):
@@ -192,6 +214,7 @@ class HistoryEntry(msgspec.Struct, frozen=True, kw_only=True):
     committed_at: float
     seconds: float
     nbytes: int
+    draft: DraftInfo | None = None  # with speculative decoding: the draft served with it
 
 
 class WeightsState(msgspec.Struct, tag="weights", frozen=True, kw_only=True):
@@ -209,6 +232,7 @@ class WeightsState(msgspec.Struct, tag="weights", frozen=True, kw_only=True):
     staged_version: str | None = None  # a two-phase update waiting for its decision
     two_phase_aborts: int = 0  # staged two-phase updates discarded (aborted or expired)
     rollbacks: int = 0  # rollbacks committed
+    draft: DraftInfo | None = None  # with speculative decoding: the draft model served
 
 
 class Aborted(msgspec.Struct, tag="aborted", frozen=True):

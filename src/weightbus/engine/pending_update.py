@@ -37,6 +37,7 @@ class PendingUpdate:
     two_phase: bool
     request: messages.UpdateWeights | None
     fingerprint: str | None = None
+    draft: messages.DraftInfo | None = None  # a rollback's, known upfront; a push's once verified
     started_at: float = field(default_factory=time.perf_counter)
     begun: bool = False  # BEGIN_STAGED or LOAD sent
     verdicts: list[RankVerdict] | None = None
@@ -75,6 +76,7 @@ class PendingUpdate:
             two_phase=request.two_phase,
             request=None,
             fingerprint=previous.fingerprint,
+            draft=previous.draft,
         )
 
     @property

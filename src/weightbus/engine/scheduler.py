@@ -110,6 +110,18 @@ class Scheduler:
     def postprocess(self, batch: list[Sequence], token_ids: list[int]) -> None:
         """Append each sequence's new token and finish those that are done."""
         for seq, token_id in zip(batch, token_ids, strict=True):
+            self.append_tokens(seq, [token_id])
+
+    def append_tokens(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Append a step's tokens one by one, stopping at the first that finishes `seq`.
+
+        Each token's predecessors are in the KV cache once it is appended (a speculative step
+        verified them), so `num_cached_tokens` ends one short of the sequence.
+
+        Returns:
+            The number of tokens appended (from 1 to `len(token_ids)`).
+        """
+        for num_appended, token_id in enumerate(token_ids, start=1):
             seq.num_cached_tokens = len(seq)
             seq.token_ids.append(token_id)
             if token_id in self.eos_token_ids and not seq.params.ignore_eos:
@@ -118,6 +130,13 @@ class Scheduler:
                 seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len
             ):
                 self._finish(seq, "length")
+            if seq.status is SequenceStatus.FINISHED:
+                return num_appended
+        return len(token_ids)
+
+    def num_tokens_left(self, seq: Sequence) -> int:
+        """Tokens `seq` may still generate (by `max_tokens` and the context length)."""
+        return min(seq.params.max_tokens - seq.num_completion_tokens, self.max_model_len - len(seq))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:

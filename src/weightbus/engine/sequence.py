@@ -49,6 +49,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.slot = -1
         self.num_cached_tokens = 0
+        # tokens of this sequence the draft model's KV cache holds (speculative decoding)
+        self.num_draft_cached_tokens = 0
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()

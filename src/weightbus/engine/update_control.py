@@ -47,6 +47,7 @@ class UpdateController(ControlRequests):
         send: sends a message to the API server.
         abort: ends requests with `finish_reason: "abort"` and a reason; returns their ids.
         wait_for_initial_weights: serve nothing (status WAITING) until a version is pushed.
+        draft_fingerprint: the draft model's fingerprint at start-up (None: no draft).
     """
 
     def __init__(
@@ -57,10 +58,16 @@ class UpdateController(ControlRequests):
         send: Callable[[object], None],
         abort: Callable[[str, bool], None],
         wait_for_initial_weights: bool = False,
+        draft_fingerprint: str | None = None,
     ) -> None:
         self.version = version
         self.step: int | None = None
         self.fingerprint = fingerprint
+        self.draft = (
+            None
+            if draft_fingerprint is None
+            else messages.DraftInfo(version=version, fingerprint=draft_fingerprint)
+        )
         self.history: deque[messages.HistoryEntry] = deque(maxlen=HISTORY_LENGTH)
         self.released: set[str] = set()
         self.waiting = wait_for_initial_weights
@@ -376,11 +383,18 @@ class UpdateController(ControlRequests):
 
     # --- outcomes reported by the worker ---
 
-    def on_staged(self, verdicts: list[RankVerdict], nbytes: int, phases: dict) -> None:
-        """Every rank finished its staged receive."""
+    def on_staged(
+        self,
+        verdicts: list[RankVerdict],
+        nbytes: int,
+        phases: dict,
+        draft: messages.DraftInfo | None = None,
+    ) -> None:
+        """Every rank finished its staged receive (`draft`: the draft it carried, if any)."""
         update = self._update
         assert update is not None
         update.nbytes, update.phases = nbytes, phases
+        update.draft = draft or self.draft
         update.rank_nbytes = rank_nbytes(verdicts)
         ok = all(v.ok for v in verdicts)
         if ok and update.abort_reason is None:
@@ -412,11 +426,18 @@ class UpdateController(ControlRequests):
             self.rollback.drop("the weights it replaced were not valid")
         self._commit(update, self._staged_fingerprint(update))
 
-    def on_loaded(self, verdicts: list[RankVerdict], nbytes: int, phases: dict) -> None:
-        """Every rank finished loading in place."""
+    def on_loaded(
+        self,
+        verdicts: list[RankVerdict],
+        nbytes: int,
+        phases: dict,
+        draft: messages.DraftInfo | None = None,
+    ) -> None:
+        """Every rank finished loading in place (`draft`: as for `on_staged`)."""
         update = self._update
         assert update is not None
         update.nbytes, update.phases = nbytes, phases
+        update.draft = draft or self.draft
         update.rank_nbytes = rank_nbytes(verdicts)
         if all(v.ok for v in verdicts):
             self._commit(update, verdicts[0].fingerprint)
@@ -437,11 +458,13 @@ class UpdateController(ControlRequests):
             committed_at=time.time(),
             seconds=seconds,
             nbytes=nbytes,
+            draft=self.draft,
         )
 
     def _commit(self, update: PendingUpdate, fingerprint: str | None) -> None:
         seconds = time.perf_counter() - update.started_at
         self.version, self.step, self.fingerprint = update.version, update.step, fingerprint
+        self.draft = update.draft
         self.weights_valid, self.waiting = True, False
         self._serving = self._entry(seconds=seconds, nbytes=update.nbytes)
         self.history.append(self._serving)
@@ -459,6 +482,7 @@ class UpdateController(ControlRequests):
                 rank_nbytes=list(update.rank_nbytes),
                 seconds=seconds,
                 phases={**update.phases, "total_s": seconds},
+                draft=self.draft,
             )
         )
 
@@ -498,6 +522,7 @@ class UpdateController(ControlRequests):
             staged_version=staged,
             two_phase_aborts=self.two_phase_aborts,
             rollbacks=self.rollbacks,
+            draft=self.draft,
         )
 
     def publish_state(self) -> None:

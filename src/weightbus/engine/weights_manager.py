@@ -23,10 +23,11 @@ import torch
 
 from weightbus.engine import messages
 from weightbus.engine.delta_slices import ModelSlices, copy_parameters
+from weightbus.engine.draft_load import DraftLoads, draft_info
 from weightbus.engine.model_runner import ModelRunner
-from weightbus.meta import TensorMeta
-from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
+from weightbus.meta import DRAFT_PREFIX, TensorMeta, is_draft_name
 from weightbus.models.loader import create_model
+from weightbus.models.served import ServedModels
 from weightbus.receiver import RankResult, Receiver, UpdateRequest
 from weightbus.transport import (
     DirectPlacement,
@@ -38,16 +39,37 @@ from weightbus.transport import (
 
 logger = logging.getLogger(__name__)
 
-
-def expected_metas(runner: ModelRunner, dtype: torch.dtype) -> dict[str, TensorMeta]:
-    """The HF tensors a complete update must carry: full shapes, in the serving dtype."""
-    return {
-        name: TensorMeta(name, dtype, shape)
-        for name, shape in hf_weight_shapes(runner.config).items()
-    }
+DRAFT_MISSING = (
+    "the push carries no draft model while this engine serves one: push the draft's tensors "
+    f"under {DRAFT_PREFIX!r} in the same version, or set keep_draft to keep the draft served"
+)
 
 
-def _swap_parameters(live: LlamaForCausalLM, staged: LlamaForCausalLM) -> None:
+def expected_metas(served: ServedModels, dtype: torch.dtype) -> dict[str, TensorMeta]:
+    """The tensors a complete update must carry (the draft's under `draft.`): full shapes, in
+    the serving dtype."""
+    return {name: TensorMeta(name, dtype, shape) for name, shape in served.weight_shapes().items()}
+
+
+def _new_served(served: ServedModels, dtype: torch.dtype) -> ServedModels:
+    """Unloaded models of `served`'s architectures (a staging copy)."""
+    draft = None if served.draft is None else create_model(served.draft.config, dtype)
+    return ServedModels(create_model(served.main.config, dtype), draft)
+
+
+def _prepare_staging(
+    request: messages.UpdateWeights, live: ServedModels, staging: ServedModels
+) -> Callable[[], None]:
+    """What the staging model must hold before a push writes into it: the live weights for a
+    delta (it changes them), the live draft when the push keeps it, else nothing."""
+    if request.delta:
+        return lambda: copy_parameters(live.parameters(), staging.parameters())
+    if request.keep_draft:
+        return lambda: copy_parameters(live.draft_parameters(), staging.draft_parameters())
+    return lambda: None
+
+
+def _swap_parameters(live: ServedModels, staged: ServedModels) -> None:
     for live_param, staged_param in zip(live.parameters(), staged.parameters(), strict=True):
         live_param.data, staged_param.data = staged_param.data, live_param.data
 
@@ -106,7 +128,16 @@ def receive(
         result = RankResult()
         result.fail(f"cannot open {request.transport} source: {type(exc).__name__}: {exc}")
         return result
-    return receiver.receive(source, update)
+    result = receiver.receive(source, update)
+    _explain_missing_draft(result)
+    return result
+
+
+def _explain_missing_draft(result: RankResult) -> None:
+    """Say why a push without the draft's tensors is refused (the receiver lists them)."""
+    refused = any(error.startswith("missing tensors") for error in result.errors)
+    if refused and any(is_draft_name(name) for name in result.bad_names):
+        result.errors.insert(0, DRAFT_MISSING)
 
 
 class WeightsManager:
@@ -133,17 +164,18 @@ class WeightsManager:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.shm_weights = shm_weights
-        self.expected = expected_metas(runner, dtype)
-        self._staging: LlamaForCausalLM | None = None
+        self.served = runner.served
+        self.expected = expected_metas(self.served, dtype)
+        self._staging: ServedModels | None = None
         self._staged: _StagedReceive | None = None
-        self._shapes = {name: p.shape for name, p in runner.model.named_parameters()}
-        self._copies = runner.model.shard_copies()  # this rank's slice map, computed once
+        self._shapes = {name: p.shape for name, p in self.served.named_parameters()}
+        self._copies = self.served.shard_copies()  # this rank's slice map, computed once
         self._placements: dict[str, DirectPlacement | None] = {}
-        self._live_arena = self._place(runner.model, copy=True)
+        self._live_arena = self._place(self.served, copy=True)
         self._staging_arena: ParamArena | None = None
         self.weights_released = False
 
-    def _place(self, model: LlamaForCausalLM, *, copy: bool) -> ParamArena | None:
+    def _place(self, model: ServedModels, *, copy: bool) -> ParamArena | None:
         """Move `model`'s parameters into a new shared-memory arena (None: not possible)."""
         if not self.shm_weights:
             return None
@@ -167,10 +199,14 @@ class WeightsManager:
             self._placements[arena.name] = direct_placement(arena, self._copies)
         return self._placements[arena.name]
 
-    def _receiver(self, model: LlamaForCausalLM) -> Receiver:
+    def _receiver(self, model: ServedModels, request: messages.UpdateWeights) -> Receiver:
+        expected = self.expected
+        if request.keep_draft:
+            expected = {name: m for name, m in expected.items() if not is_draft_name(name)}
+        self._draft_loads = DraftLoads(model.load_weights)
         return Receiver(
-            load_weights=model.load_weights,
-            expected=self.expected,
+            load_weights=self._draft_loads,
+            expected=expected,
             rank=self.tp_rank,
             tp_size=self.tp_size,
             slices=ModelSlices(model, self._copies),
@@ -181,13 +217,14 @@ class WeightsManager:
         """Start receiving into the staging model (allocated on first use, then reused)."""
         assert self._staged is None, "a staged receive is already running"
         if self._staging is None:
-            self._staging = create_model(self.runner.config, self.dtype)
+            self._staging = _new_served(self.served, self.dtype)
             self._staging_arena = self._place(self._staging, copy=False)
-        staging, live = self._staging, self.runner.model
-        # a delta changes the version served: the staging model starts as a copy of it
-        prepare = (lambda: copy_parameters(live, staging)) if request.delta else (lambda: None)
+        staging = self._staging
         self._staged = _StagedReceive(
-            self._receiver(staging), request, self._placement(self._staging_arena), prepare
+            self._receiver(staging, request),
+            request,
+            self._placement(self._staging_arena),
+            _prepare_staging(request, self.served, staging),
         )
 
     def staged_result(self) -> RankResult | None:
@@ -208,7 +245,7 @@ class WeightsManager:
 
     def _swap(self) -> None:
         assert self._staging is not None
-        _swap_parameters(self.runner.model, self._staging)
+        _swap_parameters(self.served, self._staging)
         self._live_arena, self._staging_arena = self._staging_arena, self._live_arena
 
     def discard_staged(self, timeout_s: float = 5.0) -> None:
@@ -222,13 +259,22 @@ class WeightsManager:
         """Receive straight into the live parameters (re-allocated first if released)."""
         self.resume(["weights"])
         direct = self._placement(self._live_arena)
-        return receive(self._receiver(self.runner.model), request, direct)
+        return receive(self._receiver(self.served, request), request, direct)
+
+    def draft_info(
+        self, request: messages.UpdateWeights, result: RankResult
+    ) -> messages.DraftInfo | None:
+        """The draft a verified push carried and how it was loaded (None: the push carried
+        no draft, or failed)."""
+        if self.served.draft is None or request.keep_draft or not result.ok:
+            return None
+        return draft_info(request.version, self.expected, result, self._draft_loads)
 
     # memory
     def release(self, tags: list[str]) -> None:
         """Free the weights (live and staging) and/or the KV cache."""
         if "weights" in tags and not self.weights_released:
-            for param in self.runner.model.parameters():
+            for param in self.served.parameters():
                 param.data = torch.empty(0, dtype=param.dtype)
             self._staging = None
             self._close_arenas()
@@ -239,9 +285,9 @@ class WeightsManager:
     def resume(self, tags: list[str]) -> None:
         """Re-allocate what `release` freed; released weights come back uninitialised."""
         if "weights" in tags and self.weights_released:
-            self._live_arena = self._place(self.runner.model, copy=False)
+            self._live_arena = self._place(self.served, copy=False)
             if self._live_arena is None:
-                for name, param in self.runner.model.named_parameters():
+                for name, param in self.served.named_parameters():
                     param.data = torch.empty(self._shapes[name], dtype=param.dtype)
             self.weights_released = False
         if "kv_cache" in tags:

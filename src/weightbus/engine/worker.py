@@ -4,6 +4,10 @@ Every rank runs the same loop, one iteration per model step:
 
     _recv_requests -> _schedule -> _broadcast_batch -> _forward -> _sample -> _send_outputs
 
+With a draft model (`num_speculative_tokens` > 0), a step whose sequences all decode is a
+speculative one instead (`engine/speculative.py`): its plan follows the batch broadcast, and
+`_forward` + `_sample` become draft passes, one verifying pass and rank 0's acceptance.
+
 Rank 0 (the driver) owns the scheduler and talks to the API server over ZMQ `ipc://`; it
 decides the batch and broadcasts it to the other ranks as int64 tensors on the TP gloo group
 (a fixed-size header, then slots/positions/token ids). All ranks run the forward pass; rank 0
@@ -26,10 +30,11 @@ import zmq
 
 from weightbus.engine import messages
 from weightbus.engine.actions import Action, StepAction, mask_to_tags
-from weightbus.engine.model_runner import ModelInput, ModelRunner
+from weightbus.engine.model_runner import DraftSource, ModelInput, ModelRunner
 from weightbus.engine.sampler import SampleResult, sample
 from weightbus.engine.scheduler import Scheduler
 from weightbus.engine.sequence import SamplingParams, Sequence
+from weightbus.engine.speculative import SpecPlan, SpeculativeDecoder, emit, plan_step
 from weightbus.engine.update_control import UpdateController
 from weightbus.engine.verdicts import all_flags, gather_slice_maps, gather_verdicts
 from weightbus.engine.weights_group import GroupChange, slice_specs
@@ -37,19 +42,20 @@ from weightbus.engine.weights_manager import WeightsManager
 from weightbus.layers.attention import AttentionMetadata
 from weightbus.layers.parallel import destroy_tp_group, init_tp_group
 from weightbus.log import setup_logging
-from weightbus.meta import dtype_from_name
+from weightbus.meta import DRAFT_PREFIX, dtype_from_name
 from weightbus.models.config import ModelConfig
 from weightbus.models.loader import resolve_config, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
 # Header of every step, broadcast from rank 0:
-# [command, num_seqs, num_tokens, weights action, action payload bytes, memory tags, reserved x2].
+# [command, num_seqs, num_tokens, weights action, action payload bytes, memory tags,
+#  speculative plan values (0: a plain step), reserved].
 # The weights action rides in the header rank 0 broadcasts anyway, so while the weights status
 # is NORMAL an engine pays nothing for live updates; collectives of an update (flags, verdicts)
 # run only while one is in flight.
 HEADER_SIZE = 8
-CMD, NUM_SEQS, NUM_TOKENS, ACTION, PAYLOAD_BYTES, TAGS = 0, 1, 2, 3, 4, 5
+CMD, NUM_SEQS, NUM_TOKENS, ACTION, PAYLOAD_BYTES, TAGS, SPEC_VALUES = 0, 1, 2, 3, 4, 5, 6
 IDLE, RUN, STOP = 0, 1, 2
 # While an update is in flight and nothing else runs, rank 0 steps this often to poll it.
 UPDATE_POLL_S = 0.002
@@ -75,6 +81,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     weight_version: str = "init"
     shm_weights: bool = True
     wait_for_initial_weights: bool = False
+    draft_model: str | None = None
+    draft_seed: int = 0
+    num_speculative_tokens: int = 0
 
 
 def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
@@ -118,6 +127,7 @@ class Worker:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             seed=config.seed,
+            draft=self._draft_source(),
         )
         self.weights = WeightsManager(
             self.runner,
@@ -127,8 +137,16 @@ class Worker:
             shm_weights=config.shm_weights,
         )
         # what this rank loads of each tensor, for `dist` scatter (taken while weights exist)
-        self.slices = slice_specs(self.runner.model)
+        self.slices = slice_specs(self.runner.served)
         self.rank_slices = gather_slice_maps(self.slices)
+
+    def _draft_source(self) -> DraftSource | None:
+        config = self.config
+        if config.draft_model is None:
+            return None
+        return DraftSource(
+            resolve_config(config.draft_model), config.draft_model, config.draft_seed
+        )
 
     def _init_step_state(self) -> None:
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
@@ -137,6 +155,13 @@ class Worker:
         self.step_action = StepAction()
         self.update_request: messages.UpdateWeights | None = None
         self.group_change: GroupChange | None = None
+        self.spec_plan: SpecPlan | None = None
+        self.spec_payload: torch.Tensor | None = None  # rank 0: the packed plan
+        self.speculator: SpeculativeDecoder | None = None
+        if self.config.num_speculative_tokens > 0 and self.runner.draft is not None:
+            self.speculator = SpeculativeDecoder(
+                self.runner, is_driver=self.is_driver, tp_size=self.tp_size
+            )
 
     def _init_driver(self, model_config: ModelConfig) -> None:
         # rank 0 only: the scheduler, the API-server link and the weights status
@@ -151,13 +176,28 @@ class Worker:
         self._connect()
         self.control = UpdateController(
             version=config.weight_version,
-            fingerprint=weights_fingerprint(
-                config.model, model_config, config.seed, dtype_from_name(config.dtype)
-            ),
+            fingerprint=self._initial_fingerprint(model_config),
             send=self._send,
             abort=self._abort_sequences,
             wait_for_initial_weights=config.wait_for_initial_weights,
+            draft_fingerprint=self._draft_fingerprint(),
         )
+
+    def _initial_fingerprint(self, model_config: ModelConfig) -> str:
+        config = self.config
+        dtype = dtype_from_name(config.dtype)
+        sources = [("", config.model, model_config, config.seed)]
+        draft = self._draft_source()
+        if draft is not None:
+            sources.append((DRAFT_PREFIX, draft.source, draft.config, draft.seed))
+        return weights_fingerprint(sources, dtype)
+
+    def _draft_fingerprint(self) -> str | None:
+        draft = self._draft_source()
+        if draft is None:
+            return None
+        sources = [("", draft.source, draft.config, draft.seed)]
+        return weights_fingerprint(sources, dtype_from_name(self.config.dtype))
 
     def _report_ready(self, model_config: ModelConfig) -> None:
         self._send(
@@ -209,6 +249,9 @@ class Worker:
             return False
         self._apply_weights_action()
         if model_input is None:
+            return True
+        if self.spec_plan is not None:
+            self._speculative_step(model_input, self.spec_plan)
             return True
         logits = self._forward(model_input)
         if self.is_driver:
@@ -307,7 +350,21 @@ class Worker:
             payload = torch.empty(3 * num_seqs + num_tokens, dtype=torch.int64)
         if self.tp_size > 1:
             dist.broadcast(payload, src=0)
+        self.spec_plan = self._broadcast_spec_plan(num_seqs)
         return command, _unpack_batch(payload, num_seqs)
+
+    def _broadcast_spec_plan(self, num_seqs: int) -> SpecPlan | None:
+        """Every rank learns this step's speculative plan (None: a plain step)."""
+        num_values = int(self.header[SPEC_VALUES])
+        if num_values == 0:
+            return None
+        if self.is_driver:
+            payload = self.spec_payload
+        else:
+            payload = torch.empty(num_values, dtype=torch.int64)
+        if self.tp_size > 1:
+            dist.broadcast(payload, src=0)
+        return SpecPlan.unpack(payload, num_seqs)
 
     def _broadcast_action(self) -> None:
         """Every rank learns this step's weights action (and its payload, if any)."""
@@ -344,7 +401,16 @@ class Worker:
         self.header[CMD] = RUN
         self.header[NUM_SEQS] = len(self.batch)
         self.header[NUM_TOKENS] = len(flat_tokens)
+        self._pack_spec_plan()
         return torch.tensor([*layout[0], *layout[1], *layout[2], *flat_tokens])
+
+    def _pack_spec_plan(self) -> None:
+        # rank 0: speculate when every sequence decodes (steps with a prefill run plainly)
+        plan = None
+        if self.speculator is not None:
+            plan = plan_step(self.batch, self.config.num_speculative_tokens, self.scheduler)
+        self.spec_payload = None if plan is None else plan.pack()
+        self.header[SPEC_VALUES] = 0 if plan is None else len(self.spec_payload)
 
     def _apply_weights_action(self) -> None:
         """Run this step's weights action on every rank (nothing while the status is NORMAL)."""
@@ -404,7 +470,8 @@ class Worker:
         result = self.weights.load_in_place(self.update_request)
         verdicts = gather_verdicts(self.update_request.update_id, result)
         if self.is_driver:
-            self.control.on_loaded(verdicts, result.nbytes, result.phases)
+            draft = self.weights.draft_info(self.update_request, result)
+            self.control.on_loaded(verdicts, result.nbytes, result.phases, draft)
 
     def _release(self, tags_mask: int) -> None:
         self.weights.release(mask_to_tags(tags_mask))
@@ -425,10 +492,28 @@ class Worker:
         if not all(v.ok for v in verdicts):
             self.weights.discard_staged()
         if self.is_driver:
-            self.control.on_staged(verdicts, result.nbytes, result.phases)
+            draft = self.weights.draft_info(self.update_request, result)
+            self.control.on_staged(verdicts, result.nbytes, result.phases, draft)
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
         return self.runner.forward(model_input)
+
+    def _speculative_step(self, model_input: ModelInput, plan: SpecPlan) -> None:
+        """Draft passes, one verifying pass (all ranks), then acceptance and outputs (rank 0)."""
+        assert self.speculator is not None, "rank 0 planned a speculative step without a draft"
+        batch = self.batch if self.is_driver else None
+        proposals = self.speculator.propose(model_input, plan, batch)
+        logits = self.speculator.verify(model_input, plan, proposals)
+        if not self.is_driver:
+            return
+        outcome = self.speculator.accept(logits, model_input, proposals, self.batch)
+        result, num_tokens = emit(outcome, plan, self.batch, self.scheduler)
+        self._send_outputs(
+            result,
+            num_tokens,
+            num_draft_tokens=sum(plan.num_proposals),
+            num_accepted_tokens=sum(outcome.num_accepted),
+        )
 
     def _sample(self, logits: torch.Tensor) -> SampleResult:
         result = sample(
@@ -439,22 +524,46 @@ class Worker:
         self.scheduler.postprocess(self.batch, result.token_ids)
         return result
 
-    def _send_outputs(self, result: SampleResult) -> None:
-        outputs = [
-            messages.TokenOutput(
-                request_id=seq.request_id,
-                token_id=result.token_ids[i],
-                logprob=result.logprobs[i],
-                top_token_ids=result.top_token_ids[i],
-                top_logprobs=result.top_logprobs[i],
-                finish_reason=seq.finish_reason,
+    def _send_outputs(
+        self,
+        result: SampleResult,
+        num_tokens: list[int] | None = None,
+        *,
+        num_draft_tokens: int = 0,
+        num_accepted_tokens: int = 0,
+    ) -> None:
+        """Send the step's tokens: `num_tokens[i]` rows of `result` per sequence (default 1);
+        a sequence's finish reason rides on its last token."""
+        outputs = []
+        row = 0
+        for seq, count in zip(self.batch, num_tokens or [1] * len(self.batch), strict=True):
+            for index in range(count):
+                outputs.append(_token_output(seq, result, row, last=index == count - 1))
+                row += 1
+        self._send(
+            messages.StepOutputs(
+                weight_version=self.control.version,
+                outputs=outputs,
+                num_draft_tokens=num_draft_tokens,
+                num_accepted_tokens=num_accepted_tokens,
             )
-            for i, seq in enumerate(self.batch)
-        ]
-        self._send(messages.StepOutputs(weight_version=self.control.version, outputs=outputs))
+        )
 
     def _send(self, message: messages.FromEngine) -> None:
         self.outputs.send(messages.encode(message))
+
+
+def _token_output(
+    seq: Sequence, result: SampleResult, row: int, *, last: bool
+) -> messages.TokenOutput:
+    return messages.TokenOutput(
+        request_id=seq.request_id,
+        token_id=result.token_ids[row],
+        logprob=result.logprobs[row],
+        top_token_ids=result.top_token_ids[row],
+        top_logprobs=result.top_logprobs[row],
+        finish_reason=seq.finish_reason if last else None,
+    )
 
 
 def _unpack_batch(payload: torch.Tensor, num_seqs: int) -> ModelInput:

@@ -80,11 +80,25 @@ def load_model(model: LlamaForCausalLM, source: str, seed: int = 0) -> None:
     logger.info("loaded %d tensors from %s", len(loaded), source)
 
 
-def weights_fingerprint(source: str, config: ModelConfig, seed: int, dtype: torch.dtype) -> str:
+def weights_fingerprint(
+    sources: list[tuple[str, str, ModelConfig, int]], dtype: torch.dtype
+) -> str:
     """Fingerprint of the weights `load_model` loads, as served (converted to `dtype`).
+
+    Args:
+        sources: `(name prefix, source, config, seed)` of each model served: the main model
+            (prefix "") and a draft (prefix `draft.`).
+        dtype: the serving dtype.
 
     A trainer holding the same weights in the serving dtype computes the same value.
     """
-    expected = hf_weight_shapes(config)
-    weights = random_hf_weights(config, seed) if source == TINY else iter_safetensors(source)
-    return fingerprint((name, t.to(dtype)) for name, t in weights if name in expected)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for prefix, source, config, seed in sources:
+            expected = hf_weight_shapes(config)
+            weights = (
+                random_hf_weights(config, seed) if source == TINY else iter_safetensors(source)
+            )
+            yield from ((prefix + name, t.to(dtype)) for name, t in weights if name in expected)
+
+    return fingerprint(tensors())

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from weightbus.delta import version_digests
+from weightbus.meta import is_draft_name
 from weightbus.plan import DEFAULT_BUCKET_BYTES
 from weightbus.publisher.delta import (
     DEFAULT_MAX_RATIO,
@@ -319,6 +320,7 @@ class Publisher(FleetMembership):
         probe: LogprobProbe | None = None,
         two_phase: bool | None = None,
         delta: DeltaMode | None = None,
+        keep_draft: bool = False,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed.
 
@@ -344,6 +346,9 @@ class Publisher(FleetMembership):
             delta: `never`, `always` or `auto` (None: the Publisher's `delta`). A delta names
                 the version it applies to; an engine serving another refuses it and gets the
                 whole version in the same call. `PushResult.delta` says how the push went.
+            keep_draft: `weights` hold no draft model: engines serving one (speculative
+                decoding) keep it. Without it they refuse a push lacking the draft's tensors
+                (`draft.` + its names), so a draft never goes stale by accident.
 
         Returns:
             The committed version, its fingerprint and per-engine results; `gone` names engines
@@ -368,6 +373,7 @@ class Publisher(FleetMembership):
                 force=force,
                 probe=probe,
                 two_phase=use_two_phase,
+                keep_draft=keep_draft,
             )
             tensors = dict(normalize_weights(weights, name_map))
             mode = self.delta if delta is None else _delta_mode(delta)
@@ -535,6 +541,8 @@ class Publisher(FleetMembership):
                 probe=options.probe,
                 two_phase=options.two_phase,
                 delta=deltas.get(target.url),
+                keep_draft=options.keep_draft,
+                carries_draft=any(is_draft_name(meta.name) for meta in session.plan.metas),
             )
             futures[target.url] = self._pool.submit(target.update, order)
         for url, future in futures.items():

@@ -83,3 +83,4 @@ class PushOptions:
     force: bool
     probe: LogprobProbe | None = None
     two_phase: bool = False
+    keep_draft: bool = False

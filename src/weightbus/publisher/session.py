@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from weightbus.meta import metas_of
+from weightbus.meta import is_draft_name, metas_of
 from weightbus.plan import Plan, plan_buckets
 from weightbus.transport import PushSession
 
@@ -38,7 +38,9 @@ def normalize_weights(weights: Weights, name_map: NameMap | None = None) -> list
 
     Returns:
         Detached tensors under their final names. A tensor that is the very same memory as an
-        earlier one (tied embeddings in a state dict) is sent once, under its first name.
+        earlier one of the same model (tied embeddings in a state dict) is sent once, under its
+        first name; a draft model's tensors (`draft.` names) are counted apart from the main
+        model's.
 
     Raises:
         TypeError: a value is not a tensor.
@@ -59,8 +61,10 @@ def normalize_weights(weights: Weights, name_map: NameMap | None = None) -> list
         if new_name is None:
             continue
         tensor = value.detach()
+        # per model: a draft may share a tensor with the main model (e.g. the embeddings),
+        # and each model loads its own copy
         key = _memory_key(tensor)
-        if key is not None and key in seen_memory:
+        if key is not None and (key := (is_draft_name(new_name), *key)) in seen_memory:
             continue
         seen_memory.add(key)
         result.append((new_name, tensor))

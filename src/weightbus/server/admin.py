@@ -28,6 +28,7 @@ from weightbus.server.protocol import (
     ControlAction,
     ControlResponse,
     DestroyWeightsGroupRequest,
+    DraftItem,
     HistoryItem,
     InitWeightsGroupRequest,
     MemoryRequest,
@@ -95,6 +96,19 @@ def weights_info(state: messages.WeightsState) -> WeightsInfo:
         waiting_for_initial_weights=state.status == "WAITING",
         two_phase_aborts=state.two_phase_aborts,
         rollbacks=state.rollbacks,
+        draft=_draft_item(state.draft),
+    )
+
+
+def _draft_item(draft: messages.DraftInfo | None) -> DraftItem | None:
+    if draft is None:
+        return None
+    return DraftItem(
+        version=draft.version,
+        fingerprint=draft.fingerprint,
+        bytes=draft.nbytes,
+        max_chunk_bytes=draft.max_chunk_bytes,
+        load_s=draft.load_s,
     )
 
 
@@ -106,6 +120,7 @@ def _history_item(entry: messages.HistoryEntry) -> HistoryItem:
         committed_at=entry.committed_at,
         seconds=entry.seconds,
         bytes=entry.nbytes,
+        draft=_draft_item(entry.draft),
     )
 
 
@@ -170,6 +185,7 @@ def _response(result: messages.UpdateResult) -> UpdateWeightsResponse:
         seconds=result.seconds,
         phases=dict(result.phases),
         staged=result.staged,
+        draft=_draft_item(result.draft),
     )
 
 

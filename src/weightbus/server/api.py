@@ -179,7 +179,7 @@ def create_app(config: AppConfig, hooks: EngineHooks) -> FastAPI:
             await client.close()
 
     app = FastAPI(title="weightbus engine", lifespan=lifespan)
-    app.state.metrics = Metrics(lambda: _weights_mirror(app))
+    app.state.metrics = Metrics(lambda: _weights_mirror(app), lambda: _draft_tokens(app))
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -194,6 +194,11 @@ def create_app(config: AppConfig, hooks: EngineHooks) -> FastAPI:
 def _weights_mirror(app: FastAPI) -> messages.WeightsState | None:
     client: EngineClient | None = getattr(app.state, "client", None)
     return None if client is None else client.weights
+
+
+def _draft_tokens(app: FastAPI) -> tuple[int, int] | None:
+    client: EngineClient | None = getattr(app.state, "client", None)
+    return None if client is None else (client.num_draft_tokens, client.num_accepted_tokens)
 
 
 def _check_model(body: CompletionRequest, served_model_name: str) -> None:

@@ -43,6 +43,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "engine joining a fleet from any checkpoint",
     )
     parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculative decoding: 'tiny' or a Hugging Face directory of a draft model with "
+        "the model's vocabulary; pushes carry its tensors under 'draft.' (docs/speculative.md)",
+    )
+    parser.add_argument(
+        "--draft-seed",
+        type=int,
+        default=None,
+        help="seed of a tiny draft's weights (default --seed)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="tokens the draft proposes per step, verified by the model in one forward pass",
+    )
+    parser.add_argument(
         "--exit-with-parent",
         action="store_true",
         help="stop (as on SIGTERM) when the process that started this one exits, even by "
@@ -72,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
             shm_weights=args.shm_weights,
             exit_with_parent=args.exit_with_parent,
             wait_for_initial_weights=args.wait_for_initial_weights,
+            draft_model=args.draft_model,
+            draft_seed=args.draft_seed,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
         return serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:

@@ -3,7 +3,9 @@
 The API server binds both sockets in a private directory; rank 0 connects. One background task
 (`_pump`) reads rank 0's outputs and routes them:
 
-- `StepOutputs` tokens, `RequestError` and `Aborted` go to the queue of each named request;
+- `StepOutputs` tokens, `RequestError` and `Aborted` go to the queue of each named request
+  (a speculative step may bring several tokens of one request, in order); the step's draft
+  token counts add to `num_draft_tokens` / `num_accepted_tokens` (`/metrics`);
 - `UpdateResult` / `ControlResult` resolve the future that `update` / `control` await, keyed by
   the `update_id` / `request_id` the API server drew (a late or unknown id is logged, dropped);
 - `WeightsState` replaces the mirror `GET /v1/weights` reads (it starts from `Ready`).
@@ -79,6 +81,9 @@ class EngineClient:
         self.ready: messages.Ready | None = None
         self.weights: messages.WeightsState | None = None
         self.failure: str | None = None
+        # speculative decoding: draft tokens proposed and accepted since Ready
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     async def wait_ready(
         self, *, timeout_s: float, check: Callable[[], str | None]
@@ -131,6 +136,8 @@ class EngineClient:
     def _route(self, message: messages.FromEngine) -> None:
         match message:
             case messages.StepOutputs():
+                self.num_draft_tokens += message.num_draft_tokens
+                self.num_accepted_tokens += message.num_accepted_tokens
                 for out in message.outputs:
                     self._to_stream(out.request_id, (message.weight_version, out))
             case messages.RequestError():

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_MAX_MODEL_LEN = 2048
+# draft tokens proposed per step, at most (each is one forward pass of the draft)
+MAX_SPECULATIVE_TOKENS = 16
 # Rank 0 answers a timed-out update 5 s after its `timeout_s`; the Publisher gives up 10 s after.
 UPDATE_MARGIN_S = 8.0
 # A control action may wait for running sequences, which `request_timeout_s` bounds.
@@ -75,6 +77,9 @@ class ServeConfig:
     shm_weights: bool = True
     exit_with_parent: bool = False
     wait_for_initial_weights: bool = False
+    draft_model: str | None = None
+    draft_seed: int | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.model != TINY and not (Path(self.model) / "config.json").is_file():
@@ -95,10 +100,28 @@ class ServeConfig:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        self._check_draft()
         for name in ("ready_timeout_s", "request_timeout_s", "dist_timeout_s", "idle_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self._check_access()
+
+    def _check_draft(self) -> None:
+        draft = self.draft_model
+        if draft is not None and draft != TINY and not (Path(draft) / "config.json").is_file():
+            raise ValueError(
+                f"--draft-model must be 'tiny' or a directory with config.json: {draft}"
+            )
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"--num-speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got "
+                f"{self.num_speculative_tokens}"
+            )
+        if (draft is None) != (self.num_speculative_tokens == 0):
+            raise ValueError(
+                "--draft-model and --num-speculative-tokens go together: a draft model "
+                "proposes --num-speculative-tokens tokens per step"
+            )
 
     def _check_access(self) -> None:
         token = self.api_token
@@ -141,6 +164,9 @@ def worker_config(
         parent_pid=parent_pid,
         shm_weights=config.shm_weights,
         wait_for_initial_weights=config.wait_for_initial_weights,
+        draft_model=config.draft_model,
+        draft_seed=config.seed if config.draft_seed is None else config.draft_seed,
+        num_speculative_tokens=config.num_speculative_tokens,
     )
 
 
@@ -160,7 +186,30 @@ def checked_model(config: ServeConfig) -> tuple[ModelConfig, int]:
             f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
             f"({model_config.max_position_embeddings})"
         )
+    if config.draft_model is not None:
+        _check_draft_model(resolve_config(config.draft_model), model_config, config, max_model_len)
     return model_config, max_model_len
+
+
+def _check_draft_model(
+    draft: ModelConfig, main: ModelConfig, config: ServeConfig, max_model_len: int
+) -> None:
+    """A draft must share the main model's vocabulary, shard over the same TP ranks and hold
+    a whole sequence."""
+    if draft.vocab_size != main.vocab_size:
+        raise ValueError(
+            f"--draft-model has vocab_size {draft.vocab_size}, the model {main.vocab_size}: "
+            "a draft proposes tokens of the main model's vocabulary"
+        )
+    try:
+        draft.validate_tp(config.tp_size)
+    except ValueError as exc:
+        raise ValueError(f"--draft-model: {exc}") from None
+    if max_model_len > draft.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the draft model's "
+            f"max_position_embeddings ({draft.max_position_embeddings})"
+        )
 
 
 def app_config(config: ServeConfig, model_config: ModelConfig, ipc_dir: str) -> AppConfig:

@@ -82,14 +82,61 @@ class _WeightsCollector:
         yield rollback
 
 
+class _SpeculationCollector:
+    """Exports the draft tokens rank 0 proposed and accepted (speculative decoding)."""
+
+    def __init__(self, draft_tokens: Callable[[], tuple[int, int] | None]) -> None:
+        self._draft_tokens = draft_tokens
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._draft_tokens()
+        if counts is None:  # before Ready
+            return
+        num_draft, num_accepted = counts
+        yield CounterMetricFamily(
+            "weightbus_spec_draft_tokens",
+            "Draft tokens proposed by speculative decoding",
+            value=num_draft,
+        )
+        yield CounterMetricFamily(
+            "weightbus_spec_accepted_tokens",
+            "Draft tokens accepted by the model (speculative decoding)",
+            value=num_accepted,
+        )
+        yield GaugeMetricFamily(
+            "weightbus_spec_acceptance_rate",
+            "Accepted / proposed draft tokens since start (0 before any was proposed)",
+            value=acceptance_rate(num_draft, num_accepted),
+        )
+
+
+def acceptance_rate(num_draft_tokens: int, num_accepted_tokens: int) -> float:
+    """Share of proposed draft tokens the model accepted.
+
+    Args:
+        num_draft_tokens: draft tokens proposed.
+        num_accepted_tokens: draft tokens accepted.
+
+    Returns:
+        `num_accepted_tokens / num_draft_tokens`, or 0.0 when none was proposed.
+    """
+    return num_accepted_tokens / num_draft_tokens if num_draft_tokens else 0.0
+
+
 class Metrics:
     """The app's counters; `render` is the body of `GET /metrics`.
 
     Args:
         weights: returns the current weights mirror (None before the engine is ready).
+        draft_tokens: returns (proposed, accepted) draft tokens of speculative decoding since
+            the engine started (None before it is ready; the argument left out: not exported).
     """
 
-    def __init__(self, weights: Callable[[], messages.WeightsState | None]) -> None:
+    def __init__(
+        self,
+        weights: Callable[[], messages.WeightsState | None],
+        draft_tokens: Callable[[], tuple[int, int] | None] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.updates = Counter(
             "weightbus_weight_updates_total",
@@ -128,6 +175,8 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_WeightsCollector(weights))
+        if draft_tokens is not None:
+            self.registry.register(_SpeculationCollector(draft_tokens))
 
     def observe_update(self, status_code: int, *, nbytes: int = 0, seconds: float = 0.0) -> None:
         """Count one answered update.

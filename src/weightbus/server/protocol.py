@@ -253,6 +253,11 @@ class UpdateWeightsRequest(AdminRequest):
     timeout_s: float = _timeout()
     two_phase: bool = False
     delta: dict[str, Any] | None = None  # `weightbus.wire.delta.DeltaSpec`
+    keep_draft: bool = Field(
+        False,
+        description="the push carries no draft tensors and the draft model served stays as it "
+        "is (an engine with a draft refuses a push without them otherwise)",
+    )
 
     @field_validator("delta")
     @classmethod
@@ -366,6 +371,20 @@ class ServerInfo(BaseModel):
     served_model_name: str
 
 
+class DraftItem(BaseModel):
+    """The draft model served for speculative decoding."""
+
+    version: str = Field(description="the version its weights came with")
+    fingerprint: str | None = Field(
+        description="its fingerprint as a model of its own (tensor names without 'draft.')"
+    )
+    bytes: int = Field(0, description="draft bytes rank 0 loaded with that version")
+    max_chunk_bytes: int = Field(
+        0, description="the most draft bytes rank 0 loaded at once (one bucket's share)"
+    )
+    load_s: float = Field(0.0, description="seconds rank 0 spent loading them")
+
+
 class UpdateWeightsResponse(BaseModel):
     """A committed update: what the engine now serves and how long the update took; with
     `staged`, a two-phase update staged and verified, waiting for `/v1/commit_weights`."""
@@ -381,6 +400,9 @@ class UpdateWeightsResponse(BaseModel):
     seconds: float
     phases: dict[str, float]
     staged: bool = False
+    draft: DraftItem | None = Field(
+        None, description="the draft model served once it commits (speculative decoding)"
+    )
 
 
 class ControlResponse(BaseModel):
@@ -399,6 +421,7 @@ class HistoryItem(BaseModel):
     committed_at: float
     seconds: float
     bytes: int
+    draft: DraftItem | None = None
 
 
 class WeightsInfo(BaseModel):
@@ -421,3 +444,6 @@ class WeightsInfo(BaseModel):
     waiting_for_initial_weights: bool = False
     two_phase_aborts: int = Field(0, description="staged two-phase updates discarded")
     rollbacks: int = Field(0, description="rollbacks committed")
+    draft: DraftItem | None = Field(
+        None, description="the draft model served for speculative decoding (None: no draft)"
+    )

@@ -9,6 +9,13 @@ the plan and the fingerprint against the served checkpoint's tensor list), `gath
 (all ranks' verdicts over vLLM's CPU TP group), `_load` (the blocks that changed, through
 vLLM's layerwise reload, tied heads re-tied). A refusal raises before any parameter is touched
 and says so (`UNTOUCHED`): the publisher's target resumes vLLM on the previous weights.
+
+A draft model (speculative decoding, vLLM's `draft_model` method) is pushed in the same session
+as the main model, its tensors under `draft.` + its own names, inside a draft session
+(`/start_draft_weight_update`, which points `self.model` at the draft until
+`/finish_weight_update`): the main model's tensors load into the default model, the draft's
+(prefix stripped) into the draft. A server serving a draft refuses a push without its tensors
+unless the push keeps the draft (`keep_draft`).
 """
 
 import logging
@@ -27,6 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightbus.integrations.vllm.reload import reload_weights, unloaded
 from weightbus.integrations.vllm.staging import StagingBuffers, changed_tensors, checkpoint_metas
 from weightbus.integrations.vllm.verdicts import gather_verdicts
+from weightbus.meta import DRAFT_PREFIX, TensorMeta, is_draft_name
 from weightbus.publisher.targets.vllm import (
     UNTOUCHED,
     VllmInitInfo,
@@ -38,6 +46,25 @@ from weightbus.transport import decode_setup_request, open_source, rank_setup
 
 # a child of vLLM's logger: vLLM configures handlers for its own tree only
 logger = logging.getLogger("vllm.weightbus")
+
+# The one speculative method whose draft is a model of its own, updated by name (EAGLE and MTP
+# heads share the target's layers and checkpoint).
+DRAFT_METHOD = "draft_model"
+DRAFT_MISSING = (
+    "this vLLM server serves a draft model (speculative decoding): push the draft's tensors "
+    f"under {DRAFT_PREFIX!r} in the same version (VllmEngineTarget opens the draft session), "
+    "or set keep_draft to keep the draft served"
+)
+DRAFT_SESSION_WITHOUT_DRAFT = (
+    "a draft session is open (/start_draft_weight_update) but the push carries no "
+    f"{DRAFT_PREFIX!r} tensors: a push in a draft session carries both models (if a publisher "
+    "died inside the session, POST /finish_weight_update closes it)"
+)
+DRAFT_OUTSIDE_SESSION = (
+    f"the push carries {DRAFT_PREFIX!r} tensors outside a draft session: this vLLM server "
+    f"serves no draft model (speculative method {DRAFT_METHOD!r}), or the push set keep_draft, "
+    "or no /start_draft_weight_update opened the session"
+)
 
 
 class WeightbusRefusedError(RuntimeError):
@@ -53,7 +80,7 @@ class WeightbusWeightTransferEngine(
 ):
     """Backend `weightbus` on one vLLM worker."""
 
-    supports_draft_weight_update = False
+    supports_draft_weight_update = True
 
     def __init__(
         self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
@@ -61,7 +88,8 @@ class WeightbusWeightTransferEngine(
         super().__init__(config, vllm_config, device, model)
         self.options = VllmInitInfo()
         self._staging = StagingBuffers()
-        self._expected: dict | None = None
+        self._main_metas: dict[str, TensorMeta] | None = None
+        self._draft_metas: dict[str, TensorMeta] | None = None  # `draft.` names
         # digests of what the model holds, by name; None: not loaded by weightbus (start-up)
         self._loaded_digests: dict[str, str] | None = None
 
@@ -151,7 +179,7 @@ class WeightbusWeightTransferEngine(
     # steps
     def _receive(self, info: VllmUpdateInfo, rank: int, tp_size: int) -> RankResult:
         try:
-            expected = self._expected_metas()
+            expected = self._expected_metas(info)
             source = open_source(info.transport, info.source, rank=rank, tp_size=tp_size)
         except (ValueError, OSError) as exc:
             return RankResult(ok=False, errors=[str(exc)])
@@ -164,38 +192,115 @@ class WeightbusWeightTransferEngine(
             verify=info.verify,
             timeout_s=info.timeout_s,
         )
-        return receiver.receive(source, request)
+        result = receiver.receive(source, request)
+        _explain_draft_names(result)
+        return result
 
-    def _expected_metas(self) -> dict:
-        if self._expected is None:
-            config = self.model_config
-            tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
-            self._expected = checkpoint_metas(config.model, config.dtype, tied)
-        return self._expected
+    @property
+    def _drafting(self) -> bool:
+        """A draft session is open: vLLM pointed `self.model` at the draft model."""
+        return self.model is not self._default_model
+
+    def _expected_metas(self, info: VllmUpdateInfo) -> dict[str, TensorMeta]:
+        """The tensors this push must carry: the main model's, and in a draft session the
+        draft's under `draft.`.
+
+        Raises:
+            ValueError: the push's draft settings do not fit the draft served (the reason).
+        """
+        if self._main_metas is None:
+            self._main_metas = _metas(self._default_model_config)
+        draft_served = _served_draft_config(self.vllm_config) is not None
+        if self._drafting and info.keep_draft:
+            raise ValueError("keep_draft is set inside a draft session")
+        if not self._drafting:
+            if draft_served and not info.keep_draft:
+                raise ValueError(DRAFT_MISSING)
+            return self._main_metas
+        if not draft_served:
+            method = self.vllm_config.speculative_config.method
+            raise ValueError(
+                f"a draft session on speculative method {method!r}: weightbus updates draft "
+                f"models of method {DRAFT_METHOD!r} only"
+            )
+        if self._draft_metas is None:
+            metas = _metas(self.model_config)
+            self._draft_metas = {
+                DRAFT_PREFIX + name: TensorMeta(DRAFT_PREFIX + name, meta.dtype, meta.shape)
+                for name, meta in metas.items()
+            }
+        return {**self._main_metas, **self._draft_metas}
 
     def _load(self, result: RankResult, *, skip_unchanged: bool) -> int:
         previous = self._loaded_digests if skip_unchanged else None
         names = changed_tensors(result.digests, previous)
         if not names:
             return 0
-        # from here on the model is touched: a failure must keep it from serving
+        # a push that keeps the draft leaves what is known of it as it was
+        kept = {
+            name: digest
+            for name, digest in (self._loaded_digests or {}).items()
+            if is_draft_name(name) and name not in result.digests
+        }
+        # from here on the models are touched: a failure must keep them from serving
         self._loaded_digests = None
+        main = [name for name in names if not is_draft_name(name)]
+        draft = [name for name in names if is_draft_name(name)]
+        # the draft session retargeted `self.model`: the main model is the default one
+        self._reload(self._default_model, self._default_model_config, main, main)
+        if draft:
+            assert self._drafting, "draft tensors are expected in a draft session only"
+            local = [name.removeprefix(DRAFT_PREFIX) for name in draft]
+            self._reload(self.model, self.model_config, draft, local)
+        self._loaded_digests = {**kept, **result.digests}
+        return len(names)
+
+    def _reload(
+        self, model: torch.nn.Module, model_config: Any, staged: list[str], names: list[str]
+    ) -> None:
+        """Load the staged tensors `staged` into `model` under its own names `names`."""
+        if not staged:
+            return
+        tensors = [tensor for _, tensor in self._staging.pairs(staged)]
+        pairs = list(zip(names, tensors, strict=True))
         try:
             loaded = reload_weights(
-                self.model,
-                self.model_config,
-                self._staging.pairs(names),
-                retie_heads=self.options.retie_tied_heads,
+                model, model_config, pairs, retie_heads=self.options.retie_tied_heads
             )
         except Exception as exc:  # vLLM's loaders raise anything; the engine must fail closed
             raise WeightbusLoadError(
                 f"vLLM's loader failed after the model was touched: {exc}"
             ) from exc
-        not_loaded = unloaded(self.model, names, loaded)
+        not_loaded = unloaded(model, names, loaded)
         if not_loaded:
             raise WeightbusLoadError(f"vLLM's loader did not load {not_loaded}")
-        self._loaded_digests = dict(result.digests)
-        return len(names)
+
+
+def _served_draft_config(vllm_config: Any) -> Any:
+    """The model config of the draft model the server serves (None: none, or a speculative
+    method whose draft is not a model of its own)."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is None or speculative.method != DRAFT_METHOD:
+        return None
+    return speculative.draft_model_config
+
+
+def _metas(model_config: Any) -> dict[str, TensorMeta]:
+    """The tensors of the checkpoint `model_config` serves (a tied head excepted)."""
+    tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+    return checkpoint_metas(model_config.model, model_config.dtype, tied)
+
+
+def _explain_draft_names(result: RankResult) -> None:
+    """Say why a push whose `draft.` tensors do not fit the session is refused (the receiver
+    lists them as unknown or missing)."""
+    draft_names = any(is_draft_name(name) for name in result.bad_names)
+    if result.ok or not draft_names:
+        return
+    if any(error.startswith("unknown tensors") for error in result.errors):
+        result.errors.insert(0, DRAFT_OUTSIDE_SESSION)
+    elif any(error.startswith("missing tensors") for error in result.errors):
+        result.errors.insert(0, DRAFT_SESSION_WITHOUT_DRAFT)
 
 
 def _failures(verdicts: list[tuple[bool, str]]) -> str:

@@ -25,6 +25,9 @@ from weightbus.wire.delta import DeltaSpec
 from weightbus.wire.messages import SliceSpec
 
 
+# A push carries a served draft model (speculative decoding) under `draft.` + the draft's own
+# names, in the same version as the main model (as `weightbus.models.served`, which the core
+# may not import).
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateOrder:
     """One engine's part of a push: receive `version` from the transport session `source`.
@@ -42,6 +45,10 @@ class UpdateOrder:
             with `supports_two_phase` only).
         delta: the stream carries changes to the version the engine serves (targets whose
             `slice_maps` is not None only).
+        keep_draft: the push carries no draft model (`draft.` tensors): an engine serving
+            one keeps it (else it refuses such a push).
+        carries_draft: the push carries a draft model's tensors (`draft.` names), set by the
+            Publisher from the session's tensor names.
     """
 
     version: str
@@ -57,6 +64,8 @@ class UpdateOrder:
     probe: LogprobProbe | None = None
     two_phase: bool = False
     delta: DeltaSpec | None = None
+    keep_draft: bool = False
+    carries_draft: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +113,7 @@ class EngineWeights:
     history: list[dict] = field(default_factory=list)
     rollback: dict | None = None  # the previous version held for a rollback (its history item)
     rollback_unavailable: str = ""  # why there is none
+    draft: dict | None = None  # the draft model served: `{"version", "fingerprint"}`
 
 
 class EngineTarget(ABC):

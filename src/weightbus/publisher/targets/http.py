@@ -98,6 +98,7 @@ class HttpEngineTarget(EngineTarget):
             "force": order.force,
             "two_phase": order.two_phase,
             "delta": None if order.delta is None else msgspec.to_builtins(order.delta),
+            "keep_draft": order.keep_draft,
         }
         answer = self._request(
             "POST", "/v1/update_weights", order.timeout_s + HTTP_MARGIN_S, json=body
@@ -156,6 +157,7 @@ class HttpEngineTarget(EngineTarget):
             history=answer.get("history", []),
             rollback=answer.get("rollback"),
             rollback_unavailable=answer.get("rollback_unavailable", ""),
+            draft=answer.get("draft"),
         )
 
     def tp_size(self, timeout_s: float) -> int:

@@ -7,6 +7,12 @@ worker receives it, verifies every digest and the fingerprint, and loads only on
 agreed: `weightbus.integrations.vllm.worker`), then `/start_weight_update` +
 `/finish_weight_update` to set the version, and `/resume`.
 
+A push that carries a draft model (`draft.` tensors, speculative decoding with vLLM's
+`draft_model` method) rides the same single `init` inside a draft session:
+`/start_draft_weight_update` before it (which retargets each worker's backend at the draft
+model), `/finish_weight_update` after it, always, even on a refusal -- vLLM's init route keeps
+no session of its own, so a session left open would send every later push to the draft.
+
 Why not `/update_weights`: vLLM's worker wrapper marks a session open on `start` and closes it
 on `finish` or on a rank that raised. vLLM's executor stops reading the ranks' answers at the
 first failure, so only the last rank may fail a call (the others' answers would be read by the
@@ -19,14 +25,23 @@ failed after touching the model, or a failed logprob probe, leaves it paused (fa
 until a good push lands.
 """
 
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, Protocol
 
 import httpx
 import msgspec
 
 from weightbus.publisher.probe import LogprobProbe
-from weightbus.publisher.targets.base import EngineResult, EngineTarget, EngineWeights, UpdateOrder
+from weightbus.publisher.targets.base import (
+    DRAFT_PREFIX,
+    EngineResult,
+    EngineTarget,
+    EngineWeights,
+    UpdateOrder,
+)
 from weightbus.publisher.targets.http import HTTP_MARGIN_S, request_json
 from weightbus.transport import encode_description
 from weightbus.transport.base import EngineRequestError
@@ -37,6 +52,10 @@ PAUSE_MODES: dict[PauseMode, str] = {"drain": "wait", "in_place": "keep", "abort
 # Workers start every refusal with this: the model was not touched, vLLM serves what it served.
 UNTOUCHED = "refused before loading; vLLM still serves its previous weights"
 _CONTROL_TIMEOUT_S = 30.0
+# vLLM's worker refuses a second session while one is open (a publisher died inside it).
+_SESSION_OPEN = "already active"
+
+logger = logging.getLogger(__name__)
 
 
 class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -45,6 +64,8 @@ class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `skip_unchanged`: load only the blocks whose bytes differ from the last weightbus load
     (safe only while weightbus is the one writer of the weights: vLLM's own `reload_weights`
     changes them behind its back). `reload_all` (a forced push) loads everything.
+    `keep_draft`: the push carries no draft model; a server serving one keeps it (else its
+    workers refuse a push without the draft's `draft.` tensors).
     """
 
     transport: str
@@ -55,6 +76,7 @@ class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
     skip_unchanged: bool = False
     reload_all: bool = False
+    keep_draft: bool = False
 
 
 class VllmTransportSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -91,7 +113,16 @@ def update_info(order: UpdateOrder, *, skip_unchanged: bool = False) -> VllmUpda
         timeout_s=order.timeout_s,
         skip_unchanged=skip_unchanged,
         reload_all=order.force,
+        keep_draft=order.keep_draft,
     )
+
+
+def _refuse_contradictory_draft(order: UpdateOrder) -> None:
+    if order.carries_draft and order.keep_draft:
+        raise EngineRequestError(
+            f"keep_draft is set but the push carries {DRAFT_PREFIX!r} tensors: drop one or the "
+            "other (nothing was changed)"
+        )
 
 
 def _committed(url: str, version: str, start: float, phases: dict[str, float]) -> EngineResult:
@@ -161,15 +192,17 @@ class VllmEngineTarget(EngineTarget):
     # the EngineTarget seam
     def update(self, order: UpdateOrder) -> EngineResult:
         start = time.perf_counter()
+        _refuse_contradictory_draft(order)
         self._refuse_served_version(order)
         info = update_info(order, skip_unchanged=self.skip_unchanged)
         phases: dict[str, float] = {"version_check_s": time.perf_counter() - start}
-        tick = time.perf_counter()
-        self._pause(order.pause_mode, order.timeout_s)
-        phases["pause_s"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        self._load(info, order.timeout_s)
-        phases["update_s"] = time.perf_counter() - tick
+        with self._draft_session(order.carries_draft, phases):
+            tick = time.perf_counter()
+            self._pause(order.pause_mode, order.timeout_s)
+            phases["pause_s"] = time.perf_counter() - tick
+            tick = time.perf_counter()
+            self._load(info, order.timeout_s)
+            phases["update_s"] = time.perf_counter() - tick
         # vLLM's version: a start/finish pair (the backend's are no-ops: nothing can fail)
         tick = time.perf_counter()
         self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
@@ -184,6 +217,45 @@ class VllmEngineTarget(EngineTarget):
             self._check_probe(order.probe, order.version)
             phases["probe_s"] = time.perf_counter() - tick
         return _committed(self.url, order.version, start, phases)
+
+    @contextmanager
+    def _draft_session(self, carries_draft: bool, phases: dict[str, float]) -> Iterator[None]:
+        """Around a push that carries a draft: a draft session, opened before the pause (a
+        server without a draft refuses it, nothing changed) and always closed after the push."""
+        if not carries_draft:
+            yield
+            return
+        tick = time.perf_counter()
+        self._start_draft_session()
+        phases["draft_start_s"] = time.perf_counter() - tick
+        try:
+            yield
+        except BaseException as exc:
+            try:
+                self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S)
+            except EngineRequestError as closing:
+                exc.add_note(f"and the draft session could not be closed: {closing}")
+            raise
+        tick = time.perf_counter()
+        self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S)
+        phases["draft_finish_s"] = time.perf_counter() - tick
+
+    def _start_draft_session(self) -> None:
+        """`/start_draft_weight_update`; a session left open by a publisher that died inside
+        it is closed first (no route says whether one is open: vLLM's refusal does)."""
+        try:
+            self._request("POST", "/start_draft_weight_update", _CONTROL_TIMEOUT_S)
+        except EngineRequestError as exc:
+            if _SESSION_OPEN not in str(exc):
+                raise EngineRequestError(
+                    f"the push carries a draft model ({DRAFT_PREFIX!r} tensors) but the vLLM "
+                    f"server at {self.url} cannot update one: it serves no draft model (start "
+                    'it with --speculative-config \'{"method": "draft_model", ...}\') or '
+                    f"its backend is not weightbus; nothing was changed ({exc})"
+                ) from None
+            logger.warning("%s: closing a weight-update session left open", self.url)
+            self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S)
+            self._request("POST", "/start_draft_weight_update", _CONTROL_TIMEOUT_S)
 
     def _refuse_served_version(self, order: UpdateOrder) -> None:
         served = self._request("GET", "/weight_info", _CONTROL_TIMEOUT_S).get("weight_version")
@@ -288,6 +360,12 @@ class VllmClientTarget(EngineTarget):
 
     def update(self, order: UpdateOrder) -> EngineResult:
         start = time.perf_counter()
+        _refuse_contradictory_draft(order)
+        if order.carries_draft:
+            raise EngineRequestError(
+                f"{self.url}: vLLM's weight-sync clients open no draft session: push a draft "
+                f"model ({DRAFT_PREFIX!r} tensors) with VllmEngineTarget (nothing was changed)"
+            )
         info = update_info(order)
         init_info = msgspec.to_builtins(VllmInitInfo(push=info))
         try:  # the push rides `init` (see the module's docstring); start/finish set the version
