@@ -66,3 +66,22 @@ def test_ten_consecutive_delta_pushes_keep_the_engine_on_the_trainer(tmp_path):
     assert_demo_passed(record, result.stdout, num_steps=10)
     assert [step["push_delta"] for step in record["steps"]] == [True] * 10
     assert "deltas:         10/10 pushes sent as changes to the last one" in result.stdout
+
+
+def test_demo_with_a_draft_pushes_both_models_every_step(tmp_path):
+    result, record = _demo(
+        "--steps", "4", "--tp", "2", "--draft", "--delta", "always", "--seed", "5",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    # each step: the engine serves the trainer's policy and draft as the step's version
+    assert_demo_passed(record, result.stdout, num_steps=4)
+    assert [step["push_delta"] for step in record["steps"]] == [True] * 4
+    for step in record["steps"]:
+        for name in ("draft_acceptance", "draft_in_step", "draft_frozen"):
+            assert 0.0 <= step[name] <= 1.0, (step["step"], name)
+    # the policy moved away from the step-0 draft; the draft kept in step followed it
+    last = record["steps"][-1]
+    assert last["draft_in_step"] > last["draft_frozen"]
+    assert "draft:          accepted " in result.stdout
+    assert "frozen at step 0" in result.stdout

@@ -90,7 +90,7 @@ def test_the_engine_reports_the_draft_it_started_with(engines):
     assert state["fingerprint"] == fingerprint({**main_weights(0), **draft})
 
 
-@pytest.mark.parametrize("transport", ["shm", "disk", "dist"])
+@pytest.mark.parametrize("transport", ["shm", "disk", "hf_dir", "dist", "nixl"])
 def test_one_push_carries_both_models_as_one_version(engines, transport):
     main, draft = main_weights(5), draft_weights(6)
     version = f"both-{transport}-{secrets.token_hex(2)}"
@@ -104,7 +104,7 @@ def test_one_push_carries_both_models_as_one_version(engines, transport):
     assert served == result.fingerprint
     assert served_draft["version"] == version
     assert served_draft["fingerprint"] == fingerprint(unprefixed(draft))
-    if transport != "shm":  # shm writes straight into the parameters: nothing to load
+    if transport in ("disk", "hf_dir", "dist"):  # shm, nixl: written into the parameters
         # loaded bucket by bucket: never more than one bucket of it at once
         assert served_draft["bytes"] == sum(t.nbytes for t in draft.values())
         assert 0 < served_draft["max_chunk_bytes"] <= bucket_bytes

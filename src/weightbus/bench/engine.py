@@ -26,6 +26,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds; the best is kept")
+    parser.add_argument(
+        "--draft",
+        action="store_true",
+        help="speculative decoding over the demo's training run: engines without a draft, "
+        "with a draft pushed every step, and with the step-0 draft kept (first --tp only)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=3, dest="num_spec", help="with --draft"
+    )
+    parser.add_argument("--steps", type=int, default=10, help="RL steps with --draft")
+    parser.add_argument("--lr", type=float, default=3e-3, help="the policy's lr with --draft")
 
 
 def start_engine(
@@ -94,6 +105,10 @@ def _round(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[int, fl
 
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    if args.draft:
+        from weightbus.bench.speculative import run_speculation
+
+        return run_speculation(args)
     generator = torch.Generator().manual_seed(0)
     rows = []
     for tp in args.tp:

@@ -73,7 +73,7 @@ class DraftTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             kl.backward()
             self.optimizer.step()
-        return float(kl)
+        return float(kl.detach())
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The draft's tensors under the names a push carries them (`draft.` + HF name)."""

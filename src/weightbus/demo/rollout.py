@@ -78,6 +78,13 @@ class RolloutClient:
         """The version that generated a completion (the engine stamps every choice)."""
         return choice["weight_version"]
 
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """One greedy completion of `max_tokens` tokens (EOS ignored): its token ids."""
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        response = self._http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return response.json()["choices"][0]["token_ids"]
+
     def draft_tokens(self) -> tuple[int, int]:
         """Draft tokens the engine proposed and accepted so far (`GET /metrics`)."""
         response = self._http.get("/metrics")

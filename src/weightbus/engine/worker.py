@@ -100,6 +100,7 @@ class Worker:
         self.tp_size = config.tp_size
         self._join_tp_group()
         model_config = resolve_config(config.model)
+        self.draft_source = self._draft_source()
         self._load_model(model_config)
         self._init_step_state()
         if self.is_driver:
@@ -127,7 +128,7 @@ class Worker:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             seed=config.seed,
-            draft=self._draft_source(),
+            draft=self.draft_source,
         )
         self.weights = WeightsManager(
             self.runner,
@@ -187,13 +188,13 @@ class Worker:
         config = self.config
         dtype = dtype_from_name(config.dtype)
         sources = [("", config.model, model_config, config.seed)]
-        draft = self._draft_source()
+        draft = self.draft_source
         if draft is not None:
             sources.append((DRAFT_PREFIX, draft.source, draft.config, draft.seed))
         return weights_fingerprint(sources, dtype)
 
     def _draft_fingerprint(self) -> str | None:
-        draft = self._draft_source()
+        draft = self.draft_source
         if draft is None:
             return None
         sources = [("", draft.source, draft.config, draft.seed)]
