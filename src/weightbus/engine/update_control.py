@@ -391,11 +391,7 @@ class UpdateController(ControlRequests):
         draft: messages.DraftInfo | None = None,
     ) -> None:
         """Every rank finished its staged receive (`draft`: the draft it carried, if any)."""
-        update = self._update
-        assert update is not None
-        update.nbytes, update.phases = nbytes, phases
-        update.draft = draft or self.draft
-        update.rank_nbytes = rank_nbytes(verdicts)
+        update = self._received(verdicts, nbytes, phases, draft)
         ok = all(v.ok for v in verdicts)
         if ok and update.abort_reason is None:
             update.verdicts = verdicts
@@ -407,6 +403,22 @@ class UpdateController(ControlRequests):
             return
         status, error, names = failure(verdicts)
         self._finish_update(status, error, names)
+
+    def _received(
+        self,
+        verdicts: list[RankVerdict],
+        nbytes: int,
+        phases: dict,
+        draft: messages.DraftInfo | None,
+    ) -> PendingUpdate:
+        """Record what the ranks received: bytes, timings, and the draft served once the update
+        commits (the one it carried, else the one served now)."""
+        update = self._update
+        assert update is not None
+        update.nbytes, update.phases = nbytes, phases
+        update.rank_nbytes = rank_nbytes(verdicts)
+        update.draft = draft or self.draft
+        return update
 
     def on_committed(self) -> None:
         """Every rank swapped the staged version in (a push's or a rollback's)."""
@@ -434,11 +446,7 @@ class UpdateController(ControlRequests):
         draft: messages.DraftInfo | None = None,
     ) -> None:
         """Every rank finished loading in place (`draft`: as for `on_staged`)."""
-        update = self._update
-        assert update is not None
-        update.nbytes, update.phases = nbytes, phases
-        update.draft = draft or self.draft
-        update.rank_nbytes = rank_nbytes(verdicts)
+        update = self._received(verdicts, nbytes, phases, draft)
         if all(v.ok for v in verdicts):
             self._commit(update, verdicts[0].fingerprint)
             return
