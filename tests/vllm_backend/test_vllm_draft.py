@@ -19,9 +19,9 @@ from vllm_harness import PROMPT, hf_greedy, make_vllm_model, trained
 
 from weightbus.integrations.vllm.launch import VllmServer
 from weightbus.integrations.vllm.worker import DRAFT_MISSING, DRAFT_SESSION_WITHOUT_DRAFT
+from weightbus.meta import DRAFT_PREFIX
 from weightbus.publisher import Publisher, PushError
 from weightbus.publisher.probe import LogprobProbe
-from weightbus.publisher.targets.base import DRAFT_PREFIX
 from weightbus.publisher.targets.vllm import UNTOUCHED, VllmEngineTarget
 
 PROBE_IDS = [*PROMPT, 11, 12, 13, 14]

@@ -34,14 +34,9 @@ from typing import Annotated, Any, Protocol
 import httpx
 import msgspec
 
+from weightbus.meta import DRAFT_PREFIX
 from weightbus.publisher.probe import LogprobProbe
-from weightbus.publisher.targets.base import (
-    DRAFT_PREFIX,
-    EngineResult,
-    EngineTarget,
-    EngineWeights,
-    UpdateOrder,
-)
+from weightbus.publisher.targets.base import EngineResult, EngineTarget, EngineWeights, UpdateOrder
 from weightbus.publisher.targets.http import HTTP_MARGIN_S, request_json
 from weightbus.transport import encode_description
 from weightbus.transport.base import EngineRequestError
