@@ -24,6 +24,8 @@ from weightbus.publisher import Publisher, PushError
 from weightbus.publisher.probe import LogprobProbe
 from weightbus.publisher.targets.vllm import UNTOUCHED, VllmEngineTarget
 
+pytestmark = pytest.mark.e2e  # vLLM servers (tiers: tests/conftest.py)
+
 PROBE_IDS = [*PROMPT, 11, 12, 13, 14]
 PROBE_TOLERANCE = 1e-3  # float32 on both sides (test_vllm_backend.py says why)
 NUM_SPECULATIVE_TOKENS = 3
@@ -42,7 +44,17 @@ class Served:
 @pytest.fixture(scope="module")
 def drafted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """Untied Llama on TP 1 with a draft of the same architecture and other weights."""
-    path = tmp_path_factory.mktemp("drafted")
+    yield from _drafted_server(tmp_path_factory, tp_size=1)
+
+
+@pytest.fixture(scope="module")
+def drafted_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The same at TP 2 (the draft sharded like the model)."""
+    yield from _drafted_server(tmp_path_factory, tp_size=2)
+
+
+def _drafted_server(tmp_path_factory: pytest.TempPathFactory, tp_size: int) -> Iterator[Served]:
+    path = tmp_path_factory.mktemp(f"drafted_tp{tp_size}")
     model = make_vllm_model("llama_untied", path / "model", torch.float32)
     make_vllm_model("llama_untied", path / "draft", torch.float32, seed=1)
     speculative = {
@@ -52,7 +64,7 @@ def drafted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     }
     server = VllmServer(
         path / "model",
-        tp_size=1,
+        tp_size=tp_size,
         dtype="float32",
         log_path=path / "vllm.log",
         extra_args=("--speculative-config", json.dumps(speculative)),
@@ -108,7 +120,9 @@ def _push(served: Served, weights, version: str, probe_model=None, **options):
         return result, publisher.fingerprint(weights)
 
 
-def test_one_push_updates_the_main_model_and_its_draft_as_one_version(drafted):
+@pytest.mark.parametrize("served_name", ["drafted", "drafted_tp2"])
+def test_one_push_updates_the_main_model_and_its_draft_as_one_version(served_name, request):
+    drafted = request.getfixturevalue(served_name)
     tokens, num_drafted, num_accepted = _generate(drafted)
     assert tokens == hf_greedy(drafted.model, max_tokens=MAX_TOKENS)
     assert num_drafted > 0
