@@ -170,6 +170,8 @@ class WeightsManager:
         self._staged: _StagedReceive | None = None
         self._shapes = {name: p.shape for name, p in self.served.named_parameters()}
         self._copies = self.served.shard_copies()  # this rank's slice map, computed once
+        # what the draft's part of the latest receive loaded (`draft_info`)
+        self._draft_loads = DraftLoads(self.served.load_weights)
         self._placements: dict[str, DirectPlacement | None] = {}
         self._live_arena = self._place(self.served, copy=True)
         self._staging_arena: ParamArena | None = None

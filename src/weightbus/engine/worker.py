@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from weightbus.digest import fingerprint_of_digests
 from weightbus.engine import messages
 from weightbus.engine.actions import Action, StepAction, mask_to_tags
 from weightbus.engine.model_runner import DraftSource, ModelInput, ModelRunner
@@ -44,7 +45,7 @@ from weightbus.layers.parallel import destroy_tp_group, init_tp_group
 from weightbus.log import setup_logging
 from weightbus.meta import DRAFT_PREFIX, dtype_from_name
 from weightbus.models.config import ModelConfig
-from weightbus.models.loader import resolve_config, weights_fingerprint
+from weightbus.models.loader import resolve_config, weights_records
 
 logger = logging.getLogger(__name__)
 
@@ -175,30 +176,27 @@ class Worker:
             eos_token_ids=model_config.eos_token_ids,
         )
         self._connect()
+        fingerprint, draft_fingerprint = self._initial_fingerprints(model_config)
         self.control = UpdateController(
             version=config.weight_version,
-            fingerprint=self._initial_fingerprint(model_config),
+            fingerprint=fingerprint,
             send=self._send,
             abort=self._abort_sequences,
             wait_for_initial_weights=config.wait_for_initial_weights,
-            draft_fingerprint=self._draft_fingerprint(),
+            draft_fingerprint=draft_fingerprint,
         )
 
-    def _initial_fingerprint(self, model_config: ModelConfig) -> str:
-        config = self.config
+    def _initial_fingerprints(self, model_config: ModelConfig) -> tuple[str, str | None]:
+        """The fingerprint of the weights loaded at start-up (both models), and the draft's
+        as a model of its own (None: no draft); each checkpoint is read once."""
+        config, draft = self.config, self.draft_source
         dtype = dtype_from_name(config.dtype)
-        sources = [("", config.model, model_config, config.seed)]
-        draft = self.draft_source
-        if draft is not None:
-            sources.append((DRAFT_PREFIX, draft.source, draft.config, draft.seed))
-        return weights_fingerprint(sources, dtype)
-
-    def _draft_fingerprint(self) -> str | None:
-        draft = self.draft_source
+        records = weights_records(config.model, model_config, config.seed, dtype)
         if draft is None:
-            return None
-        sources = [("", draft.source, draft.config, draft.seed)]
-        return weights_fingerprint(sources, dtype_from_name(self.config.dtype))
+            return fingerprint_of_digests(records), None
+        draft_records = weights_records(draft.source, draft.config, draft.seed, dtype)
+        prefixed = [(DRAFT_PREFIX + name, *rest) for name, *rest in draft_records]
+        return fingerprint_of_digests(records + prefixed), fingerprint_of_digests(draft_records)
 
     def _report_ready(self, model_config: ModelConfig) -> None:
         self._send(

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 import torch
 
 from weightbus.checkpoint import iter_safetensors
-from weightbus.digest import fingerprint
+from weightbus.digest import tensor_digest
+from weightbus.meta import dtype_name
 from weightbus.models.config import ModelConfig, tiny_config
 from weightbus.models.llama import LlamaForCausalLM, hf_weight_shapes
 
@@ -80,25 +81,16 @@ def load_model(model: LlamaForCausalLM, source: str, seed: int = 0) -> None:
     logger.info("loaded %d tensors from %s", len(loaded), source)
 
 
-def weights_fingerprint(
-    sources: list[tuple[str, str, ModelConfig, int]], dtype: torch.dtype
-) -> str:
-    """Fingerprint of the weights `load_model` loads, as served (converted to `dtype`).
-
-    Args:
-        sources: `(name prefix, source, config, seed)` of each model served: the main model
-            (prefix "") and a draft (prefix `draft.`).
-        dtype: the serving dtype.
-
-    A trainer holding the same weights in the serving dtype computes the same value.
-    """
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for prefix, source, config, seed in sources:
-            expected = hf_weight_shapes(config)
-            weights = (
-                random_hf_weights(config, seed) if source == TINY else iter_safetensors(source)
-            )
-            yield from ((prefix + name, t.to(dtype)) for name, t in weights if name in expected)
-
-    return fingerprint(tensors())
+def weights_records(
+    source: str, config: ModelConfig, seed: int, dtype: torch.dtype
+) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """`(name, dtype, shape, digest)` of every weight `load_model` loads from `source`, as
+    served (converted to `dtype`): `fingerprint_of_digests` of them is the model's fingerprint,
+    the one a trainer holding the same weights in the serving dtype computes."""
+    expected = hf_weight_shapes(config)
+    weights = random_hf_weights(config, seed) if source == TINY else iter_safetensors(source)
+    return [
+        (name, dtype_name(dtype), tuple(t.shape), tensor_digest(t.to(dtype)))
+        for name, t in weights
+        if name in expected
+    ]

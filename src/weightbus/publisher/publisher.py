@@ -525,6 +525,7 @@ class Publisher(FleetMembership):
     ) -> dict[str, Future]:
         """Hand every target its order (in parallel); an early answer abandons the stream."""
         futures = {}
+        carries_draft = any(is_draft_name(meta.name) for meta in session.plan.metas)
         for index, target in enumerate(self.targets):
             route = self._sink.route(description, index, options.verify)
             order = UpdateOrder(
@@ -542,7 +543,7 @@ class Publisher(FleetMembership):
                 two_phase=options.two_phase,
                 delta=deltas.get(target.url),
                 keep_draft=options.keep_draft,
-                carries_draft=any(is_draft_name(meta.name) for meta in session.plan.metas),
+                carries_draft=carries_draft,
             )
             futures[target.url] = self._pool.submit(target.update, order)
         for url, future in futures.items():

@@ -25,9 +25,6 @@ from weightbus.wire.delta import DeltaSpec
 from weightbus.wire.messages import SliceSpec
 
 
-# A push carries a served draft model (speculative decoding) under `draft.` + the draft's own
-# names, in the same version as the main model (as `weightbus.models.served`, which the core
-# may not import).
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateOrder:
     """One engine's part of a push: receive `version` from the transport session `source`.
