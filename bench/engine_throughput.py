@@ -3,7 +3,7 @@
 Same as `weightbus bench engine`; run: `.venv/bin/python bench/engine_throughput.py`.
 """
 
-from weightbus.bench.engine import main
+from weightbus.apps.bench.engine import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

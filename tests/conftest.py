@@ -32,16 +32,16 @@ torch.set_num_threads(2)
 PROCESS_FIXTURES = frozenset(
     {
         "engine",  # `weightbus serve` (below, and the modules' own `engine`)
-        "engines",  # several `weightbus serve` (tests/update/conftest.py)
+        "engines",  # several `weightbus serve` (tests/core/pushes/conftest.py)
         "fleet",  # several `weightbus serve`, restarted after faults (test_fleet.py)
         "tiny_tp2",  # `weightbus serve --tp 2` (test_engine_server.py)
         "observed",  # `weightbus serve`, pushed into over every transport (test_security.py)
         "tp2_results",  # two TP rank processes and a TCPStore (test_model_vs_hf.py)
         "rig",  # uvicorn on a real port, a rank 0 on ZMQ sockets (test_admin_roundtrip.py)
-        "namespaces",  # network namespaces via `ip` (tests/update/netns_harness.py)
-        "tied_tp1",  # a vLLM server (tests/vllm_backend/conftest.py)
-        "untied_tp2",  # a vLLM server, TP 2 (tests/vllm_backend/conftest.py)
-        "ray_cluster",  # a Ray cluster of three nodes (tests/ray_fleet/conftest.py)
+        "namespaces",  # network namespaces via `ip` (tests/core/pushes/netns_harness.py)
+        "tied_tp1",  # a vLLM server (tests/engines/vllm_backend/conftest.py)
+        "untied_tp2",  # a vLLM server, TP 2 (tests/engines/vllm_backend/conftest.py)
+        "ray_cluster",  # a Ray cluster of three nodes (tests/apps/ray_fleet/conftest.py)
     }
 )
 
@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(gpu_skip)
 
 
-# The engine namespace of the session (tests/update/netns_harness.py), made once collection
+# The engine namespace of the session (tests/core/pushes/netns_harness.py), made once collection
 # shows a test that needs it, before any test runs (UCX reads the routes once per process).
 _ENGINE_NAMESPACES = pytest.StashKey["Namespaces | None"]()
 

@@ -4,17 +4,17 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from weightbus.meta import DTYPES_BY_NAME, TensorMeta
-from weightbus.plan.bucket import byte_view
-from weightbus.publisher import (
+from weightbus.core.meta import DTYPES_BY_NAME, TensorMeta
+from weightbus.core.plan.bucket import byte_view
+from weightbus.core.publisher import (
     EngineRequestError,
     EngineResult,
     EngineTarget,
     EngineWeights,
     UpdateOrder,
 )
-from weightbus.receiver import Receiver, UpdateRequest
-from weightbus.transport import open_source
+from weightbus.core.receiver import Receiver, UpdateRequest
+from weightbus.core.transport import open_source
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from weightbus.transport import (
+from weightbus.core.transport import (
     BucketSink,
     BucketSource,
     PushSession,
@@ -17,9 +17,9 @@ from weightbus.transport import (
     SourceDescription,
     TransportEntry,
 )
-from weightbus.transport.base import Progress, no_progress
-from weightbus.wire import UpdateBegin, UpdateEnd
-from weightbus.wire.messages import Hex128
+from weightbus.core.transport.base import Progress, no_progress
+from weightbus.core.wire import UpdateBegin, UpdateEnd
+from weightbus.core.wire.messages import Hex128
 
 _sessions: dict[str, tuple[UpdateBegin, dict[str, torch.Tensor], dict[str, str], UpdateEnd]] = {}
 

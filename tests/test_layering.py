@@ -1,5 +1,6 @@
 """The layering contracts (`[tool.importlinter]` in pyproject.toml) hold, and the checker that
-`make test` runs catches a core module importing the reference engine."""
+`make test` runs catches a deliberate bad import against each of them: the three wings
+(library, engines, apps), the library's layers and the transports."""
 
 import os
 import shutil
@@ -42,34 +43,51 @@ def package_copy(tmp_path: Path) -> Path:
 def test_the_contracts_hold(package_copy: Path):
     result = _lint_imports(package_copy)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 4 kept, 0 broken." in result.stdout
+    assert "Contracts: 6 kept, 0 broken." in result.stdout
 
 
 @pytest.mark.parametrize(
     ("module", "bad_import", "contract"),
     [
         (
-            "transport/disk.py",
-            "from weightbus.models.loader import create_model",
-            "The core never imports the reference engine, the apps or the integrations BROKEN",
+            "core/transport/disk.py",
+            "from weightbus.engines.reference.models.loader import create_model",
+            "The library imports neither the engines nor the apps BROKEN",
         ),
         (
-            "plan/planner.py",
-            "from weightbus.wire import ProtocolError",
-            "Core layers only look down: the path of a weight BROKEN",
+            "engines/vllm/staging.py",
+            "from weightbus.apps.launch import start_engine",
+            "An engine imports the library only BROKEN",
         ),
         (
-            "transport/hf_dir.py",
-            "from weightbus.transport.disk import DiskSink",
+            "engines/vllm/reload.py",
+            "import weightbus.engines.reference.server.api",
+            "Engines are independent of each other BROKEN",
+        ),
+        (
+            "apps/launch.py",
+            "from weightbus.apps.bench import cli",
+            "Apps import what they like, but not each other in circles BROKEN",
+        ),
+        (
+            "core/plan/planner.py",
+            "from weightbus.core.wire import ProtocolError",
+            "Library layers only look down: the path of a weight BROKEN",
+        ),
+        (
+            "core/transport/hf_dir.py",
+            "from weightbus.core.transport.disk import DiskSink",
             "Transports do not import each other (shared parts live in transport/ itself) BROKEN",
         ),
-        (
-            "integrations/__init__.py",
-            "import weightbus.server.api",
-            "Integrations import the core only BROKEN",
-        ),
     ],
-    ids=["core imports engine", "upward import", "transport imports transport", "integration"],
+    ids=[
+        "library imports an engine",
+        "engine imports an app",
+        "engine imports engine",
+        "apps in a circle",
+        "upward import",
+        "transport imports transport",
+    ],
 )
 def test_a_deliberate_bad_import_fails_the_check(
     package_copy: Path, module: str, bad_import: str, contract: str
@@ -79,4 +97,4 @@ def test_a_deliberate_bad_import_fails_the_check(
     result = _lint_imports(package_copy)
     assert result.returncode != 0
     assert contract in result.stdout
-    assert "Contracts: 3 kept, 1 broken." in result.stdout
+    assert "Contracts: 5 kept, 1 broken." in result.stdout

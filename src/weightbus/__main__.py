@@ -1,3 +1,3 @@
-from weightbus.cli import main
+from weightbus.apps.cli import main
 
 raise SystemExit(main())

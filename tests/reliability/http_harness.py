@@ -11,9 +11,9 @@ from typing import Any
 from engine_harness import ServedEngine
 from fastapi.routing import APIRoute
 
-from weightbus.server.admin import AdminConfig
-from weightbus.server.api import AppConfig, create_app
-from weightbus.server.auth import PUBLIC_PATHS
+from weightbus.engines.reference.server.admin import AdminConfig
+from weightbus.engines.reference.server.api import AppConfig, create_app
+from weightbus.engines.reference.server.auth import PUBLIC_PATHS
 
 TOKEN = "reliability-token-0123456789"
 GREEDY_PROMPT = [3, 17, 42, 99, 5]

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 # float32 engine (TP 2) vs transformers on the same weights: fused projections, the TP split
 # sums and the KV cache round differently at ~1e-6; logprobs of a 101-token vocabulary stay
-# within 1e-4 (as in tests/update/test_update_e2e.py).
+# within 1e-4 (as in tests/core/pushes/test_update_e2e.py).
 LOGPROB_ATOL = 1e-4
 # A greedy token may differ from transformers' argmax only where the two best logprobs are
 # within the rounding difference of both sides.

@@ -13,8 +13,8 @@ from engine_harness import ServedEngine
 from update_harness import weights_state
 
 from weightbus import Publisher, PushError
-from weightbus.models.config import tiny_config
-from weightbus.models.loader import random_hf_weights
+from weightbus.engines.reference.models.config import tiny_config
+from weightbus.engines.reference.models.loader import random_hf_weights
 
 PROMPT = [3, 1, 4, 1, 5]
 # A control call answers at once or when running requests have finished (a few seconds here);

@@ -23,24 +23,24 @@ from hypothesis import strategies as st
 from msgspec_strategies import chaos, msgpack_frames, values_for
 from safetensors.torch import save_file
 
-from weightbus.engine import messages as engine_messages
-from weightbus.meta import TensorMeta
-from weightbus.plan import plan_buckets
-from weightbus.publisher import SessionFactory, normalize_weights
-from weightbus.transport import make_sink, open_source
-from weightbus.transport.arena import ParamArena
-from weightbus.transport.disk import (
+from weightbus.core.meta import TensorMeta
+from weightbus.core.plan import plan_buckets
+from weightbus.core.publisher import SessionFactory, normalize_weights
+from weightbus.core.transport import make_sink, open_source
+from weightbus.core.transport.disk import (
     MANIFEST_NAME,
     DiskDescription,
     DiskManifest,
     DiskSource,
     read_manifest,
 )
-from weightbus.transport.dist.slices import check_slices, rank_regions
-from weightbus.transport.shared_memory import SHM_DIR, Slot
-from weightbus.transport.shm.direct import MappedTarget
-from weightbus.wire import PROTOCOL_VERSION, DirectTarget, Message, ProtocolError, decode
-from weightbus.wire.messages import SliceSpec
+from weightbus.core.transport.distributed.slices import check_slices, rank_regions
+from weightbus.core.transport.parts.arena import ParamArena
+from weightbus.core.transport.parts.shared_memory import SHM_DIR, Slot
+from weightbus.core.transport.shm.direct import MappedTarget
+from weightbus.core.wire import PROTOCOL_VERSION, DirectTarget, Message, ProtocolError, decode
+from weightbus.core.wire.messages import SliceSpec
+from weightbus.engines.reference.engine import messages as engine_messages
 
 FUZZ = settings(
     max_examples=100,

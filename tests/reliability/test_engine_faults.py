@@ -13,11 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from update_harness import weights_state
 
 from weightbus import Publisher, PushError
-from weightbus.models.config import tiny_config
-from weightbus.models.loader import random_hf_weights
-from weightbus.transport.shared_memory import ARENA_PREFIX, SHM_DIR
-from weightbus.transport.shm.sink import ShmSink
-from weightbus.wire import BucketReady
+from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX, SHM_DIR
+from weightbus.core.transport.shm.sink import ShmSink
+from weightbus.core.wire import BucketReady
+from weightbus.engines.reference.models.config import tiny_config
+from weightbus.engines.reference.models.loader import random_hf_weights
 
 # every test starts `weightbus serve` or another process (tiers: tests/conftest.py)
 pytestmark = pytest.mark.e2e

@@ -24,7 +24,7 @@ from http_harness import (
     weights_identity,
 )
 
-from weightbus.server.body_limit import DEFAULT_MAX_BODY_BYTES
+from weightbus.engines.reference.server.body_limit import DEFAULT_MAX_BODY_BYTES
 
 ROUTES = served_routes()
 BODY_ROUTES = [route for route in ROUTES if route.body_schema is not None]

@@ -14,7 +14,7 @@ Valid input to some routes changes the engine's state, and the invariant is kept
 - `release_memory`, `init_weights_group`: negative data only. A successful release of the
   weights discards them (only a push brings them back), and joining a group blocks every rank
   for up to `timeout_s` (an hour) on a store that may be anywhere; both are covered by
-  their own tests with real parties (tests/update/);
+  their own tests with real parties (tests/core/pushes/);
 - `update_weights`: generated freely. A schema-valid body names a registered transport but no
   session that exists, so rank 0 refuses it (400) and the weights stay as they were: checked
   after every case, which is the point of fuzzing this route.

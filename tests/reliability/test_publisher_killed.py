@@ -19,9 +19,9 @@ from engine_harness import ServedEngine
 from update_harness import weights_state
 
 from weightbus import Publisher
-from weightbus.models.config import tiny_config
-from weightbus.models.loader import random_hf_weights
-from weightbus.transport.shared_memory import SHM_DIR, SLOT_PREFIX
+from weightbus.core.transport.parts.shared_memory import SHM_DIR, SLOT_PREFIX
+from weightbus.engines.reference.models.config import tiny_config
+from weightbus.engines.reference.models.loader import random_hf_weights
 
 PROMPT = [5, 6, 7]
 ENGINE_TIMEOUT_S = 3  # the killed Publisher's timeout_s: how long the engine waits for it
@@ -33,12 +33,12 @@ ENGINE_TIMEOUT_S = 3  # the killed Publisher's timeout_s: how long the engine wa
 _PUBLISHER = textwrap.dedent(
     """
     import os, signal, sys, threading
-    import weightbus.transport.shm.sink as shm
-    import weightbus.transport.shm.direct as shm_direct
+    import weightbus.core.transport.shm.sink as shm
+    import weightbus.core.transport.shm.direct as shm_direct
     from weightbus import Publisher
-    from weightbus.models.config import tiny_config
-    from weightbus.models.loader import random_hf_weights
-    from weightbus.wire import BucketReady, UpdateEnd
+    from weightbus.engines.reference.models.config import tiny_config
+    from weightbus.engines.reference.models.loader import random_hf_weights
+    from weightbus.core.wire import BucketReady, UpdateEnd
 
     url, mode, phase, atomic = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "atomic"
     stop_at = {
@@ -172,10 +172,10 @@ def test_publisher_killed_after_the_commit_leaves_the_new_version_served(engine)
 _NIXL_PUBLISHER = textwrap.dedent(
     """
     import sys, threading
-    import weightbus.transport.nixl.writes as writes
+    import weightbus.core.transport.nixl.writes as writes
     from weightbus import Publisher
-    from weightbus.models.config import tiny_config
-    from weightbus.models.loader import random_hf_weights
+    from weightbus.engines.reference.models.config import tiny_config
+    from weightbus.engines.reference.models.loader import random_hf_weights
 
     url, atomic = sys.argv[1], sys.argv[2] == "atomic"
     post = writes.BucketWrites._post

@@ -25,11 +25,11 @@ import pytest
 from endpoints import OpenSocket, is_loopback, open_sockets
 from engine_harness import ServedEngine
 
-import weightbus.server.auth
+import weightbus.engines.reference.server.auth
 from weightbus import Publisher
-from weightbus.models.config import tiny_config
-from weightbus.models.loader import random_hf_weights
-from weightbus.transport.shared_memory import SHM_DIR
+from weightbus.core.transport.parts.shared_memory import SHM_DIR
+from weightbus.engines.reference.models.config import tiny_config
+from weightbus.engines.reference.models.loader import random_hf_weights
 
 # weightbus-<kind>-<owner pid>-<64 random bits>[-<more>]
 SHM_NAME = re.compile(r"weightbus-(?P<kind>[a-z-]+?)-(?P<pid>\d+)-(?P<random>[0-9a-f]{16})(-.+)?")
@@ -177,7 +177,7 @@ def _is_none_check(node: ast.AST) -> bool:
 
 
 def test_the_token_is_compared_in_constant_time() -> None:
-    tree = ast.parse(Path(weightbus.server.auth.__file__).read_text())
+    tree = ast.parse(Path(weightbus.engines.reference.server.auth.__file__).read_text())
     reads = _token_reads(tree)
     assert any(_is_compare_digest(parent) for _, parent in reads)
     # any other use (==, in, startswith, len, a slice...) could leak the token's bytes by timing

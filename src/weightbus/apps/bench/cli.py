@@ -1,0 +1,74 @@
+"""`weightbus bench [SUITE]`: benchmark suites, each a module with `add_arguments` and `run`.
+
+Without a suite, `weightbus bench` runs the full comparison (`weightbus.apps.bench.compare`): every
+transport against the floor and the baselines, same run, same weights.
+"""
+
+import argparse
+import importlib
+
+# suite name -> (module, one-line help); modules are imported only when their suite runs.
+SUITES = {
+    "buckets": ("weightbus.apps.bench.buckets", "flat-bucket packing vs a memcpy floor, same run"),
+    "delta": (
+        "weightbus.apps.bench.delta",
+        "bits changed between RL steps; full vs tensor-skip vs sparse delta pushes, same run",
+    ),
+    "dist": (
+        "weightbus.apps.bench.dist",
+        "dist pushes (broadcast, scatter) vs raw gloo broadcasts, same run",
+    ),
+    "fleet": (
+        "weightbus.apps.bench.fleet",
+        "two-phase vs one-phase fleet pushes, rollback, commit skew, same run",
+    ),
+    "plan": (
+        "weightbus.apps.bench.plan",
+        "weightbus plan's predicted push times against measured shm and dist pushes",
+    ),
+    "nixl": (
+        "weightbus.apps.bench.nixl",
+        "nixl pushes vs raw NIXL WRITEs and dist, one host and netns",
+    ),
+    "engine": (
+        "weightbus.apps.bench.engine",
+        "reference engine tokens/s at batch 1 and 16, TP 1 and 2",
+    ),
+    "status": (
+        "weightbus.apps.bench.status",
+        "decode step cost of the live-update machinery at rest",
+    ),
+    "update": ("weightbus.apps.bench.update", "push into real engines: floor, shm, disk, same run"),
+    "vllm": (
+        "weightbus.apps.bench.vllm",
+        "push into a live vLLM server vs save + vLLM reload vs the floor, same run",
+    ),
+}
+
+
+DEFAULT_SUITE = "weightbus.apps.bench.compare"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="compare every way to move weights into an engine (or run one SUITE)",
+        description="Without SUITE: the full comparison (floor, safetensors reload, per-tensor "
+        "broadcast, pickling, every weightbus transport), same run, same weights.",
+    )
+    importlib.import_module(DEFAULT_SUITE).add_arguments(bench)
+    bench.set_defaults(handler=_runner(DEFAULT_SUITE))
+    # a suite's own arguments and handler replace the comparison's when one is named
+    suites = bench.add_subparsers(dest="suite", required=False, metavar="SUITE")
+    for name, (module_name, help_text) in SUITES.items():
+        module = importlib.import_module(module_name)
+        suite = suites.add_parser(name, help=help_text)
+        suite.set_defaults(handler=_runner(module_name))
+        module.add_arguments(suite)
+
+
+def _runner(module_name: str):
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(module_name).run(args)
+
+    return run

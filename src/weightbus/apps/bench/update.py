@@ -1,0 +1,183 @@
+"""`weightbus bench update`: push Llama-shaped weights into real engines, every path in one run.
+
+For each size: write a Hugging Face checkpoint of Llama-shaped bf16 weights, start
+`weightbus serve --model DIR --tp N --dtype bfloat16` engine(s), then time on the same weights:
+the floor (one memcpy of the model's bytes into a preallocated buffer, all cores) and a push
+over each transport with verification on and off. Reports median push seconds, GB/s, the ratio
+to the floor, the speed-up of `shm` over `disk`, and the engines' extra peak RSS.
+"""
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from weightbus.apps.bench.llama_weights import hf_config, llama_shape, llama_weights
+from weightbus.apps.bench.memory import child_pids, reset_peak, rss_bytes
+from weightbus.apps.bench.timing import Measurement, measure_interleaved, write_json
+from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.tables import print_table
+from weightbus.core.publisher import Publisher
+from weightbus.core.units import byte_size_arg, format_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="1GiB", help="comma-separated model sizes")
+    parser.add_argument("--tp", type=int, default=2, help="TP size of each engine")
+    parser.add_argument("--engines", type=int, nargs="+", default=[1], help="engine counts")
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        default=["shm", "shm-slots", "disk"],
+        choices=sorted(_PATHS),
+        help="shm writes straight into parameters when the engines allow it; shm-slots forces "
+        "the slot path",
+    )
+    parser.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
+    parser.add_argument("--repeat", type=int, default=3, help="timed pushes per row (median)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+
+
+# --transports names: a transport, or shm forced into one of its modes
+_PATHS = {
+    "shm": ("shm", {}),  # direct when every rank offers its parameters
+    "shm-slots": ("shm", {"direct": False}),
+    "disk": ("disk", {}),
+}
+
+
+class _Pusher:
+    """Pushes one configuration repeatedly, each push a new version."""
+
+    def __init__(self, urls: list[str], path: str, verify: str, bucket_bytes: int) -> None:
+        transport, options = _PATHS[path]
+        self.publisher = Publisher(
+            urls,
+            transport=transport,
+            bucket_bytes=bucket_bytes,
+            timeout_s=600,
+            transport_options=options,
+        )
+        self.verify = verify
+        self.count = 0
+        self.mode = transport
+
+    def __call__(self, weights: list) -> None:
+        self.count += 1
+        version = f"{self.publisher.transport}-{self.verify}-{self.count}-{time.monotonic_ns()}"
+        result = self.publisher.push(
+            weights, version=version, atomic=False, pause_mode="in_place", verify=self.verify
+        )
+        self.mode = result.mode
+
+
+def _reset_peak_rss(pids: list[int]) -> dict[int, int]:
+    """Reset the ranks' peak RSS (VmHWM) and return their current RSS."""
+    for pid in pids:
+        reset_peak(pid)
+    return {pid: rss_bytes(pid, "VmRSS") for pid in pids}
+
+
+def _extra_peak_rss(pids: list[int], pusher: _Pusher, weights: list) -> int:
+    """The most a rank's RSS rose above its resting RSS during one more (untimed) push."""
+    before = _reset_peak_rss(pids)
+    pusher(weights)
+    return max(rss_bytes(pid, "VmHWM") - before[pid] for pid in pids)
+
+
+def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: Path) -> dict:
+    weights = llama_weights(size, torch.bfloat16)
+    model_bytes = sum(t.nbytes for _, t in weights)
+    model_dir = workdir / f"model-{size}-{num_engines}-engines"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(hf_config(llama_shape(size, 2))))
+    save_file(dict(weights), str(model_dir / "model.safetensors"))
+    engines = []
+    try:
+        # extend appends one by one: engines started before a failure are still stopped
+        engines.extend(
+            start_engine(str(model_dir), args.tp, extra=["--dtype", "bfloat16"])
+            for _ in range(num_engines)
+        )
+        (model_dir / "model.safetensors").unlink()  # loaded: free its RAM for the big sizes
+        pids = [pid for proc, _ in engines for pid in child_pids(proc.pid)]
+        source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
+        floor_buffer = torch.empty(model_bytes, dtype=torch.uint8)
+        urls = [url for _, url in engines]
+        pushers = [
+            _Pusher(urls, path, verify, args.bucket_bytes)
+            for path in args.transports
+            for verify in ("full", "none")
+        ]
+        # The first push of each path makes its slots and mappings: the rank memory it adds
+        # is measured there (shared pages count in every rank that touches them).
+        peak_extra = {}
+        for p in pushers:
+            extra = _extra_peak_rss(pids, p, weights)
+            peak_extra[f"{p.mode} verify={p.verify}"] = extra
+        operations = [
+            ("floor: memcpy into preallocated", model_bytes, lambda: floor_buffer.copy_(source))
+        ]
+        operations += [
+            (f"{p.mode} verify={p.verify}", model_bytes, lambda p=p: p(weights)) for p in pushers
+        ]
+        rows = measure_interleaved(operations, args.repeat)
+        for pusher in pushers:
+            pusher.publisher.close()
+    finally:
+        for proc, _ in engines:
+            stop_engine(proc)
+    return {"size": model_bytes, "engines": num_engines, "rows": rows, "peak_extra_rss": peak_extra}
+
+
+def _print(result: dict, args: argparse.Namespace) -> None:
+    rows: list[Measurement] = result["rows"]
+    floor = rows[0]
+    disk = {m.name.rsplit(" ", 1)[-1]: m for m in rows if m.name.startswith("disk")}
+    print(
+        f"\n{format_bytes(result['size'])} Llama-shaped bf16, {result['engines']} engine(s) of "
+        f"TP {args.tp}, median of {args.repeat}, in-place loads"
+    )
+    table = []
+    for m in rows:
+        verify = m.name.rsplit(" ", 1)[-1]
+        baseline = disk.get(verify)
+        vs_disk = f"{baseline.median_s / m.median_s:.1f}x" if baseline and baseline is not m else ""
+        rss = result["peak_extra_rss"].get(m.name)
+        table.append(
+            [
+                m.name,
+                f"{m.median_s:.3f}",
+                f"{m.gb_per_s:.2f}",
+                f"{m.median_s / floor.median_s:.2f}",
+                vs_disk,
+                "" if rss is None else format_bytes(rss),
+            ]
+        )
+    headers = ["path", "median s", "GB/s", "x floor", "vs disk", "rank extra peak RSS"]
+    print_table(headers, table)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    torch.set_num_threads(os.cpu_count() or 1)
+    results = []
+    shm = Path("/dev/shm")  # noqa: S108 - the benchmark's checkpoints live in RAM
+    with tempfile.TemporaryDirectory(
+        prefix="weightbus-bench-", dir=shm if shm.is_dir() else None
+    ) as tmp:
+        for size_text in args.sizes.split(","):
+            for num_engines in args.engines:
+                size = byte_size_arg(size_text)
+                result = _bench_size(size, num_engines, args, Path(tmp))
+                results.append(result)
+                _print(result, args)
+    if args.json:
+        write_json(args.json, {"suite": "update", "results": results})
+    return 0

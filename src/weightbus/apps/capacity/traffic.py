@@ -1,0 +1,202 @@
+"""Bytes per rank of one push: what each engine rank holds and receives, what each trainer rank
+sends, and the memory both ends set aside — under a transport's data pattern.
+
+Patterns:
+- `sharded` (`shm` direct, `nixl`, `dist` scatter): each engine rank receives only its share,
+  sent to it point to point; a replicated tensor reaches every rank that holds it.
+- `broadcast` (`dist` broadcast): every engine rank receives every byte; a trainer rank sends
+  each of its bytes once into the collective.
+- `slots` (`shm` slots): the trainer packs each byte once into shared memory; every rank maps
+  every bucket and copies its share out.
+"""
+
+import heapq
+from dataclasses import dataclass
+
+from weightbus.apps.capacity.shapes import ModelTensors
+from weightbus.apps.capacity.sharding import (
+    EngineLayout,
+    check_block_alignment,
+    check_layout,
+    rank_shares,
+    unmatched_modules,
+)
+from weightbus.core.plan.planner import plan_buckets
+
+TRANSPORTS = ("shm", "shm-slots", "nixl", "dist", "dist-broadcast", "dist-scatter")
+# Bucket buffers a dist rank receives into: its prefetch depth (1) + 3 (dist/source.py).
+DIST_RANK_BUFFERS = 4
+SLOTS = 2  # shm slot-mode slots (the sink's default)
+NIXL_INFLIGHT = 2  # nixl send buffers in flight (the sink's default)
+
+
+def resolve_transport(transport: str, layout: EngineLayout) -> str:
+    """The concrete path: `dist` scatters when every engine rank has tp > 1 (its `auto`)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    if transport == "dist":
+        return "dist-scatter" if layout.tp > 1 else "dist-broadcast"
+    return transport
+
+
+def pattern_of(transport: str) -> str:
+    """The data pattern of a concrete transport path."""
+    if transport == "dist-broadcast":
+        return "broadcast"
+    return "slots" if transport == "shm-slots" else "sharded"
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """Per-rank bytes of one push into `replicas` engines of one layout."""
+
+    transport: str  # the concrete path (`dist` resolved to broadcast or scatter)
+    pattern: str
+    total_bytes: int
+    num_tensors: int
+    num_buckets: int  # buckets of the plan
+    sequential_buckets: int  # buckets sent one after another (per trainer rank when in parallel)
+    share_bytes: tuple[int, ...]  # by engine TP rank: bytes of the parameters it holds
+    receive_bytes: tuple[int, ...]  # by engine TP rank: bytes the transport delivers to it
+    rank_tensors: tuple[int, ...]  # by engine TP rank: tensors it applies
+    rank_copy_bytes: tuple[int, ...]  # by engine TP rank: bytes it copies to apply them
+    trainer_own_bytes: tuple[int, ...]  # by trainer rank: bytes of the tensors it sends
+    trainer_send_bytes: tuple[int, ...]  # by trainer rank: bytes it hands to the transport
+    pack_bytes: int  # per trainer rank: bytes it copies into send buffers or slots first
+    trainer_hash_bytes: int  # per trainer rank: bytes it hashes (fingerprint, transport checks)
+    rank_hash_bytes: tuple[int, ...]  # by engine TP rank: bytes it hashes (verify, checks)
+    staging_bytes: tuple[int, ...]  # by engine TP rank, atomic pushes: staging copy + buffers
+    trainer_buffer_bytes: int  # per trainer rank: transport buffers it allocates
+    replicated_by_default: tuple[str, ...]  # decoder modules no rule names (see sharding)
+
+
+def traffic(
+    model: ModelTensors,
+    layout: EngineLayout,
+    transport: str,
+    *,
+    replicas: int = 1,
+    trainer_ranks: int = 1,
+    bucket_bytes: int,
+    verify: bool = True,
+) -> Traffic:
+    """Bytes per rank of one push of `model` into `replicas` engines of `layout`; `verify`:
+    the engines re-check digests (`verify="full"`, the Publisher's default).
+
+    Raises:
+        ValueError: an unknown transport, counts < 1, or a layout the model does not allow
+            (`sharding.check_layout`).
+    """
+    if replicas < 1 or trainer_ranks < 1:
+        raise ValueError(
+            f"replicas and trainer ranks must be >= 1, got {replicas}, {trainer_ranks}"
+        )
+    check_layout(model.config, layout)
+    check_block_alignment(model.metas, model.config, layout)
+    transport = resolve_transport(transport, layout)
+    pattern = pattern_of(transport)
+    shares = [rank_shares(meta, model.config, layout) for meta in model.metas]
+    share_bytes = tuple(sum(row[r] for row in shares) for r in range(layout.tp))
+    total = model.total_bytes
+    if pattern == "sharded":
+        receive = share_bytes
+        costs = [sum(row) * replicas for row in shares]
+        tensors = tuple(sum(1 for row in shares if row[r]) for r in range(layout.tp))
+    else:
+        receive = (total,) * layout.tp
+        costs = [meta.nbytes for meta in model.metas]
+        tensors = (len(model.metas),) * layout.tp
+    buckets = plan_buckets(model.metas, bucket_bytes).num_buckets
+    own, senders = _spread([meta.nbytes for meta in model.metas], costs, trainer_ranks)
+    # sharded: trainer ranks send their own buckets at the same time; else they take turns
+    in_turn = buckets if pattern != "sharded" else -(-max(own) // bucket_bytes)
+    return Traffic(
+        transport=transport,
+        pattern=pattern,
+        total_bytes=total,
+        num_tensors=len(model.metas),
+        num_buckets=buckets,
+        sequential_buckets=max(1, in_turn),
+        share_bytes=share_bytes,
+        receive_bytes=receive,
+        rank_tensors=tensors,
+        rank_copy_bytes=tuple(_copies(transport) * share for share in share_bytes),
+        trainer_own_bytes=own,
+        trainer_send_bytes=senders,
+        pack_bytes=_packed(transport, own, senders),
+        trainer_hash_bytes=max(own) + _checked(transport, max(senders), verify),
+        rank_hash_bytes=_rank_hashes(transport, share_bytes, receive, verify),
+        staging_bytes=tuple(s + _rank_buffers(transport, bucket_bytes) for s in share_bytes),
+        trainer_buffer_bytes=_trainer_buffers(transport, bucket_bytes),
+        replicated_by_default=tuple(unmatched_modules(model.metas)),
+    )
+
+
+def _spread(
+    sizes: list[int], costs: list[int], senders: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each tensor sent by one trainer rank, costliest first to the least loaded (how
+    checkpoint-engine and Perplexity's transfer spread owners): per trainer rank, the bytes of
+    its tensors and the bytes it sends (`costs`: a tensor's bytes over every destination)."""
+    loads = [(0, rank) for rank in range(senders)]
+    own = [0] * senders
+    for cost, size in sorted(zip(costs, sizes, strict=True), reverse=True):
+        load, rank = heapq.heappop(loads)
+        own[rank] += size
+        heapq.heappush(loads, (load + cost, rank))
+    sent = {rank: load for load, rank in loads}
+    return tuple(own), tuple(sent[rank] for rank in range(senders))
+
+
+def _packed(transport: str, own: tuple[int, ...], senders: tuple[int, ...]) -> int:
+    """Bytes a trainer rank packs first: shm slots its tensors, nixl and dist scatter each
+    rank's slices into a send buffer; shm direct's copy is its wire, dist broadcast sends from
+    the trainer's tensors."""
+    if transport == "shm-slots":
+        return max(own)
+    return max(senders) if transport in ("nixl", "dist-scatter") else 0
+
+
+def _copies(transport: str) -> int:
+    """Copies of its share a rank makes: none for direct writes (they land in the parameters),
+    two for `dist` scatter (unpack its packed regions into the bucket, then load), else one."""
+    if transport in ("shm", "nixl"):
+        return 0
+    return 2 if transport == "dist-scatter" else 1
+
+
+def _checked(transport: str, sent: int, verify: bool) -> int:
+    """Bytes the trainer hashes besides the fingerprint: per-rank checks of what it sends
+    (`dist` scatter always, `nixl` as it packs, `shm` direct for verifying ranks)."""
+    if transport in ("dist-scatter", "nixl") or (transport == "shm" and verify):
+        return sent
+    return 0
+
+
+def _rank_hashes(
+    transport: str, shares: tuple[int, ...], received: tuple[int, ...], verify: bool
+) -> tuple[int, ...]:
+    """Bytes each engine rank hashes: `dist` scatter checks what it received (its engines run
+    without verification); verifying ranks re-hash their regions (direct writes) or their part
+    of the tensors (every rank receives all of them; each tensor is checked by one rank)."""
+    if transport == "dist-scatter":
+        return received
+    if not verify:
+        return (0,) * len(shares)
+    if transport in ("shm", "nixl"):
+        return shares
+    return tuple(nbytes // len(received) for nbytes in received)
+
+
+def _rank_buffers(transport: str, bucket_bytes: int) -> int:
+    if transport.startswith("dist"):
+        return DIST_RANK_BUFFERS * bucket_bytes
+    return 0  # direct writes land in the staging copy; slots are the trainer's
+
+
+def _trainer_buffers(transport: str, bucket_bytes: int) -> int:
+    if transport == "shm-slots":
+        return SLOTS * bucket_bytes
+    if transport == "nixl":
+        return NIXL_INFLIGHT * bucket_bytes
+    return 0  # shm direct and dist broadcast send from the trainer's tensors

@@ -1,0 +1,495 @@
+"""`weightbus demo`: RL on a toy task, every step's weights pushed into a live TP engine.
+
+Each step: rollouts through `/v1/completions` (temperature sampling, several samples per
+prompt, logprobs), the engine's logprobs checked against the trainer's for the sampled tokens
+(on-policy sanity), a REINFORCE update with a group baseline on the trainer's `transformers`
+model, a `Publisher.push` of the new weights, and the engine's fingerprint checked against the
+trainer's (the push's answer and `GET /v1/weights`).
+"""
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from weightbus.apps.demo.draft import DraftRun
+from weightbus.apps.demo.rollout import RolloutClient
+from weightbus.apps.demo.task import prompts, render
+from weightbus.apps.demo.trainer import Trainer
+from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.core.publisher import Publisher, PushError
+from weightbus.core.publisher.delta import DELTA_MODES
+from weightbus.core.publisher.probe import LogprobProbe
+from weightbus.core.transport import transport_names
+from weightbus.core.units import format_bytes
+from weightbus.engines.reference.models.config import tiny_config
+
+# Engine (TP, float32) and trainer compute the same logprobs in a different summation order;
+# float32 rounding differences stay far below this, a stale or wrong weight is far above it.
+LOGPROB_TOLERANCE = 1e-3
+TOKEN_ENV = "WEIGHTBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a secret
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "demo", help="RL on a toy task: train, push every step into a live engine, check"
+    )
+    parser.add_argument("--steps", type=int, default=30, help="RL steps (default 30)")
+    parser.add_argument("--tp", type=int, default=2, help="TP size of the started engine")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and sampling")
+    parser.add_argument("--transport", default="shm", choices=transport_names())
+    parser.add_argument(
+        "--engine",
+        default=None,
+        help="`vllm`: start a vLLM server (backend weightbus) instead of `weightbus serve`; "
+        "or the URL of a running `weightbus serve --model tiny` to use",
+    )
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="place the engines with Ray: --replicas replicas of --tp rank actors each, on "
+        "a local Ray instance (needs weightbus[ray])",
+    )
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt (a group)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument(
+        "--delta",
+        default="auto",
+        choices=DELTA_MODES,
+        help="push each step as its changes to the last (auto: when they are at most half the "
+        "bytes; always; never)",
+    )
+    parser.add_argument(
+        "--draft",
+        action="store_true",
+        help="speculative decoding: the engine serves a one-layer draft model that the trainer "
+        "distills on the policy's rollouts and pushes with the policy every step (one version)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=3, help="draft tokens per step with --draft"
+    )
+    parser.add_argument("--json", default=None, help="also write the run's record to this file")
+    parser.set_defaults(handler=run)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    version: str
+    reward: float
+    logprob_gap: float
+    rollout_tokens_per_s: float
+    push_s: float
+    push_bytes: int
+    fingerprint: str
+    fingerprint_matched: bool
+    push_delta: bool = False  # the push carried changes only (`PushResult.delta`)
+    changed_fraction: float | None = None  # of the elements, against the last push
+    # --draft: the engine's acceptance rate over the step's rollouts, and the expected rates
+    # of the draft kept in step and of the draft frozen at step 0 under the updated policy
+    draft_acceptance: float | None = None
+    draft_in_step: float | None = None
+    draft_frozen: float | None = None
+
+
+@dataclass(slots=True)
+class DemoRecord:
+    transport: str
+    tp: int | None
+    steps: list[StepRecord] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "tp", "samples", "max_tokens", "replicas"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.ray and args.engine is not None:
+        raise ValueError("--ray starts its own engines: leave out --engine")
+    if args.samples < 2:
+        raise ValueError("--samples must be >= 2: the baseline is the group's mean")
+    if args.draft and args.num_speculative_tokens < 1:
+        raise ValueError("--num-speculative-tokens must be >= 1")
+    if args.draft and (args.ray or args.engine is not None):
+        raise ValueError("--draft starts its own engine: leave out --engine and --ray")
+    prompts(args.prompts)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check_args(args)
+    except ValueError as exc:
+        print(f"weightbus demo: error: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # the demo prints one line per step; the library's INFO lines would interleave with it
+    for name in ("weightbus.core.publisher", "weightbus.core.transport", "weightbus.apps.ray"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # the engine's ranks need the cores more than the tiny trainer does
+    torch.set_num_threads(1)
+    if args.engine == "vllm":
+        return _run_vllm(args)
+    if args.ray:
+        return _run_ray(args)
+    trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
+    record = DemoRecord(transport=args.transport, tp=None if args.engine else args.tp)
+    draft = _draft_run(args, trainer)
+    with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
+        proc = None
+        url = args.engine
+        if url is None:
+            trainer.save(Path(tmp))
+            extra = _draft_flags(args, draft, Path(tmp) / "draft")
+            print(
+                f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}"
+                + (" --draft-model <draft's HF dir> ..." if extra else "")
+            )
+            proc, url = start_engine(tmp, args.tp, extra=extra)
+        try:
+            client = RolloutClient(url, max_tokens=args.max_tokens, temperature=args.temperature)
+            token = os.environ.get(TOKEN_ENV) or None
+            publisher = Publisher([url], transport=args.transport, token=token, delta=args.delta)
+            _run_steps(
+                args, trainer, client=client, publisher=publisher, record=record,
+                engine_started=proc is not None, draft=draft,
+            )  # fmt: skip
+        finally:
+            if proc is not None:
+                stop_engine(proc)
+    return _finish(record, args)
+
+
+def _draft_run(args: argparse.Namespace, trainer: Trainer) -> DraftRun | None:
+    """With --draft: the draft, distilled on the initial policy's samples."""
+    if not args.draft:
+        return None
+    draft = DraftRun(
+        tiny_config(), seed=args.seed + 1, temperature=args.temperature,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )  # fmt: skip
+    kl = draft.warm_up(trainer.model, prompts(args.prompts), args.max_tokens)
+    print(f"draft: one layer, distilled on the initial policy's samples (KL {kl:.3f})")
+    return draft
+
+
+def _draft_flags(args: argparse.Namespace, draft: DraftRun | None, directory: Path) -> list[str]:
+    """The engine's speculative-decoding flags (the draft saved to `directory`)."""
+    if draft is None:
+        return []
+    draft.trainer.save(directory)
+    return [
+        "--draft-model", str(directory),
+        "--num-speculative-tokens", str(args.num_speculative_tokens),
+    ]  # fmt: skip
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    from weightbus.apps.demo.vllm_engine import VllmRolloutClient, start_vllm, vllm_demo_config
+    from weightbus.engines.vllm.target import VllmEngineTarget
+
+    trainer = Trainer(vllm_demo_config(), seed=args.seed, lr=args.lr)
+    record = DemoRecord(transport=args.transport, tp=args.tp)
+    with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
+        print(f"starting vLLM: api_server --model <trainer's HF dir> --tp {args.tp} "
+              '--weight-transfer-config \'{"backend": "weightbus"}\'')  # fmt: skip
+        server = start_vllm(trainer, Path(tmp), args.tp)
+        try:
+            client = VllmRolloutClient(
+                server.url, str(server.model_dir), max_tokens=args.max_tokens,
+                temperature=args.temperature,
+            )  # fmt: skip
+            publisher = Publisher([VllmEngineTarget(server.url)], transport=args.transport)
+            _run_steps(
+                args, trainer, client=client, publisher=publisher, record=record,
+                engine_started=True,
+            )  # fmt: skip
+        finally:
+            server.stop()
+    return _finish(record, args)
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    import ray
+
+    from weightbus.apps.demo.ray_fleet import OBJECT_STORE_BYTES, FleetRolloutClient
+    from weightbus.apps.ray import RayFleet, RayFleetConfig
+    from weightbus.engines.reference.server.launcher import ServeConfig
+
+    trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
+    record = DemoRecord(transport=f"{args.transport} (Ray)", tp=args.tp)
+    with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
+        trainer.save(Path(tmp))
+        num_cpus = args.replicas * args.tp
+        print(f"starting Ray ({num_cpus} CPUs) and {args.replicas} replica(s) of TP {args.tp}")
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,  # the ranks' logs stay in Ray's session directory
+            object_store_memory=OBJECT_STORE_BYTES,
+            runtime_env={"env_vars": {"WEIGHTBUS_LOG_LEVEL": "WARNING"}},
+        )
+        fleet = None
+        try:
+            config = RayFleetConfig(
+                engine=ServeConfig(model=tmp, tp_size=args.tp), num_replicas=args.replicas
+            )
+            fleet = RayFleet.start(config)
+            for replica in fleet.replicas:
+                bundles = [rank.bundle_index for rank in replica.ranks]
+                print(f"  replica {replica.index}: {replica.url}, ranks on bundles {bundles}")
+            client = FleetRolloutClient(
+                [r.url for r in fleet.replicas], token=fleet.api_token,
+                max_tokens=args.max_tokens, temperature=args.temperature,
+            )  # fmt: skip
+            publisher = fleet.publisher(local=args.transport, delta=args.delta)
+            _run_steps(
+                args, trainer, client=client, publisher=publisher, record=record,
+                engine_started=True,
+            )  # fmt: skip
+        finally:
+            if fleet is not None:
+                fleet.shutdown()
+            ray.shutdown()
+    return _finish(record, args)
+
+
+def _finish(record: DemoRecord, args: argparse.Namespace) -> int:
+    _summarize(record)
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(record), indent=2) + "\n")
+    return 1 if record.failures else 0
+
+
+def _run_steps(
+    args: argparse.Namespace,
+    trainer: Trainer,
+    *,
+    client: RolloutClient,
+    publisher: Publisher,
+    record: DemoRecord,
+    engine_started: bool,
+    draft: DraftRun | None = None,
+) -> None:
+    loop = _Loop(
+        args=args,
+        run_id=secrets.token_hex(3),
+        trainer=trainer,
+        client=client,
+        publisher=publisher,
+        record=record,
+        draft=draft,
+    )
+    try:
+        version = loop.initial_version(engine_started)
+        for step in range(1, args.steps + 1):
+            version = loop.step(step, version)
+    except (PushError, httpx.HTTPError, DemoCheckError) as exc:
+        record.failures.append(str(exc))
+        print(f"FAILED: {exc}")
+    finally:
+        loop.publisher.close()
+        loop.client.close()
+
+
+class DemoCheckError(RuntimeError):
+    """A check of the demo failed (the message says which)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class _Loop:
+    """The RL loop's parts: rollouts from the engine, updates on the trainer, pushes."""
+
+    args: argparse.Namespace
+    run_id: str
+    trainer: Trainer
+    client: RolloutClient
+    publisher: Publisher
+    record: DemoRecord
+    draft: DraftRun | None = None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What each push carries: the policy, and with --draft the draft under `draft.`."""
+        weights = dict(self.trainer.model.state_dict())
+        if self.draft is not None:
+            weights.update(self.draft.trainer.weights())
+        return weights
+
+    def initial_version(self, engine_started: bool) -> str:
+        """The version serving the trainer's initial weights: the started engine's, or a push."""
+        expected = self.publisher.fingerprint(self.weights())
+        if not engine_started:
+            self.publisher.push(self.weights(), version=f"demo-{self.run_id}-init")
+        state = self.client.weights()
+        if state["fingerprint"] is None:  # vLLM: step 1's logprob check proves the policy
+            print(f"engine {state['version']!r} serves the trainer's checkpoint")
+            return state["version"]
+        if state["fingerprint"] != expected:
+            raise DemoCheckError(
+                f"engine serves fingerprint {state['fingerprint']}, the trainer holds {expected}"
+            )
+        print(f"engine {state['version']!r} serves the trainer's weights (fingerprint {expected})")
+        if self.args.delta != "never":  # step 1 may be a delta on what the engine serves
+            self.publisher.set_delta_base(self.weights(), version=state["version"])
+        return state["version"]
+
+    def _probe(self) -> LogprobProbe | None:
+        """Engines that cannot report a fingerprint (vLLM) must reproduce the trainer's
+        logprobs on a fixed sequence after each push."""
+        if all(target.reports_fingerprint for target in self.publisher.targets):
+            return None
+        model = self.trainer.model.eval()
+        try:
+            return LogprobProbe.of_model(model, _probe_ids(self.args), LOGPROB_TOLERANCE)
+        finally:
+            model.train()
+
+    def step(self, step: int, version: str) -> str:
+        """Rollouts under `version`, one update, one push; returns the pushed version."""
+        args = self.args
+        # rollouts
+        tick = time.perf_counter()
+        seed = args.seed * 10**6 + step * args.prompts * args.samples
+        drafted = self.client.draft_tokens() if self.draft is not None else None
+        rollouts = self.client.sample(prompts(args.prompts), args.samples, seed=seed)
+        rollout_s = time.perf_counter() - tick
+        acceptance = None if drafted is None else self.client.acceptance_since(drafted)
+        stale = {r.weight_version for r in rollouts} - {version}
+        if stale:
+            raise DemoCheckError(
+                f"step {step}: rollouts from versions {stale}, expected {version!r}"
+            )
+        # update (the on-policy check comes first, inside `Trainer.step`)
+        reward, gap = self.trainer.step(rollouts, args.samples)
+        if gap > LOGPROB_TOLERANCE:
+            raise DemoCheckError(
+                f"step {step}: engine and trainer logprobs differ by {gap:.2e} "
+                f"(> {LOGPROB_TOLERANCE:g}): the engine is not serving the trainer's policy"
+            )
+        draft = (
+            None if self.draft is None else self.draft.after_update(self.trainer.model, rollouts)
+        )
+        # push
+        new_version = f"demo-{self.run_id}-step-{step}"
+        weights = self.weights()
+        result = self.publisher.push(weights, version=new_version, probe=self._probe())
+        state = self.client.weights()
+        matched = (
+            result.fingerprint == self.publisher.fingerprint(weights)
+            and state["version"] == new_version
+            and state["fingerprint"] in (result.fingerprint, None)  # None: vLLM (probed)
+            and (draft is None or state["draft"]["version"] == new_version)
+        )
+        entry = StepRecord(
+            step=step,
+            version=new_version,
+            reward=reward,
+            logprob_gap=gap,
+            rollout_tokens_per_s=sum(len(r.token_ids) for r in rollouts) / rollout_s,
+            push_s=result.seconds,
+            push_bytes=result.nbytes,
+            fingerprint=result.fingerprint,
+            fingerprint_matched=matched,
+            push_delta=result.delta is not None and result.delta.sent,
+            changed_fraction=None if result.delta is None else result.delta.changed_fraction,
+            draft_acceptance=acceptance,
+            draft_in_step=None if draft is None else draft.in_step,
+            draft_frozen=None if draft is None else draft.frozen,
+        )
+        self.record.steps.append(entry)
+        _print_step(entry, args.steps, render(rollouts[0].token_ids))
+        if not matched:
+            raise DemoCheckError(
+                f"step {step}: engine serves {state['version']!r} with fingerprint "
+                f"{state['fingerprint']}, the trainer pushed {new_version!r} {result.fingerprint}"
+            )
+        return new_version
+
+
+def _probe_ids(args: argparse.Namespace) -> list[int]:
+    return [*prompts(1)[0], *range(ord("0"), ord("0") + args.max_tokens)]
+
+
+def _print_step(entry: StepRecord, num_steps: int, sample: str) -> None:
+    print(
+        f"step {entry.step:>3}/{num_steps}  reward {entry.reward:.3f}  "
+        f"push {entry.push_s:.3f} s {_push_kind(entry)}  version {entry.version}  "
+        f"fingerprint {'ok' if entry.fingerprint_matched else 'MISMATCH'}  "
+        f"rollout {entry.rollout_tokens_per_s:.0f} tok/s  "
+        f"logprob gap {entry.logprob_gap:.1e}  {_draft_text(entry)}sample {sample!r}",
+        flush=True,
+    )
+
+
+def _draft_text(entry: StepRecord) -> str:
+    """With --draft: the engine's acceptance rate, and the expected rates of both drafts."""
+    if entry.draft_in_step is None:
+        return ""
+    measured = "-" if entry.draft_acceptance is None else f"{entry.draft_acceptance:.2f}"
+    return (
+        f"accepted {measured} (expected: in step {entry.draft_in_step:.2f}, "
+        f"frozen {entry.draft_frozen:.2f})  "
+    )
+
+
+def _push_kind(entry: StepRecord) -> str:
+    """`delta` or `whole`, with the changed share of the elements when they were compared."""
+    kind = "delta" if entry.push_delta else "whole"
+    changed = entry.changed_fraction
+    return kind if changed is None else f"{kind} ({changed:.1%} changed)"
+
+
+def _summarize(record: DemoRecord) -> None:
+    steps = record.steps
+    print("\nsummary")
+    if steps:
+        matched = sum(s.fingerprint_matched for s in steps)
+        push_s = statistics.median(s.push_s for s in steps)
+        print(
+            f"  reward:         {steps[0].reward:.3f} (step 1) -> {steps[-1].reward:.3f} "
+            f"(step {steps[-1].step})"
+        )
+        every = max(1, len(steps) // 10)
+        curve = " ".join(f"{s.reward:.2f}" for s in steps[::every])
+        print(f"  reward curve:   {curve} (every {every} step(s))")
+        print(
+            f"  pushes:         {len(steps)} over {record.transport}, "
+            f"median {format_bytes(statistics.median(s.push_bytes for s in steps))} and "
+            f"{push_s:.3f} s each"
+        )
+        deltas = sum(s.push_delta for s in steps)
+        print(f"  deltas:         {deltas}/{len(steps)} pushes sent as changes to the last one")
+        print(f"  fingerprints:   {matched}/{len(steps)} matched the trainer's")
+        _summarize_draft(steps)
+        print(
+            f"  logprob gap:    max {max(s.logprob_gap for s in steps):.1e} "
+            f"(tolerance {LOGPROB_TOLERANCE:g})"
+        )
+    print(f"  result:         {'FAILED: ' + record.failures[0] if record.failures else 'ok'}")
+
+
+def _summarize_draft(steps: list[StepRecord]) -> None:
+    drafted = [s for s in steps if s.draft_in_step is not None]
+    if not drafted:
+        return
+    measured = [s.draft_acceptance for s in drafted if s.draft_acceptance is not None]
+    engine = f"{statistics.mean(measured):.2f}" if measured else "-"
+    last = drafted[-1]
+    print(
+        f"  draft:          accepted {engine} of the draft tokens (engine, mean over steps); "
+        f"expected at step {last.step}: {last.draft_in_step:.2f} kept in step, "
+        f"{last.draft_frozen:.2f} frozen at step 0"
+    )

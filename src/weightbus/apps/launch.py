@@ -1,0 +1,48 @@
+"""The engine launcher the apps share: `weightbus serve` in a child process, stopped cleanly.
+
+`weightbus demo`, every `weightbus bench` and the tests start their reference engines here, so
+no app reaches into another for it.
+"""
+
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+
+def start_engine(
+    model: str, tp: int, timeout_s: float = 300.0, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen, str]:
+    """Start `weightbus serve --port 0` (quiet) and return the process and its URL.
+
+    Raises:
+        RuntimeError: the server did not print its URL within `timeout_s`.
+    """
+    cmd = [sys.executable, "-m", "weightbus", "--log-level", "WARNING", "serve", "--port", "0"]
+    cmd.append("--exit-with-parent")  # a killed bench (OOM, Ctrl-C twice) leaves no engine
+    proc = subprocess.Popen(  # noqa: S603 - argv is this interpreter and our own command
+        [*cmd, "--model", model, "--tp", str(tp), *extra], stdout=subprocess.PIPE
+    )
+    deadline = time.monotonic() + timeout_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        if not select.select([proc.stdout], [], [], remaining)[0]:
+            break
+        line = proc.stdout.readline().decode()
+        if not line:
+            break
+        if "serving on " in line:
+            return proc, line.split("serving on ", 1)[1].strip()
+    stop_engine(proc)
+    raise RuntimeError(f"weightbus serve --tp {tp} did not start")
+
+
+def stop_engine(proc: subprocess.Popen) -> None:
+    """SIGTERM the server, then kill it if it has not exited within 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -1,0 +1,72 @@
+"""`weightbus push`: push a Hugging Face checkpoint directory into running engines."""
+
+import argparse
+import json
+import os
+import sys
+
+from weightbus.core.units import byte_size_arg
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("push", help="push a Hugging Face directory into engines")
+    parser.add_argument(
+        "--engine", action="append", required=True, help="engine URL (repeat for several)"
+    )
+    parser.add_argument("--from", dest="model_dir", required=True, help="HF checkpoint directory")
+    parser.add_argument("--version", required=True, help="name of the new version")
+    parser.add_argument("--step", type=int, default=None, help="optional increasing step")
+    parser.add_argument("--transport", default="disk")
+    parser.add_argument("--pause-mode", default="drain", choices=["drain", "in_place", "abort"])
+    parser.add_argument("--no-atomic", dest="atomic", action="store_false")
+    parser.add_argument("--verify", default="full", choices=["full", "none"])
+    parser.add_argument("--force", action="store_true", help="re-push the current version")
+    parser.add_argument("--dtype", default=None, help="convert tensors to this dtype first")
+    parser.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument(
+        "--token", default=os.environ.get("WEIGHTBUS_API_TOKEN"), help="engines' admin token"
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from weightbus.core.checkpoint import iter_safetensors
+    from weightbus.core.meta import dtype_from_name
+    from weightbus.core.publisher import Publisher, PushError
+
+    try:
+        weights = list(iter_safetensors(args.model_dir))
+        if args.dtype is not None:
+            dtype: torch.dtype = dtype_from_name(args.dtype)
+            weights = [(name, tensor.to(dtype)) for name, tensor in weights]
+        with Publisher(
+            args.engine,
+            transport=args.transport,
+            bucket_bytes=args.bucket_bytes,
+            token=args.token,
+            timeout_s=args.timeout_s,
+        ) as publisher:
+            result = publisher.push(
+                weights,
+                version=args.version,
+                step=args.step,
+                pause_mode=args.pause_mode,
+                atomic=args.atomic,
+                verify=args.verify,
+                force=args.force,
+            )
+    except (PushError, ValueError, OSError) as exc:
+        print(f"weightbus push: error: {exc}", file=sys.stderr)
+        return 1
+    summary = {
+        "version": result.version,
+        "fingerprint": result.fingerprint,
+        "bytes": result.nbytes,
+        "seconds": round(result.seconds, 4),
+        "engines": [engine.url for engine in result.engines],
+    }
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,21 @@
+"""Engine targets: the engines a Publisher pushes to (`base.EngineTarget`), one module each."""
+
+from weightbus.core.publisher.targets.base import (
+    EngineResult,
+    EngineTarget,
+    EngineWeights,
+    RollbackOrder,
+    UpdateOrder,
+)
+from weightbus.core.publisher.targets.http import HttpEngineTarget
+from weightbus.core.transport.base import EngineRequestError
+
+__all__ = [
+    "EngineRequestError",
+    "EngineResult",
+    "EngineTarget",
+    "EngineWeights",
+    "HttpEngineTarget",
+    "RollbackOrder",
+    "UpdateOrder",
+]

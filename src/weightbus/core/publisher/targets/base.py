@@ -1,0 +1,211 @@
+"""The engine-target seam: what the Publisher needs of "an engine I can push to".
+
+A target is narrow on purpose (as checkpoint-engine reaches its engine through one callback):
+it takes one update order and blocks until the engine committed it or refused, reads back the
+version the engine serves, and relays a transport's set-up to its ranks. How the engine pauses
+is part of the order (`pause_mode`); how it stages, loads and commits is the target's business.
+The reference engine's HTTP API (`http.py`) is one implementation; another engine is one new
+module implementing `EngineTarget`.
+
+Targets that can stage a version and swap it in on a later word (`supports_two_phase`) take
+part in fleet-wide two-phase pushes and rollbacks: `update` with `order.two_phase` returns once
+the engine staged and verified the version (`EngineResult.staged`), then `commit` or `abort`.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import msgspec
+
+from weightbus.core.publisher.probe import LogprobProbe
+from weightbus.core.transport import SourceDescription
+from weightbus.core.transport.base import EngineRequestError
+from weightbus.core.wire import PauseMode, VerifyLevel
+from weightbus.core.wire.delta import DeltaSpec
+from weightbus.core.wire.messages import SliceSpec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateOrder:
+    """One engine's part of a push: receive `version` from the transport session `source`.
+
+    Attributes:
+        transport: the registered transport's name.
+        source: the description this engine's ranks open (typed; `encode_description` gives
+            its JSON form).
+        plan_hash: the plan every rank must recompute from the stream's header.
+        verify: `full` checks every digest on the ranks; `none` only the fingerprint.
+        timeout_s: bound of the update on the engine.
+        probe: logprobs the engine must reproduce once it serves the version (targets with
+            `scores_probes` only).
+        two_phase: stage and verify only; the engine swaps on `commit` (atomic orders, targets
+            with `supports_two_phase` only).
+        delta: the stream carries changes to the version the engine serves (targets whose
+            `slice_maps` is not None only).
+        keep_draft: the push carries no draft model (`draft.` tensors): an engine serving
+            one keeps it (else it refuses such a push).
+        carries_draft: the push carries a draft model's tensors (`draft.` names), set by the
+            Publisher from the session's tensor names.
+    """
+
+    version: str
+    step: int | None
+    transport: str
+    source: SourceDescription
+    plan_hash: str
+    pause_mode: PauseMode
+    atomic: bool
+    verify: VerifyLevel
+    force: bool
+    timeout_s: float
+    probe: LogprobProbe | None = None
+    two_phase: bool = False
+    delta: DeltaSpec | None = None
+    keep_draft: bool = False
+    carries_draft: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RollbackOrder:
+    """Swap every engine back to the previous version it holds, expected to be `version` with
+    `fingerprint`; two-phase like a push when `two_phase`."""
+
+    version: str
+    fingerprint: str | None
+    pause_mode: PauseMode
+    two_phase: bool
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """What one engine reported after committing (`fingerprint` is None from targets that
+    cannot report it: their ranks verified the pushed fingerprint instead), or with `staged`
+    after staging a two-phase update.
+
+    `rank_nbytes[r]`: the bytes that reached TP rank r through the transport in this push, as
+    its source counted them (`ReceivedBatch.nbytes`); empty from targets that do not report
+    them.
+    """
+
+    url: str
+    version: str
+    fingerprint: str | None
+    nbytes: int
+    seconds: float
+    phases: dict[str, float]
+    staged: bool = False
+    rank_nbytes: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineWeights:
+    """The version an engine serves, read back from it."""
+
+    url: str
+    version: str
+    fingerprint: str | None
+    status: str
+    step: int | None = None
+    history: list[dict] = field(default_factory=list)
+    rollback: dict | None = None  # the previous version held for a rollback (its history item)
+    rollback_unavailable: str = ""  # why there is none
+    draft: dict | None = None  # the draft model served: `{"version", "fingerprint"}`
+
+
+class EngineTarget(ABC):
+    """An engine the Publisher pushes to. Every method is called from the Publisher's threads,
+    at most one `update` at a time per target; each blocks for at most its `timeout_s`.
+
+    Attributes:
+        url: names the engine in results and errors.
+        reports_fingerprint: `update` returns the fingerprint the engine committed; when False
+            its ranks refuse any session whose fingerprint does not verify, and the Publisher
+            records the pushed one.
+        scores_probes: `update` checks an order's `probe` (`LogprobProbe`).
+        supports_two_phase: `update` honours `order.two_phase`, and `commit`, `abort` and
+            `rollback` work.
+    """
+
+    url: str
+    reports_fingerprint: bool = True
+    scores_probes: bool = False
+    supports_two_phase: bool = False
+
+    @abstractmethod
+    def update(self, order: UpdateOrder) -> EngineResult:
+        """Ask the engine to receive `order` and block until it committed.
+
+        Raises:
+            EngineRequestError: the engine refused, failed or did not answer (the reason).
+        """
+
+    @abstractmethod
+    def weights(self, timeout_s: float) -> EngineWeights:
+        """The version, fingerprint and status the engine serves now.
+
+        Raises:
+            EngineRequestError: the engine did not answer.
+        """
+
+    @abstractmethod
+    def tp_size(self, timeout_s: float) -> int:
+        """The engine's number of ranks (a transport's set-up sizes its group with it).
+
+        Raises:
+            EngineRequestError: the engine did not answer.
+        """
+
+    def slice_maps(self, timeout_s: float) -> list[list[SliceSpec]] | None:
+        """Each rank's slice of every tensor, in rank order; None (the default) when the
+        engine cannot apply a delta push.
+
+        Raises:
+            EngineRequestError: the engine did not answer.
+        """
+        return None
+
+    def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Have every rank run transport `transport`'s set-up (`info` is its request).
+
+        Raises:
+            EngineRequestError: the engine refused or failed; by default it has no set-up for
+                any transport.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot set up transport {transport!r}")
+
+    def teardown_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Undo `setup_transport` on every rank.
+
+        Raises:
+            EngineRequestError: the engine refused or failed.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot set up transport {transport!r}")
+
+    def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
+        """Swap in the two-phase update (or rollback) of `version` the engine holds staged.
+
+        Raises:
+            EngineRequestError: nothing of that version is staged, or the engine did not answer.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot commit a two-phase update")
+
+    def abort(self, version: str, reason: str, timeout_s: float) -> None:
+        """Discard the two-phase update of `version` (staged or still receiving).
+
+        Raises:
+            EngineRequestError: nothing of that version is pending, or no answer.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot abort a two-phase update")
+
+    def rollback(self, order: RollbackOrder) -> EngineResult:
+        """Swap back to the previous version (staged with `order.two_phase`).
+
+        Raises:
+            EngineRequestError: the engine holds no such previous version (its reason), or it
+                did not answer.
+        """
+        raise EngineRequestError(f"{type(self).__name__} cannot roll back")
+
+    def close(self) -> None:  # noqa: B027 (optional hook: most targets hold nothing)
+        """Free what the target holds (connections)."""

@@ -1,0 +1,185 @@
+"""An engine that speaks weightbus's HTTP control plane: the reference engine (`weightbus serve`),
+in the conventions of SGLang's `/v1/update_weights` and `/v1/init_weights_group`."""
+
+import httpx
+import msgspec
+
+from weightbus.core.publisher.targets.base import (
+    EngineResult,
+    EngineTarget,
+    EngineWeights,
+    RollbackOrder,
+    UpdateOrder,
+)
+from weightbus.core.transport import encode_description
+from weightbus.core.transport.base import EngineRequestError
+from weightbus.core.wire.messages import SliceSpec
+
+# Margin on top of an update's own timeout for the HTTP answer to travel back.
+HTTP_MARGIN_S = 10.0
+# What each transport's set-up and tear-down is called on this API (SGLang's names).
+_SETUP_ROUTES = {"dist": ("/v1/init_weights_group", "/v1/destroy_weights_group")}
+# The field that tags a set-up request's kind (`WeightsGroupRequest`): the route carries it.
+SETUP_TAG_FIELD = "action"
+
+
+def error_reason(response: httpx.Response) -> str:
+    """`HTTP <status>: <message>` of an error answer, with the offending tensors if named."""
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:500]}"
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else body
+    names = body.get("names") if isinstance(body, dict) else None
+    suffix = f" (tensors: {names})" if names else ""
+    return f"HTTP {response.status_code}: {message}{suffix}"
+
+
+def request_json(
+    http: httpx.Client,
+    method: str,
+    url: str,
+    path: str,
+    timeout_s: float,
+    *,
+    name_path: bool = False,
+    **kwargs: object,
+) -> dict:
+    """One request whose answer must be 200; its JSON body (`{}` when empty).
+
+    Raises:
+        EngineRequestError: no answer, or another status (`error_reason`; prefixed with the
+            path when `name_path`, for APIs where one update takes several calls).
+    """
+    prefix = f"{path}: " if name_path else ""
+    try:
+        response = http.request(method, f"{url}{path}", timeout=timeout_s, **kwargs)
+    except httpx.HTTPError as exc:
+        raise EngineRequestError(f"{prefix}{type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise EngineRequestError(f"{prefix}{error_reason(response)}")
+    return response.json() if response.content else {}
+
+
+class HttpEngineTarget(EngineTarget):
+    """An engine reached at `url` over weightbus's HTTP API.
+
+    Args:
+        url: the engine's base URL.
+        token: bearer token of the admin routes, if the engine requires one.
+        client: an HTTP client to share between targets (the target then does not close it).
+    """
+
+    supports_two_phase = True
+
+    def __init__(
+        self, url: str, *, token: str | None = None, client: httpx.Client | None = None
+    ) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._owns_client = client is None
+        self._http = client if client is not None else httpx.Client(headers=headers)
+
+    def _request(self, method: str, path: str, timeout_s: float, **kwargs: object) -> dict:
+        return request_json(self._http, method, self.url, path, timeout_s, **kwargs)
+
+    def update(self, order: UpdateOrder) -> EngineResult:
+        body = {
+            "version": order.version,
+            "step": order.step,
+            "transport": order.transport,
+            "source": encode_description(order.source),
+            "plan_hash": order.plan_hash,
+            "timeout_s": order.timeout_s,
+            "pause_mode": order.pause_mode,
+            "atomic": order.atomic,
+            "verify": order.verify,
+            "force": order.force,
+            "two_phase": order.two_phase,
+            "delta": None if order.delta is None else msgspec.to_builtins(order.delta),
+            "keep_draft": order.keep_draft,
+        }
+        answer = self._request(
+            "POST", "/v1/update_weights", order.timeout_s + HTTP_MARGIN_S, json=body
+        )
+        return self._result(answer)
+
+    def _result(self, answer: dict) -> EngineResult:
+        return EngineResult(
+            url=self.url,
+            version=answer["version"],
+            fingerprint=answer.get("fingerprint"),
+            nbytes=answer.get("bytes", 0),
+            seconds=answer.get("seconds", 0.0),
+            phases=answer.get("phases", {}),
+            staged=answer.get("staged", False),
+            rank_nbytes=answer.get("rank_bytes", []),
+        )
+
+    def slice_maps(self, timeout_s: float) -> list[list[SliceSpec]] | None:
+        answer = self._request("GET", "/v1/weights/layout", timeout_s)
+        try:
+            return msgspec.convert(answer["ranks"], list[list[SliceSpec]])
+        except (KeyError, TypeError, msgspec.ValidationError) as exc:
+            raise EngineRequestError(f"{self.url}: unreadable slice maps: {exc}") from None
+
+    def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
+        body = {"version": version, "fingerprint": fingerprint, "timeout_s": timeout_s}
+        answer = self._request("POST", "/v1/commit_weights", timeout_s + HTTP_MARGIN_S, json=body)
+        return self._result(answer)
+
+    def abort(self, version: str, reason: str, timeout_s: float) -> None:
+        body = {"version": version, "reason": reason[:1000]}
+        self._request("POST", "/v1/abort_weights", timeout_s, json=body)
+
+    def rollback(self, order: RollbackOrder) -> EngineResult:
+        body = {
+            "version": order.version,
+            "fingerprint": order.fingerprint,
+            "pause_mode": order.pause_mode,
+            "two_phase": order.two_phase,
+            "timeout_s": order.timeout_s,
+        }
+        answer = self._request(
+            "POST", "/v1/rollback_weights", order.timeout_s + HTTP_MARGIN_S, json=body
+        )
+        return self._result(answer)
+
+    def weights(self, timeout_s: float) -> EngineWeights:
+        answer = self._request("GET", "/v1/weights", timeout_s)
+        return EngineWeights(
+            url=self.url,
+            version=answer["version"],
+            fingerprint=answer["fingerprint"],
+            status=answer["status"],
+            step=answer.get("step"),
+            history=answer.get("history", []),
+            rollback=answer.get("rollback"),
+            rollback_unavailable=answer.get("rollback_unavailable", ""),
+            draft=answer.get("draft"),
+        )
+
+    def tp_size(self, timeout_s: float) -> int:
+        return self._request("GET", "/v1/server_info", timeout_s)["tp_size"]
+
+    def _setup_route(self, transport: str, index: int) -> str:
+        routes = _SETUP_ROUTES.get(transport)
+        if routes is None:
+            raise EngineRequestError(f"the engine's HTTP API has no set-up for {transport!r}")
+        return routes[index]
+
+    def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        self._post_setup(self._setup_route(transport, 0), info, timeout_s)
+
+    def teardown_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        self._post_setup(self._setup_route(transport, 1), info, timeout_s)
+
+    def _post_setup(self, path: str, info: msgspec.Struct, timeout_s: float) -> None:
+        body = msgspec.to_builtins(info)
+        body.pop(SETUP_TAG_FIELD, None)  # the route says which action it is
+        self._request("POST", path, timeout_s, json=body)
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._http.close()

@@ -1,0 +1,281 @@
+"""Transports: a registry of sinks (publisher side), sources (engine side) and the typed
+description that travels between them, by name.
+
+A transport is one module (or subpackage) plus one line in `_REGISTRY`. Its parts are named
+`"module:attribute"` and imported only when used, so heavy dependencies (torch.distributed,
+NIXL) load only for the transports a user picks, and the HTTP edge decodes a description
+without importing the transport's data path.
+
+A transport that lives in another package registers through the `weightbus.transports` entry
+point group (name -> a `TransportEntry`), so every process that looks it up finds it: the
+publisher, the engine's API server and every rank. `register_transport` adds one in this
+process only (tests, notebooks).
+"""
+
+import importlib
+import logging
+import re
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+import msgspec
+
+from weightbus.core.transport.base import (
+    BucketSink,
+    BucketSource,
+    PushSession,
+    ReceivedBatch,
+    SourceDescription,
+)
+from weightbus.core.transport.parts.arena import DirectPlacement, ParamArena, direct_placement
+from weightbus.core.transport.parts.shared_memory import remove_stale_slots
+from weightbus.core.wire import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TransportEntry:
+    """Where the parts of one transport live, each as `"module:attribute"`.
+
+    Attributes:
+        sink: the `BucketSink` class (publisher side).
+        source: the `BucketSource` class (engine rank side).
+        description: the `SourceDescription` struct the sink returns and sources open.
+        direct: sources accept a `DirectPlacement` (ranks' parameters in shared memory).
+        rank_setup: a function `(request, *, tp_rank, tp_size, slices) -> None` every engine
+            rank runs when the publisher sets the transport up (`Publisher.setup_transport`),
+            or None when it needs none.
+        setup_request: the type of that function's `request` (a struct or a union of them).
+    """
+
+    sink: str
+    source: str
+    description: str
+    direct: bool = False
+    rank_setup: str | None = None
+    setup_request: str | None = None
+
+
+_REGISTRY: dict[str, TransportEntry] = {
+    "disk": TransportEntry(
+        sink="weightbus.core.transport.disk:DiskSink",
+        source="weightbus.core.transport.disk:DiskSource",
+        description="weightbus.core.transport.disk:DiskDescription",
+    ),
+    "dist": TransportEntry(
+        sink="weightbus.core.transport.distributed.sink:DistSink",
+        source="weightbus.core.transport.distributed.source:DistSource",
+        description="weightbus.core.transport.distributed.messages:DistDescription",
+        rank_setup="weightbus.core.transport.distributed.setup:apply_rank_setup",
+        setup_request="weightbus.core.transport.distributed.messages:WeightsGroupRequest",
+    ),
+    "hf_dir": TransportEntry(
+        sink="weightbus.core.transport.hf_dir:HfDirSink",
+        source="weightbus.core.transport.hf_dir:HfDirSource",
+        description="weightbus.core.transport.hf_dir:HfDirDescription",
+    ),
+    "nixl": TransportEntry(
+        sink="weightbus.core.transport.nixl.sink:NixlSink",
+        source="weightbus.core.transport.nixl.source:NixlSource",
+        description="weightbus.core.transport.nixl.messages:NixlDescription",
+        direct=True,
+    ),
+    "shm": TransportEntry(
+        sink="weightbus.core.transport.shm.sink:ShmSink",
+        source="weightbus.core.transport.shm.source:ShmSource",
+        description="weightbus.core.transport.shm.description:ShmDescription",
+        direct=True,
+    ),
+}
+
+ENTRY_POINT_GROUP = "weightbus.transports"
+_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_plugins_lock = threading.Lock()
+_plugins_loaded = False
+
+
+def register_transport(name: str, entry: TransportEntry) -> None:
+    """Add transport `name` to this process's registry.
+
+    Raises:
+        ValueError: the name is taken, or not 1-32 of `[a-z0-9_]` starting with a letter.
+    """
+    if not _NAME_PATTERN.match(name):
+        raise ValueError(f"transport name {name!r}: use 1-32 of [a-z0-9_], starting with a letter")
+    if name in _REGISTRY:
+        raise ValueError(f"transport {name!r} is already registered")
+    _REGISTRY[name] = entry
+
+
+def _load_plugins() -> None:
+    """Register the `weightbus.transports` entry points once (each names a `TransportEntry`)."""
+    global _plugins_loaded  # noqa: PLW0603 - a process-wide, load-once registry
+    if _plugins_loaded:  # the common case: no lock once loaded
+        return
+    with _plugins_lock:
+        if _plugins_loaded:
+            return
+        _plugins_loaded = True
+        for point in entry_points(group=ENTRY_POINT_GROUP):
+            # a broken plugin must not take the built-in transports down with it
+            try:
+                entry = point.load()
+                if not isinstance(entry, TransportEntry):
+                    raise TypeError(f"{point.value} is a {type(entry).__name__}")  # noqa: TRY301
+                register_transport(point.name, entry)
+            except (ImportError, AttributeError, TypeError, ValueError) as exc:
+                logger.warning("transport plugin %r not registered: %s", point.name, exc)
+
+
+def transport_names() -> list[str]:
+    """Names of the registered transports (CLI and API choices come from here)."""
+    _load_plugins()
+    return sorted(_REGISTRY)
+
+
+def _entry(name: str) -> TransportEntry:
+    _load_plugins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown transport {name!r}; available: {', '.join(transport_names())}"
+        ) from None
+
+
+def _load(path: str) -> Any:
+    module, attribute = path.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def make_sink(name: str, **options: Any) -> BucketSink:
+    """A publisher-side sink of transport `name`, built with the sink's keyword `options`.
+
+    Raises:
+        ValueError: unknown transport, or options the sink refuses.
+    """
+    return _load(_entry(name).sink)(**options)
+
+
+def has_setup(name: str) -> bool:
+    """Whether transport `name` is set up across engines before pushing (`dist`).
+
+    Raises:
+        ValueError: unknown transport.
+    """
+    return _entry(name).rank_setup is not None
+
+
+def description_type(name: str) -> type[SourceDescription]:
+    """The description struct of transport `name`."""
+    return _load(_entry(name).description)
+
+
+def decode_description(name: str, raw: Mapping[str, Any]) -> SourceDescription:
+    """The typed description of transport `name` from its JSON/msgpack form.
+
+    This is the one place a description is parsed: the engine's HTTP edge (an error is a 422)
+    and every rank (an error fails the update) both call it.
+
+    Raises:
+        ValueError: unknown transport.
+        ProtocolError: a field is missing, unknown, of another type or out of range (the
+            message names it as `source.<field>`).
+    """
+    return _convert(raw, description_type(name), f"{name} source", "source")
+
+
+def _convert(raw: Mapping[str, Any], struct: Any, what: str, root: str) -> Any:
+    try:
+        return msgspec.convert(raw, type=struct)
+    except msgspec.ValidationError as exc:
+        message = str(exc).replace("`$", f"`{root}")
+        raise ProtocolError(f"{what}: {message}") from None
+
+
+def encode_description(description: SourceDescription) -> dict[str, Any]:
+    """The JSON/msgpack form of a description (what `decode_description` reads back)."""
+    return msgspec.to_builtins(description)
+
+
+def open_source(
+    name: str,
+    description: SourceDescription | Mapping[str, Any],
+    *,
+    rank: int = 0,
+    tp_size: int = 1,
+    direct: DirectPlacement | None = None,
+) -> BucketSource:
+    """An engine-side source of transport `name` for the session `description` names.
+
+    Args:
+        description: the typed description, or its JSON/msgpack form (decoded here).
+        direct: this rank's `DirectPlacement` (parameters in shared memory) to offer;
+            ignored by transports that cannot use it.
+
+    Raises:
+        ValueError: unknown transport or invalid description (`ProtocolError`).
+    """
+    entry = _entry(name)
+    if not isinstance(description, SourceDescription):
+        description = decode_description(name, description)
+    source_class = _load(entry.source)
+    if direct is not None and entry.direct:
+        return source_class(description, rank=rank, tp_size=tp_size, direct=direct)
+    return source_class(description, rank=rank, tp_size=tp_size)
+
+
+def _setup_entry(name: str) -> TransportEntry:
+    entry = _entry(name)
+    if entry.rank_setup is None or entry.setup_request is None:
+        raise ValueError(f"transport {name!r} needs no set-up on engine ranks")
+    return entry
+
+
+def rank_setup(name: str) -> Any:
+    """The engine-rank set-up function of transport `name`.
+
+    Raises:
+        ValueError: unknown transport, or one that needs no set-up on the ranks.
+    """
+    return _load(_setup_entry(name).rank_setup)
+
+
+def decode_setup_request(name: str, raw: Mapping[str, Any]) -> Any:
+    """The typed set-up request of transport `name` from its JSON/msgpack form.
+
+    Raises:
+        ValueError: unknown transport, or one that needs no set-up on the ranks.
+        ProtocolError: a field is missing, unknown, of another type or out of range.
+    """
+    request_type = _load(_setup_entry(name).setup_request)
+    return _convert(raw, request_type, f"{name} set-up", "request")
+
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BucketSink",
+    "BucketSource",
+    "DirectPlacement",
+    "ParamArena",
+    "PushSession",
+    "ReceivedBatch",
+    "SourceDescription",
+    "TransportEntry",
+    "decode_description",
+    "decode_setup_request",
+    "description_type",
+    "direct_placement",
+    "encode_description",
+    "has_setup",
+    "make_sink",
+    "open_source",
+    "rank_setup",
+    "register_transport",
+    "remove_stale_slots",
+    "transport_names",
+]

@@ -1,0 +1,340 @@
+"""The transport seam: a `BucketSink` on the publisher side, a `BucketSource` on each rank.
+
+A push session runs in three phases on the publisher:
+
+1. `sink.prepare(session, tensors)` makes the session readable (the disk sink writes every shard
+   and the manifest; streaming sinks set up their buffers) and returns the typed
+   `SourceDescription` the engines need to open it (`sink.for_engine` adapts it to each one);
+2. the publisher asks every engine to update from that description;
+3. `sink.stream(session, tensors)` sends what is not sent yet (nothing for disk).
+
+Each engine rank opens the description with `open_source` and reads, in order: `begin()` (the
+`UpdateBegin` header), `batches()` (tensors with their digests; each batch's views stay valid
+until its `release()`), then `end()` (the publisher's `UpdateEnd` with its fingerprint).
+Transports never parse model names; planning never touches sockets.
+
+A transport that needs set-up across engines before its first push (the `dist` weights group)
+does it in `sink.setup(engines, ...)`, reaching each engine through the narrow `EngineLink`.
+"""
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import torch
+
+from weightbus.core.digest import fingerprint_of_digests, tensor_digest
+from weightbus.core.meta import dtype_name
+from weightbus.core.plan import Plan
+from weightbus.core.wire import UpdateBegin, UpdateEnd, WireMeta
+
+# Called with the bytes handed over so far, e.g. to draw a progress bar.
+Progress = Callable[[int], None]
+
+
+def no_progress(nbytes: int) -> None:
+    """Default progress callback: report nothing."""
+
+
+class SourceDescription(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of a transport's description of one session: what its sink returns from `prepare`
+    and what every engine rank opens. Each transport declares one subclass (its fields, types
+    and ranges); `weightbus.core.transport.decode_description` is the only parser."""
+
+
+class EngineRequestError(RuntimeError):
+    """An engine refused or failed a request; the message is the reason (as the engine or the
+    connection gave it)."""
+
+
+class EngineLink(Protocol):
+    """What a sink's `setup` may ask of one engine (publisher-side engine targets provide it)."""
+
+    url: str
+
+    def tp_size(self, timeout_s: float) -> int:
+        """The engine's number of ranks."""
+
+    def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Have every rank of the engine run the transport's set-up with `info`.
+
+        Raises:
+            EngineRequestError: the engine refused or failed.
+        """
+
+    def teardown_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Undo `setup_transport` on every rank of the engine.
+
+        Raises:
+            EngineRequestError: the engine refused or failed.
+        """
+
+
+class ByteCounter:
+    """Bytes added up by any thread (a sink's workers, a routed push's child sinks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._total += nbytes
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._total
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushSession:
+    """What a sink needs to know about one push (publisher side).
+
+    `digests` fills while the session runs: a sink that reads every byte anyway (direct
+    writes) digests as it copies; others call `ensure_digests` first. `fingerprint` needs them
+    all.
+
+    `sent_bytes` counts the tensor bytes the sink handed to its transport in this push
+    (`count_sent`; never alignment padding or message frames): copied into the ranks'
+    parameters (`shm` direct: summed over every engine and rank), packed into slots (`shm`
+    slots: each bucket once), posted in WRITEs (`nixl`: summed over ranks), broadcast (`dist`
+    broadcast: each entry once, whatever the number of receivers) or sent to each rank (`dist`
+    scatter: summed over ranks), written to files (`disk`, `hf_dir`).
+    """
+
+    session_id: str
+    version: str
+    step: int | None
+    plan: Plan
+    digests: dict[str, str] = field(default_factory=dict)
+    receivers: int = 1  # engines asked to receive this session (each with all its ranks)
+    engines: tuple[str, ...] = ()  # their URLs, in push order (when the publisher names them)
+    verify: bool = True  # receivers check digests ("full"): sinks send what they need
+    # filled (by the Publisher) once an engine has answered mid-stream: it will read no more,
+    # so a sink waiting on its ranks stops at once instead of at its timeout
+    abandon_reasons: list[str] = field(default_factory=list)
+    sent: ByteCounter = field(default_factory=ByteCounter, compare=False, repr=False)
+
+    def count_sent(self, nbytes: int) -> None:
+        """Add `nbytes` tensor bytes handed to the transport (any thread)."""
+        self.sent.add(nbytes)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Tensor bytes handed to the transport so far in this push."""
+        return self.sent.total
+
+    def abandon(self, reason: str) -> None:
+        """Record why the stream cannot complete (any thread)."""
+        self.abandon_reasons.append(reason)
+
+    @property
+    def abandoned(self) -> str | None:
+        """The first reason the stream cannot complete, or None."""
+        return self.abandon_reasons[0] if self.abandon_reasons else None
+
+    def ensure_digests(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Digest every tensor not digested yet."""
+        for meta in self.plan.metas:
+            if meta.name not in self.digests:
+                self.digests[meta.name] = tensor_digest(tensors[meta.name])
+
+    @property
+    def fingerprint(self) -> str:
+        """The version's fingerprint (every tensor must be digested).
+
+        Raises:
+            RuntimeError: some tensor has no digest yet.
+        """
+        missing = [meta.name for meta in self.plan.metas if meta.name not in self.digests]
+        if missing:
+            raise RuntimeError(f"no digest yet for {len(missing)} tensors, e.g. {missing[0]!r}")
+        return fingerprint_of_digests(
+            (meta.name, dtype_name(meta.dtype), meta.shape, self.digests[meta.name])
+            for meta in self.plan.metas
+        )
+
+    def begin_message(self) -> UpdateBegin:
+        return UpdateBegin(
+            session_id=self.session_id,
+            version=self.version,
+            step=self.step,
+            plan_hash=self.plan.plan_hash,
+            bucket_bytes=self.plan.bucket_bytes,
+            tensors=[WireMeta.of(meta) for meta in self.plan.metas],
+        )
+
+    def end_message(self) -> UpdateEnd:
+        return UpdateEnd(
+            session_id=self.session_id,
+            version=self.version,
+            num_buckets=self.plan.num_buckets,
+            fingerprint=self.fingerprint,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRoute:
+    """How one engine of a push receives it: the transport named in its order, the description
+    it opens and the `verify` level its ranks run."""
+
+    transport: str
+    source: SourceDescription
+    verify: str
+
+
+@dataclass(slots=True, kw_only=True)
+class ReceivedBatch:
+    """Whole tensors delivered together, with the digests the publisher sent for them.
+
+    The tensors may alias transport memory: use them before `release()`. `placed` lists
+    tensors the publisher already wrote into this rank's parameters (direct mode) with the
+    parameter region each one filled (None where this rank holds no slice of it), and
+    `placed_digests` the digests of the bytes written into those regions.
+
+    `nbytes` are the tensor bytes that reached this rank through the transport for this batch:
+    the slices written into its parameters (direct writes: `shm` direct, `nixl`), the regions
+    sent to it (`dist` scatter), else the tensor bytes it was handed (a bucket's payload, the
+    tensors read from files).
+    """
+
+    tensors: list[tuple[str, torch.Tensor]]
+    digests: dict[str, str]
+    nbytes: int
+    release: Callable[[], None] = field(default=lambda: None)
+    placed: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)
+    placed_digests: dict[str, str] = field(default_factory=dict)
+
+
+class BucketSink(ABC):
+    """Publisher side of a transport. One sink serves many pushes; `close()` frees it.
+
+    `carries_any_tensors`: a session may carry tensors that are not the engines' parameters
+    (a delta's payload); False for a transport that writes only into parameters.
+    `copies_locally`: it moves bytes at memory-copy speed on one host (`shm`), where comparing
+    a version with the last one costs more than the bytes it saves.
+    """
+
+    name: str
+    carries_any_tensors: bool = True
+    copies_locally: bool = False
+
+    @property
+    def mode(self) -> str:
+        """How the last session travelled (sinks with several modes name theirs)."""
+        return self.name
+
+    def setup(self, engines: Sequence[EngineLink], **options: Any) -> Any:
+        """Set the transport up across `engines` before pushing (most transports need none).
+
+        Raises:
+            ValueError: this transport has no set-up.
+        """
+        raise ValueError(f"transport {self.name!r} needs no set-up")
+
+    def teardown(self, timeout_s: float) -> None:  # noqa: B027 (optional: most need none)
+        """Undo `setup` on the engines and here (a no-op when there was none)."""
+
+    def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:  # noqa: B027
+        """Undo `setup` on one engine that leaves (a no-op when there is no set-up).
+
+        Raises:
+            EngineRequestError: the engine refused or did not answer.
+        """
+
+    def sibling_options(
+        self, sink_options: dict[str, Any], setup_options: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Sink and set-up options of a second sink of this transport that works beside this
+        one, on its own resources (a joining engine's catch-up push). By default the same."""
+        return sink_options, setup_options
+
+    @abstractmethod
+    def prepare(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        progress: Progress = no_progress,
+    ) -> SourceDescription:
+        """Make the session readable; return the description engines open.
+
+        `progress(nbytes)` is called as bytes are handed over (for a progress bar).
+        """
+
+    def for_engine(self, description: SourceDescription, engine_index: int) -> SourceDescription:
+        """The description engine number `engine_index` of the push opens (by default the same
+        for every engine)."""
+        return description
+
+    def route(self, description: SourceDescription, engine_index: int, verify: str) -> EngineRoute:
+        """How engine number `engine_index` of the push receives it (asked after `prepare`):
+        this transport, `for_engine`'s description, `receiver_verify`'s level. A sink that
+        sends each engine over another transport answers per engine."""
+        return EngineRoute(
+            self.name, self.for_engine(description, engine_index), self.receiver_verify(verify)
+        )
+
+    def engine_answered(self, session: PushSession, url: str, reason: str) -> None:
+        """Engine `url` answered while the session streamed (a refusal, a failure, a commit):
+        it reads no more of it. By default the whole stream stops waiting."""
+        session.abandon(reason)
+
+    @abstractmethod
+    def stream(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        progress: Progress = no_progress,
+    ) -> None:
+        """Send whatever `prepare` did not; return when receivers have everything.
+
+        Raises:
+            TimeoutError: receivers did not take the data within `timeout_s`.
+        """
+
+    def receiver_verify(self, verify: str) -> str:
+        """The `verify` level engines run the prepared session with (asked after `prepare`).
+
+        A sink that delivers only slices of tensors checks the bytes itself and answers "none":
+        no rank could check a whole tensor's digest.
+        """
+        return verify
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free every resource of the sink (files, shared memory, sockets)."""
+
+
+class BucketSource(ABC):
+    """Receiver side of a transport, for one session on one rank.
+
+    Implementations are built as `Source(description, rank=..., tp_size=...)`, where the
+    description is the transport's `SourceDescription`, as the sink returned it for this
+    engine (`BucketSink.for_engine`).
+    """
+
+    @abstractmethod
+    def begin(self, timeout_s: float) -> UpdateBegin:
+        """The session header.
+
+        Raises:
+            TimeoutError: nothing arrived within `timeout_s`.
+            ValueError: the session cannot be read (its message names what is wrong).
+        """
+
+    @abstractmethod
+    def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
+        """Batches of whole tensors in stream order; each must be released before the next
+        two are requested (transports may reuse their memory)."""
+
+    @abstractmethod
+    def end(self, timeout_s: float) -> UpdateEnd:
+        """The publisher's closing message, after the last batch."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook: most sources have nothing to free)
+        """Free this rank's resources of the session."""

@@ -1,0 +1,195 @@
+"""`disk`: safetensors shards and a manifest on a (shared) filesystem.
+
+Layout of one session under the sink's root directory::
+
+    <root>/<session_id>/manifest.json          header, shard list, digests, fingerprint
+    <root>/<session_id>/shard-00000.safetensors
+
+The session directory is written as `<root>/.tmp-<session_id>` and renamed into place, so a
+reader sees a complete session or none. Readers map shards (safetensors' mmap) and only the
+pages their weight loaders touch are read: a TP rank reads little more than its slices.
+"""
+
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import torch
+from safetensors import SafetensorError, safe_open
+
+from weightbus.core.checkpoint import save_tensors
+from weightbus.core.transport.base import (
+    BucketSink,
+    BucketSource,
+    Progress,
+    PushSession,
+    ReceivedBatch,
+    SourceDescription,
+    no_progress,
+)
+from weightbus.core.transport.parts.shared_memory import private_shm_dir
+from weightbus.core.wire import UpdateBegin, UpdateEnd
+
+DISK_ROOT_PREFIX = "weightbus-disk-"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+
+class DiskDescription(SourceDescription, frozen=True):
+    """A session directory written by `DiskSink` (on a filesystem the engines share)."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class ShardRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    file: str
+    names: list[str]
+
+
+class DiskManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    format: int
+    begin: UpdateBegin
+    shards: list[ShardRecord]
+    digests: dict[str, str]
+    end: UpdateEnd
+
+
+def _shard_names(session: PushSession) -> list[list[str]]:
+    """Whole tensors per shard: a tensor goes to the shard of the bucket where it starts."""
+    return [
+        [entry.name for entry in bucket.entries if entry.tensor_offset == 0]
+        for bucket in session.plan.buckets
+    ]
+
+
+class DiskSink(BucketSink):
+    """Writes each push as a session directory under `root`; keeps only the newest one.
+
+    Args:
+        root: directory shared with the engines; by default a fresh private one under
+            /dev/shm (engines on this host), removed on `close`. Directories that publishers
+            killed before closing left there are removed first.
+    """
+
+    name = "disk"
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        self._owned_root = root is None
+        self.root = private_shm_dir(DISK_ROOT_PREFIX) if root is None else Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._sessions: list[Path] = []
+
+    def prepare(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        progress: Progress = no_progress,
+    ) -> DiskDescription:
+        session.ensure_digests(tensors)
+        tmp = self.root / f".tmp-{session.session_id}"
+        tmp.mkdir(mode=0o700)
+        shards = []
+        for index, names in enumerate(_shard_names(session)):
+            if names:
+                file = f"shard-{index:05d}.safetensors"
+                save_tensors(tmp / file, names, tensors)
+                shards.append(ShardRecord(file, names))
+                nbytes = sum(tensors[name].nbytes for name in names)
+                session.count_sent(nbytes)
+                progress(nbytes)
+        manifest = DiskManifest(
+            format=MANIFEST_FORMAT,
+            begin=session.begin_message(),
+            shards=shards,
+            digests=dict(session.digests),
+            end=session.end_message(),
+        )
+        (tmp / MANIFEST_NAME).write_bytes(msgspec.json.encode(manifest))
+        (tmp / MANIFEST_NAME).chmod(0o600)
+        # Readers only need to see whole sessions; durability across a host crash is not a
+        # goal of a transport, so no fsync before the atomic rename.
+        final = self.root / session.session_id
+        tmp.rename(final)
+        self._drop_old_sessions(keep=final)
+        return DiskDescription(path=str(final))
+
+    def stream(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        progress: Progress = no_progress,
+    ) -> None:
+        """Nothing to stream: `prepare` wrote the whole session."""
+
+    def _drop_old_sessions(self, keep: Path) -> None:
+        for path in self._sessions:
+            shutil.rmtree(path, ignore_errors=True)
+        self._sessions = [keep]
+
+    def close(self) -> None:
+        self._drop_old_sessions(keep=Path())
+        self._sessions = []
+        if self._owned_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def read_manifest(directory: Path) -> DiskManifest:
+    """Read and validate a session's manifest.
+
+    Raises:
+        ValueError: missing, oversized or invalid manifest (the message names the problem).
+    """
+    path = directory / MANIFEST_NAME
+    try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"manifest {path} is {size} bytes, over {MAX_MANIFEST_BYTES}")
+        manifest = msgspec.json.decode(path.read_bytes(), type=DiskManifest)
+    except FileNotFoundError:
+        raise ValueError(f"no manifest at {path}") from None
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
+        raise ValueError(f"invalid manifest {path}: {exc}") from None
+    if manifest.format != MANIFEST_FORMAT:
+        raise ValueError(f"manifest {path}: format {manifest.format}, expected {MANIFEST_FORMAT}")
+    return manifest
+
+
+class DiskSource(BucketSource):
+    """Reads a session directory written by `DiskSink`."""
+
+    def __init__(self, description: DiskDescription, *, rank: int = 0, tp_size: int = 1) -> None:
+        self.directory = Path(description.path)
+        self._manifest: DiskManifest | None = None
+
+    def begin(self, timeout_s: float) -> UpdateBegin:
+        self._manifest = read_manifest(self.directory)
+        return self._manifest.begin
+
+    def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
+        assert self._manifest is not None, "begin() first"
+        for shard in self._manifest.shards:
+            yield self._read_shard(shard)
+
+    def _read_shard(self, shard: ShardRecord) -> ReceivedBatch:
+        path = self.directory / Path(shard.file).name  # never leave the session directory
+        try:
+            with safe_open(str(path), framework="pt") as reader:
+                stored = set(reader.keys())
+                missing = [name for name in shard.names if name not in stored]
+                if missing:
+                    raise ValueError(f"shard {path.name} lacks tensors {missing}")
+                tensors = [(name, reader.get_tensor(name)) for name in shard.names]
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"cannot read shard {path.name}: {exc}") from None
+        digests = {name: self._manifest.digests.get(name, "") for name in shard.names}
+        return ReceivedBatch(
+            tensors=tensors, digests=digests, nbytes=sum(t.nbytes for _, t in tensors)
+        )
+
+    def end(self, timeout_s: float) -> UpdateEnd:
+        assert self._manifest is not None, "begin() first"
+        return self._manifest.end

@@ -1,0 +1,112 @@
+"""What travels for `dist`: a session's description, the weights group's set-up requests, the
+outcome of a set-up, and the frames of a push's hand-shake (`handshake.py`)."""
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import msgspec
+
+from weightbus.core.transport.base import SourceDescription
+from weightbus.core.wire.codec import Message, register
+from weightbus.core.wire.messages import Hex128, Text
+
+DEFAULT_GROUP_NAME = "weightbus"
+GROUP_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+GroupName = Annotated[str, msgspec.Meta(pattern=GROUP_NAME_PATTERN)]
+EngineGroupRank = Annotated[int, msgspec.Meta(ge=1)]
+Backend = Literal["gloo"]
+MAX_PREFETCH_DEPTH = 64
+
+
+class DistDescription(SourceDescription, frozen=True):
+    """One `dist` session on the live weights group `group_name`.
+
+    Attributes:
+        mode: `broadcast` (every rank gets every byte) or `scatter` (each rank its slices).
+        prefetch_depth: buckets a rank receives ahead of the one it loads.
+    """
+
+    group_name: GroupName
+    session_id: Hex128
+    mode: Literal["broadcast", "scatter"]
+    prefetch_depth: Annotated[int, msgspec.Meta(ge=1, le=MAX_PREFETCH_DEPTH)] = 1
+
+
+class _SetupRequest(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="action"
+):
+    """Base of the weights group's set-up requests (the `action` field tells which)."""
+
+
+class WeightsGroupInit(_SetupRequest, frozen=True, tag="init"):
+    """Join the weights group: rank r of the engine is group rank `rank_offset + r` of
+    `world_size`; the publisher (rank 0) serves the store at `master_addr:master_port`."""
+
+    master_addr: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    rank_offset: Annotated[int, msgspec.Meta(ge=1)]
+    world_size: Annotated[int, msgspec.Meta(ge=2, le=65536)]
+    backend: Backend = "gloo"
+    group_name: GroupName = DEFAULT_GROUP_NAME
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+
+
+class WeightsGroupDestroy(_SetupRequest, frozen=True, tag="destroy"):
+    """Leave the weights group `group_name`."""
+
+    group_name: GroupName = DEFAULT_GROUP_NAME
+
+
+# what an engine rank's `dist` set-up takes
+WeightsGroupRequest = WeightsGroupInit | WeightsGroupDestroy
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsGroupInfo:
+    """A formed weights group: its size and each engine's first group rank."""
+
+    name: str
+    world_size: int
+    rank_offsets: dict[str, int]
+
+
+class WeightsGroupError(RuntimeError):
+    """A `dist` weights group could not be initialised or destroyed on every member.
+
+    Attributes:
+        failures: engine URL (or "publisher") -> reason.
+    """
+
+    def __init__(self, name: str, action: str, failures: dict[str, str]) -> None:
+        self.failures = failures
+        details = "; ".join(f"{member}: {reason}" for member, reason in failures.items())
+        super().__init__(f"{action} of weights group {name!r} failed: {details}")
+
+
+# --- a push's hand-shake (`handshake.py`): wire frames, never pickle ---
+
+
+@register
+class RankReady(Message, kw_only=True):
+    """An engine rank opened session `session_id` and waits for the publisher's word
+    (`StreamStart`, or `UpdateAbort` with the reason) before anything of it moves."""
+
+    session_id: Hex128
+    group_rank: EngineGroupRank
+
+
+@register
+class RankRefusal(Message, kw_only=True):
+    """An engine rank cannot take part in session `session_id`: the publisher cancels the push
+    before anything of it moves."""
+
+    session_id: Hex128
+    group_rank: EngineGroupRank
+    reason: Text
+
+
+@register
+class StreamStart(Message, kw_only=True):
+    """Every engine rank is ready: the session's messages and data follow on the group."""
+
+    session_id: Hex128

@@ -1,0 +1,192 @@
+"""`hf_dir`: reload a Hugging Face checkpoint directory (config-less safetensors files).
+
+The "update from disk" path of SGLang's `update_weights_from_disk` and vLLM's reload: the
+trainer saves its weights with safetensors, each engine rank opens the files and hands every
+tensor to `load_weights`. No plan-shaped shards, no manifest: any directory of `*.safetensors`
+(with or without `model.safetensors.index.json`) can be loaded. The source description is::
+
+    {"path": DIR, "version": V}                 # an operator reloading a checkpoint
+    {..., "names": [...], "digests": {...}, "fingerprint": F, "session_id": S,
+     "bucket_bytes": B, "step": N}              # what HfDirSink adds for a Publisher
+
+Without `digests` each rank hashes the tensors it reads, so the engine still reports the
+fingerprint of what it loaded; with them (a Publisher's push) `verify="full"` checks every byte
+against the trainer's digests.
+"""
+
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import torch
+import xxhash
+from safetensors import safe_open
+
+from weightbus.core.checkpoint import safetensors_files, safetensors_metas, save_tensors
+from weightbus.core.digest import fingerprint_of_digests, tensor_digest
+from weightbus.core.plan import DEFAULT_BUCKET_BYTES, plan_buckets
+from weightbus.core.transport.base import (
+    BucketSink,
+    BucketSource,
+    Progress,
+    PushSession,
+    ReceivedBatch,
+    SourceDescription,
+    no_progress,
+)
+from weightbus.core.transport.parts.shared_memory import private_shm_dir
+from weightbus.core.wire import UpdateBegin, UpdateEnd, WireMeta
+from weightbus.core.wire.messages import Hex128, NonNegative, TensorName, Version
+
+CHECKPOINT_NAME = "model.safetensors"
+# safetensors' dtype codes -> torch dtypes
+
+
+class HfDirDescription(SourceDescription, frozen=True):
+    """A checkpoint directory to load as `version` (module docstring: who fills what)."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    version: Version
+    step: NonNegative | None = None
+    session_id: Hex128 | None = None
+    bucket_bytes: Annotated[int, msgspec.Meta(gt=0)] = DEFAULT_BUCKET_BYTES
+    names: list[TensorName] | None = None
+    digests: dict[TensorName, Hex128] | None = None
+    fingerprint: Hex128 | None = None
+
+
+class HfDirSink(BucketSink):
+    """Saves each push as `<root>/<session_id>/model.safetensors`; keeps only the newest.
+
+    Args:
+        root: directory shared with the engines; a fresh one under /dev/shm (removed on
+            `close`) when not given.
+    """
+
+    name = "hf_dir"
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        self._owned = root is None
+        self.root = private_shm_dir("weightbus-hf-dir-") if root is None else Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._last: Path | None = None
+
+    def prepare(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        progress: Progress = no_progress,
+    ) -> HfDirDescription:
+        session.ensure_digests(tensors)
+        tmp = self.root / f".tmp-{session.session_id}"
+        tmp.mkdir(mode=0o700)
+        names = [meta.name for meta in session.plan.metas]
+        save_tensors(tmp / CHECKPOINT_NAME, names, tensors)
+        session.count_sent(session.plan.total_bytes)
+        progress(session.plan.total_bytes)
+        final = self.root / session.session_id
+        tmp.rename(final)
+        if self._last is not None:
+            shutil.rmtree(self._last, ignore_errors=True)
+        self._last = final
+        return HfDirDescription(
+            path=str(final),
+            version=session.version,
+            step=session.step,
+            session_id=session.session_id,
+            bucket_bytes=session.plan.bucket_bytes,
+            names=names,
+            digests=dict(session.digests),
+            fingerprint=session.fingerprint,
+        )
+
+    def stream(
+        self,
+        session: PushSession,
+        tensors: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        progress: Progress = no_progress,
+    ) -> None:
+        """Nothing to stream: `prepare` saved the whole checkpoint."""
+
+    def close(self) -> None:
+        if self._last is not None:
+            shutil.rmtree(self._last, ignore_errors=True)
+            self._last = None
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class HfDirSource(BucketSource):
+    """Reads a Hugging Face checkpoint directory on one rank (description: module docstring)."""
+
+    def __init__(self, description: HfDirDescription, *, rank: int = 0, tp_size: int = 1) -> None:
+        self.directory = Path(description.path)
+        self.version = description.version
+        self.names = description.names
+        self.given_digests = description.digests
+        self.given_fingerprint = description.fingerprint
+        self.bucket_bytes = description.bucket_bytes
+        self.step = description.step
+        self.session_id = description.session_id or xxhash.xxh3_128_hexdigest(
+            f"{self.directory}\0{self.version}".encode()
+        )
+        self._files: dict[str, Path] = {}
+        self._header: UpdateBegin | None = None
+        self._digests: dict[str, str] = {}
+
+    def begin(self, timeout_s: float) -> UpdateBegin:
+        try:
+            found = safetensors_metas(safetensors_files(self.directory))
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
+        order = list(found) if self.names is None else self.names
+        if sorted(order) != sorted(found):
+            extra, missing = sorted(set(found) - set(order)), sorted(set(order) - set(found))
+            raise ValueError(f"{self.directory}: unexpected tensors {extra}, missing {missing}")
+        metas = [found[name][0] for name in order]
+        self._files = {name: found[name][1] for name in order}
+        self._header = UpdateBegin(
+            session_id=self.session_id,
+            version=self.version,
+            step=self.step,
+            plan_hash=plan_buckets(metas, self.bucket_bytes).plan_hash,
+            bucket_bytes=self.bucket_bytes,
+            tensors=[WireMeta.of(meta) for meta in metas],
+        )
+        return self._header
+
+    def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
+        assert self._header is not None, "begin() first"
+        by_file: dict[Path, list[str]] = {}
+        for name, path in self._files.items():
+            by_file.setdefault(path, []).append(name)
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt") as reader:
+                for name in names:
+                    yield self._batch(name, reader.get_tensor(name))
+
+    def _batch(self, name: str, tensor: torch.Tensor) -> ReceivedBatch:
+        if self.given_digests is None:
+            digest = tensor_digest(tensor)
+        else:
+            digest = self.given_digests.get(name, "")
+        self._digests[name] = digest
+        return ReceivedBatch(tensors=[(name, tensor)], digests={name: digest}, nbytes=tensor.nbytes)
+
+    def end(self, timeout_s: float) -> UpdateEnd:
+        header = self._header
+        assert header is not None, "begin() first"
+        fingerprint = self.given_fingerprint or fingerprint_of_digests(
+            (m.name, m.dtype, m.shape, self._digests.get(m.name, "")) for m in header.tensors
+        )
+        return UpdateEnd(
+            session_id=header.session_id,
+            version=header.version,
+            num_buckets=plan_buckets(
+                (m.to_meta() for m in header.tensors), header.bucket_bytes
+            ).num_buckets,
+            fingerprint=fingerprint,
+        )

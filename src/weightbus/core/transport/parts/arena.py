@@ -1,0 +1,150 @@
+"""Direct mode, engine side: a rank's parameters in one shared-memory file.
+
+A `ParamArena` is one file under /dev/shm (mode 0600, named `weightbus-params-<pid>-<random>`)
+holding every parameter of a model at 256-byte aligned offsets. Its space is reserved with
+`posix_fallocate`, so a full /dev/shm is an `OSError` at allocation, never a SIGBUS later.
+`adopt(model)` moves the parameters into it (one copy, when the arena is made); afterwards a
+co-located publisher writes each update straight into them (`DirectTarget` tells it where).
+"""
+
+import mmap
+import os
+import secrets
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import xxhash
+
+from weightbus.core.meta import dtype_name
+from weightbus.core.plan.bucket import ALIGN_BYTES
+from weightbus.core.plan.shard import ShardCopy
+from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX, SHM_DIR
+from weightbus.core.wire import DirectTarget, ParamRegion, WireShardCopy
+
+# Called with an arena's name when it closes: transports that registered its memory elsewhere
+# (a NIXL agent) let go of it, so a released arena is freed at once.
+_close_listeners: list[Callable[[str], None]] = []
+
+
+def on_arena_close(listener: Callable[[str], None]) -> None:
+    """Call `listener(arena name)` whenever an arena of this process closes."""
+    if listener not in _close_listeners:
+        _close_listeners.append(listener)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+class ParamArena:
+    """Named parameters laid out in one shared-memory file.
+
+    Args:
+        params: `(name, tensor)` pairs whose dtypes and shapes define the layout (the values
+            are not copied; see `adopt`).
+
+    Raises:
+        OSError: /dev/shm cannot hold the parameters (the file is removed again).
+    """
+
+    def __init__(self, params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = list(params)
+        self.regions: list[ParamRegion] = []
+        offset = 0
+        for name, tensor in params:
+            shape = tuple(tensor.shape)
+            self.regions.append(ParamRegion(name, dtype_name(tensor.dtype), shape, offset))
+            offset += _aligned(tensor.numel() * tensor.element_size())
+        self.nbytes = max(offset, ALIGN_BYTES)
+        self.name = f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        fd = os.open(SHM_DIR / self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+            self._mmap = mmap.mmap(fd, self.nbytes)
+        except OSError:
+            self.unlink()
+            raise
+        finally:
+            os.close(fd)
+        self._bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.views = {
+            region.name: self._view(region, tensor)
+            for region, (_, tensor) in zip(self.regions, params, strict=True)
+        }
+
+    def _view(self, region: ParamRegion, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        flat = self._bytes[region.offset : region.offset + nbytes]
+        return flat.view(like.dtype).view(like.shape)
+
+    def adopt(self, model: torch.nn.Module, *, copy: bool = True) -> None:
+        """Point every parameter of `model` at its place in the arena (copying its values)."""
+        for name, param in model.named_parameters():
+            view = self.views[name]
+            if copy:
+                view.copy_(param.data)
+            param.data = view
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """The whole arena as one `uint8` tensor."""
+        return self._bytes
+
+    def unlink(self) -> None:
+        """Remove the file's name (the memory lives until every mapping is gone)."""
+        (SHM_DIR / self.name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Unlink and drop this arena's references: the memory is unmapped (and freed) once
+        no tensor views it any more; parameters still pointing here stay valid until then."""
+        self.unlink()
+        self.views.clear()
+        self._bytes = None
+        self._mmap = None
+        for listener in _close_listeners:
+            listener(self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class DirectPlacement:
+    """What a rank offers for direct writes, and where each tensor's slice lands locally.
+
+    Attributes:
+        target: the wire description sent in `ReceiverHello.direct`.
+        regions: HF name -> the parameter region the publisher fills (a view into the arena).
+        memory: the whole arena as bytes (what a transport registers for remote writes).
+    """
+
+    target: DirectTarget
+    regions: dict[str, torch.Tensor]
+    memory: torch.Tensor | None = None
+
+
+def direct_placement(
+    arena: ParamArena, copies: Iterable[tuple[str, str, ShardCopy]]
+) -> DirectPlacement | None:
+    """The direct target of `arena` for a model's slice map (`model.shard_copies()`).
+
+    Returns None when a copy cannot be expressed as one narrowed dimension on both sides.
+    """
+    wire_copies, regions = [], {}
+    for hf_name, param_name, copy in copies:
+        if copy.src_dim != copy.dst_dim:
+            return None
+        wire_copies.append(
+            WireShardCopy(
+                hf_name, param_name, copy.dst_dim, copy.src_start, copy.dst_start, copy.length
+            )
+        )
+        regions[hf_name] = copy.destination(arena.views[param_name])
+    layout = msgspec.msgpack.encode([arena.regions, wire_copies])
+    target = DirectTarget(
+        file=arena.name,
+        nbytes=arena.nbytes,
+        layout_hash=xxhash.xxh3_128_hexdigest(layout),
+        params=arena.regions,
+        copies=wire_copies,
+    )
+    return DirectPlacement(target, regions, arena.memory)

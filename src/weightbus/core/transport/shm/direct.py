@@ -1,0 +1,204 @@
+"""The publisher's copies: straight into ranks' parameters (direct mode) or into slots.
+
+Every rank of the session offered a `DirectTarget` (its parameters in a shared-memory file and
+its slice map). The publisher maps each file once, validates the layout once per
+`layout_hash`, and then copies every tensor's slices into every rank's parameters: each byte is
+copied exactly once per engine and never staged in between. While it copies, it digests the
+full tensor (for the fingerprint) and each slice it wrote (for the rank to verify), chunk by
+chunk, so the digests read bytes that are still in cache. Copies go through numpy (one thread
+each, GIL released) on a pool as wide as torch's thread count, largest tensors first.
+"""
+
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from weightbus.core.plan import BucketPlan, Plan
+from weightbus.core.plan.bucket import BucketEntry, byte_view, check_entry_tensor
+from weightbus.core.plan.shard import ShardCopy
+from weightbus.core.transport.parts.copy import copy_elements, row_major_bytes
+from weightbus.core.transport.parts.layout import checked_copies, region_meta
+from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX, Slot
+from weightbus.core.wire import DirectTarget, ParamRegion
+
+# Rows copied and digested together: small enough that the digests read from cache.
+CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Dest:
+    """One rank's slice of one tensor: where it goes in that rank's mapped file."""
+
+    rank_index: int
+    copy: ShardCopy
+    param: torch.Tensor  # the whole parameter, a view into the rank's mapped file
+
+    def chunk(self, full: torch.Tensor, start: int, stop: int):
+        """(source, destination) views for the full tensor's rows [start, stop), or None."""
+        copy, dim = self.copy, self.copy.src_dim
+        if full.dim() == 0:
+            return full, self.param
+        if dim > 0:  # columns of every row: the rows map one to one
+            source = full[start:stop].narrow(dim, copy.src_start, copy.length)
+            return source, copy.destination(self.param)[start:stop]
+        low, high = max(start, copy.src_start), min(stop, copy.src_start + copy.length)
+        if low >= high:
+            return None
+        destination = self.param.narrow(0, copy.dst_start + low - copy.src_start, high - low)
+        return full[low:high], destination
+
+
+class MappedTarget:
+    """One rank's parameter file, mapped by the publisher, its layout checked against a plan.
+
+    Raises:
+        ValueError: the file is not a weightbus arena or the layout is inconsistent (the
+            message names the tensor or parameter).
+    """
+
+    def __init__(self, target: DirectTarget, plan: Plan) -> None:
+        self.key = (target.file, target.layout_hash, plan.plan_hash)
+        self._file = Slot.open(target.file, target.nbytes, prefix=ARENA_PREFIX)
+        checked = checked_copies(target, {meta.name: meta for meta in plan.metas})
+        self.copies: dict[str, list[tuple[ShardCopy, torch.Tensor]]] = {
+            name: [(each.copy, self._param(each.region)) for each in copies]
+            for name, copies in checked.items()
+        }
+        # bytes of the rank's slices of each tensor: what writing it copies into this file
+        self.slice_bytes: dict[str, int] = {
+            name: sum(copy.destination(param).nbytes for copy, param in copies)
+            for name, copies in self.copies.items()
+        }
+
+    def _param(self, region: ParamRegion) -> torch.Tensor:
+        meta = region_meta(region)
+        flat = self._file.tensor[region.offset : region.offset + meta.nbytes]
+        return flat.view(meta.dtype).view(meta.shape)
+
+    def is_current(self) -> bool:
+        """Whether the file under the mapped name is still the one mapped."""
+        return self._file.current_identity() == self._file.identity
+
+    def close(self) -> None:
+        self.copies.clear()
+        self.slice_bytes.clear()
+        self._file.close()
+
+
+def _write_tensor(
+    full: torch.Tensor, dests: list[_Dest], slice_digests: bool = True
+) -> tuple[str, dict[int, str]]:
+    """Copy every rank's slice of `full`; return its digest and (with `slice_digests`) each
+    slice's digest."""
+    full = full if full.is_contiguous() else full.contiguous()
+    digest = xxhash.xxh3_128()
+    slices = {dest.rank_index: xxhash.xxh3_128() for dest in dests} if slice_digests else {}
+    row_bytes = full[0].nbytes if full.dim() and full.shape[0] else full.nbytes
+    rows = max(1, CHUNK_BYTES // max(1, row_bytes))
+    num_rows = full.shape[0] if full.dim() else 1
+    for start in range(0, num_rows, rows):
+        stop = min(start + rows, num_rows)
+        for dest in dests:
+            views = dest.chunk(full, start, stop)
+            if views is not None:
+                copy_elements(views[1], views[0])
+                if slice_digests:
+                    slices[dest.rank_index].update(row_major_bytes(views[1]))
+        digest.update(row_major_bytes(full[start:stop] if full.dim() else full))
+    return digest.hexdigest(), {rank: hasher.hexdigest() for rank, hasher in slices.items()}
+
+
+def _pack_entry(buffer: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor, hasher) -> None:
+    """Copy one entry's bytes into the slot, digesting them as they pass."""
+    check_entry_tensor(entry, tensor)
+    source = byte_view(tensor if tensor.is_contiguous() else tensor.contiguous())
+    source = source[entry.tensor_offset : entry.tensor_offset + entry.nbytes].numpy()
+    destination = buffer[entry.offset : entry.end].numpy()
+    for start in range(0, entry.nbytes, CHUNK_BYTES):
+        chunk = source[start : start + CHUNK_BYTES]
+        np.copyto(destination[start : start + CHUNK_BYTES], chunk)
+        hasher.update(chunk)
+
+
+class DirectWriter:
+    """Copies with a pool of threads: straight into ranks' parameters (direct mode), or into a
+    slot (slot mode), digesting the bytes as they pass."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers or torch.get_num_threads(), thread_name_prefix="shm-direct"
+        )
+
+    def write(
+        self,
+        plan: Plan,
+        tensors: Mapping[str, torch.Tensor],
+        targets: list[MappedTarget],
+        deadline: float,
+        *,
+        slice_digests: bool = True,
+    ) -> Iterator[tuple[int, dict[str, tuple[str, dict[int, str]]]]]:
+        """Write every tensor; yield `(bucket index, {name: (digest, slice digests by rank)})`
+        in bucket order, each bucket as soon as its tensors are written. Without
+        `slice_digests` (receivers do not verify) the slices are not digested.
+
+        Raises:
+            TimeoutError: the copies did not finish by `deadline` (`time.monotonic()`).
+        """
+        futures: dict[str, Future] = {}
+        for meta in sorted(plan.metas, key=lambda meta: -meta.nbytes):
+            dests = [
+                _Dest(index, copy, param)
+                for index, target in enumerate(targets)
+                for copy, param in target.copies.get(meta.name, [])
+            ]
+            futures[meta.name] = self._pool.submit(
+                _write_tensor, tensors[meta.name], dests, slice_digests
+            )
+        try:
+            for bucket in plan.buckets:
+                yield (
+                    bucket.index,
+                    {
+                        name: futures[name].result(max(0.0, deadline - time.monotonic()))
+                        for name in bucket.finished_names()
+                    },
+                )
+        finally:
+            for future in futures.values():
+                future.cancel()
+
+    def pack(
+        self,
+        buffer: torch.Tensor,
+        bucket: BucketPlan,
+        tensors: Mapping[str, torch.Tensor],
+        hashers: dict[str, "xxhash.xxh3_128"],
+    ) -> dict[str, str]:
+        """Pack `bucket` into `buffer`; return the digests of the tensors it finishes.
+
+        `hashers` carries the digest state of tensors split across buckets (pack the buckets
+        in plan order).
+
+        Raises:
+            ValueError: a tensor is missing or its dtype/shape differ from the plan.
+        """
+        jobs = []
+        for entry in bucket.entries:
+            if entry.name not in tensors:
+                raise ValueError(f"tensor {entry.name!r} is in the plan but was not given")
+            hasher = hashers.setdefault(entry.name, xxhash.xxh3_128())
+            jobs.append((entry, tensors[entry.name].detach(), hasher))
+        # biggest first: two workers finish together
+        jobs.sort(key=lambda job: -job[0].nbytes)
+        for future in [self._pool.submit(_pack_entry, buffer, *job) for job in jobs]:
+            future.result()
+        return {name: hashers.pop(name).hexdigest() for name in bucket.finished_names()}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,292 @@
+"""Messages between the API server and rank 0, as msgspec structs over msgpack (never pickle).
+
+API server -> rank 0: `AddRequest`, `AbortRequest`, `Shutdown`, `UpdateWeights`, `Control`,
+`WeightsGroupRequest`, `Decide` (commit or abort a two-phase update), `Rollback`.
+Rank 0 -> API server: `Ready` once, then `StepOutputs` after every step, `RequestError` when a
+request cannot run, `Aborted` when the engine ends requests itself (pause mode `abort`, memory
+release), `UpdateResult` answering `UpdateWeights`, `Decide` and `Rollback`, `ControlResult`
+answering `Control` (and `WeightsGroupRequest`), and `WeightsState` whenever the weights'
+version, status or memory changes (and once after Ready).
+Decoding checks every field's type; unknown tags are rejected.
+"""
+
+from typing import Any, Literal
+
+import msgspec
+
+from weightbus.core.wire import PauseMode, VerifyLevel
+from weightbus.core.wire.delta import DeltaSpec
+from weightbus.core.wire.messages import SliceSpec
+
+PROTOCOL_VERSION = 1
+
+
+class AddRequest(msgspec.Struct, tag="add", frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None = None
+    num_logprobs: int | None = None
+    ignore_eos: bool = False
+
+
+class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    protocol_version: int
+    tp_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    weight_version: str
+    # each rank's slice of every tensor (`GET /v1/weights/layout`: what a delta's publisher
+    # digests per rank)
+    rank_slices: list[list[SliceSpec]] = msgspec.field(default_factory=list)
+
+
+class TokenOutput(msgspec.Struct, frozen=True):
+    request_id: str
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+    finish_reason: str | None = None
+
+
+class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):
+    """The tokens of one step, in order (a speculative step may bring several per request).
+
+    `num_draft_tokens` / `num_accepted_tokens`: draft tokens proposed and kept in the step
+    (0 without speculative decoding).
+    """
+
+    weight_version: str
+    outputs: list[TokenOutput]
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class RequestError(msgspec.Struct, tag="error", frozen=True):
+    request_id: str
+    message: str
+
+
+MemoryTag = Literal["kv_cache", "weights"]
+# WAITING: started with --wait-for-initial-weights and no version pushed yet.
+WeightsStatus = Literal["NORMAL", "UPDATING", "CLEARING", "CLEARED", "FAILED", "WAITING"]
+
+
+class UpdateWeights(msgspec.Struct, tag="update", frozen=True, kw_only=True):
+    """Receive a new weights version (`POST /v1/update_weights`).
+
+    `update_id` is a 32-hex-digit id the API server draws; ranks use it in their verdicts.
+    With `two_phase` (atomic only) rank 0 answers once every rank staged and verified the
+    version (`UpdateResult.staged`) and swaps only on a `Decide` to commit. With `delta` the
+    stream carries changes to the version served, which must be `delta.base_fingerprint`.
+    """
+
+    update_id: str
+    version: str
+    step: int | None = None
+    force: bool = False
+    transport: str
+    source: dict[str, Any]
+    plan_hash: str | None = None
+    pause_mode: PauseMode = "drain"
+    atomic: bool = True
+    verify: VerifyLevel = "full"
+    timeout_s: float = 60.0
+    two_phase: bool = False
+    delta: DeltaSpec | None = None  # changes to the version the engine serves
+    keep_draft: bool = False  # the push carries no draft tensors: the draft served stays
+
+
+class Decide(msgspec.Struct, tag="decide", frozen=True, kw_only=True):
+    """Commit or abort the two-phase update (or rollback) of `version` that rank 0 holds staged;
+    answered with an `UpdateResult` whose `update_id` is this `request_id`. A commit names the
+    staged `fingerprint` it expects (None: any)."""
+
+    request_id: str
+    version: str
+    decision: Literal["commit", "abort"]
+    fingerprint: str | None = None
+    reason: str = ""
+    timeout_s: float = 60.0
+
+
+class Rollback(msgspec.Struct, tag="rollback", frozen=True, kw_only=True):
+    """Swap back to the previous version, which the staging memory still holds (no bytes move).
+
+    `version` / `fingerprint`, when set, are what the caller expects to return to (an engine
+    holding another previous version refuses). Answered with an `UpdateResult`.
+    """
+
+    update_id: str
+    version: str | None = None
+    fingerprint: str | None = None
+    pause_mode: PauseMode = "drain"
+    two_phase: bool = False
+    timeout_s: float = 60.0
+
+
+class Control(msgspec.Struct, tag="control", frozen=True, kw_only=True):
+    """Pause/continue generation or release/resume memory."""
+
+    request_id: str
+    action: Literal["pause", "continue", "release", "resume"]
+    mode: PauseMode = "drain"
+    tags: list[MemoryTag] = msgspec.field(default_factory=list)
+
+
+class WeightsGroupRequest(msgspec.Struct, tag="weights_group", frozen=True, kw_only=True):
+    """Join (`init`) or leave (`destroy`) a `dist` weights group, on every rank.
+
+    Rank r joins as group rank `rank_offset + r` of `world_size` (the publisher is rank 0).
+    Answered with a `ControlResult`.
+    """
+
+    request_id: str
+    action: Literal["init", "destroy"]
+    group_name: str
+    master_addr: str = ""
+    master_port: int = 0
+    rank_offset: int = 0
+    world_size: int = 0
+    backend: Literal["gloo"] = "gloo"
+    timeout_s: float = 60.0
+
+
+class DraftInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The draft model an engine serves: the version its weights came with, their fingerprint
+    as a model of their own (names without `draft.`), and how rank 0 loaded them (bytes, the
+    largest chunk loaded at once, seconds; zero for the weights it started with)."""
+
+    version: str
+    fingerprint: str | None
+    nbytes: int = 0
+    max_chunk_bytes: int = 0
+    load_s: float = 0.0
+
+
+class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=True):
+    """Outcome of an `UpdateWeights`; `status_code` is the HTTP status to answer with.
+
+    200: committed. 400: the pushed data was wrong (`names` lists the offending tensors).
+    409: an update is running, or the version/step is not new. 504: the update timed out.
+    503: the engine cannot take updates (memory released). `staged`: a two-phase update is
+    staged and verified, and waits for its `Decide`. `nbytes`: the bytes that reached rank 0
+    through the transport; `rank_nbytes[r]`: those that reached rank r (on a push's staged
+    and committed answers; empty otherwise).
+    """
+
+    update_id: str
+    status_code: int
+    version: str
+    fingerprint: str | None = None
+    nbytes: int = 0
+    rank_nbytes: list[int] = msgspec.field(default_factory=list)
+    seconds: float = 0.0
+    phases: dict[str, float] = msgspec.field(default_factory=dict)
+    error: str | None = None
+    names: list[str] = msgspec.field(default_factory=list)
+    staged: bool = False
+    draft: DraftInfo | None = None  # the draft served once this update commits
+
+
+class ControlResult(msgspec.Struct, tag="control_result", frozen=True, kw_only=True):
+    request_id: str
+    status_code: int
+    message: str = ""
+
+
+class HistoryEntry(msgspec.Struct, frozen=True, kw_only=True):
+    version: str
+    step: int | None
+    fingerprint: str | None
+    committed_at: float
+    seconds: float
+    nbytes: int
+    draft: DraftInfo | None = None  # with speculative decoding: the draft served with it
+
+
+class WeightsState(msgspec.Struct, tag="weights", frozen=True, kw_only=True):
+    """The engine's weights as `GET /v1/weights` reports them."""
+
+    version: str
+    step: int | None
+    status: WeightsStatus
+    fingerprint: str | None
+    generation: Literal["running", "paused"]
+    released: list[MemoryTag]
+    history: list[HistoryEntry]
+    rollback: HistoryEntry | None = None  # the previous version, still held in staging memory
+    rollback_unavailable: str = ""  # why there is no rollback version
+    staged_version: str | None = None  # a two-phase update waiting for its decision
+    two_phase_aborts: int = 0  # staged two-phase updates discarded (aborted or expired)
+    rollbacks: int = 0  # rollbacks committed
+    draft: DraftInfo | None = None  # with speculative decoding: the draft model served
+
+
+class Aborted(msgspec.Struct, tag="aborted", frozen=True):
+    """The engine ended these requests itself (finish_reason "abort", with `reason`)."""
+
+    request_ids: list[str]
+    reason: str
+
+
+ToEngine = (
+    AddRequest
+    | AbortRequest
+    | Shutdown
+    | UpdateWeights
+    | Control
+    | WeightsGroupRequest
+    | Decide
+    | Rollback
+)
+FromEngine = (
+    Ready | StepOutputs | RequestError | UpdateResult | ControlResult | WeightsState | Aborted
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(message: ToEngine | FromEngine) -> bytes:
+    """msgpack bytes of a message."""
+    return _encoder.encode(message)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
+    try:
+        return decoder.decode(data)
+    except UnicodeDecodeError as exc:
+        # msgspec reports invalid UTF-8 in a string this way, not as a DecodeError
+        raise msgspec.DecodeError(f"invalid UTF-8 in a string: {exc}") from None
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    """Decode a message for rank 0.
+
+    Raises:
+        msgspec.DecodeError: malformed bytes (invalid UTF-8 included) or an unknown message.
+    """
+    return _decode(_to_engine, data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    """Decode a message for the API server.
+
+    Raises:
+        msgspec.DecodeError: malformed bytes (invalid UTF-8 included) or an unknown message.
+    """
+    return _decode(_from_engine, data)

@@ -1,0 +1,113 @@
+"""An accepted update (or rollback) on rank 0, from acceptance until it commits or fails.
+
+A push and a rollback follow one life: accepted, staged (a push receives into the staging
+memory; a rollback finds it there already), then swapped in at a step boundary the pause mode
+allows. A two-phase one stops after staging: rank 0 answers "staged" and swaps only on the
+caller's commit (`Decide`), or discards on its abort or when the decision does not come within
+the update's `timeout_s`.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from weightbus.core.wire import PauseMode, RankVerdict
+from weightbus.engines.reference.engine import messages
+
+
+@dataclass(slots=True, kw_only=True)
+class PendingUpdate:
+    """What rank 0 tracks of one update.
+
+    Attributes:
+        request: the push (None for a rollback: the staging memory already holds the version).
+        atomic: stage then swap (False: load into the live weights).
+        fingerprint: a rollback's target, known upfront (a push's comes from the verdicts).
+        verdicts: every rank's verdict once all ranks staged (atomic, before the swap).
+        prepared_at: when a two-phase update answered "staged".
+        commit_id: the request id of the commit order, once it came.
+        abort_reason: why the caller aborted it before it was staged.
+    """
+
+    update_id: str
+    version: str
+    step: int | None
+    pause_mode: PauseMode
+    timeout_s: float
+    atomic: bool
+    two_phase: bool
+    request: messages.UpdateWeights | None
+    fingerprint: str | None = None
+    draft: messages.DraftInfo | None = None  # a rollback's, known upfront; a push's once verified
+    started_at: float = field(default_factory=time.perf_counter)
+    begun: bool = False  # BEGIN_STAGED or LOAD sent
+    verdicts: list[RankVerdict] | None = None
+    prepared_at: float | None = None
+    commit_id: str | None = None
+    decided_at: float = 0.0
+    abort_reason: str | None = None
+    nbytes: int = 0
+    rank_nbytes: list[int] = field(default_factory=list)  # by rank, from the verdicts
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of_push(cls, request: messages.UpdateWeights) -> "PendingUpdate":
+        return cls(
+            update_id=request.update_id,
+            version=request.version,
+            step=request.step,
+            pause_mode=request.pause_mode,
+            timeout_s=request.timeout_s,
+            atomic=request.atomic,
+            two_phase=request.two_phase and request.atomic,
+            request=request,
+        )
+
+    @classmethod
+    def of_rollback(
+        cls, request: messages.Rollback, previous: messages.HistoryEntry
+    ) -> "PendingUpdate":
+        return cls(
+            update_id=request.update_id,
+            version=previous.version,
+            step=previous.step,
+            pause_mode=request.pause_mode,
+            timeout_s=request.timeout_s,
+            atomic=True,
+            two_phase=request.two_phase,
+            request=None,
+            fingerprint=previous.fingerprint,
+            draft=previous.draft,
+        )
+
+    @property
+    def is_rollback(self) -> bool:
+        return self.request is None
+
+    @property
+    def staged_ok(self) -> bool:
+        """Every rank staged and verified the version (a rollback: at once)."""
+        return self.is_rollback or self.verdicts is not None
+
+    @property
+    def awaiting_decision(self) -> bool:
+        """A two-phase update answered "staged" and waits for its commit or abort."""
+        return self.prepared_at is not None and self.commit_id is None
+
+    def expired(self, now: float) -> bool:
+        """The update's `timeout_s` ran out: since it was accepted, since it answered "staged"
+        (waiting for the decision), or since the commit order (waiting for the pause mode)."""
+        since = self.decided_at or self.prepared_at or self.started_at
+        return now - since > self.timeout_s
+
+
+def failure(verdicts: list[RankVerdict]) -> tuple[int, str, list[str]]:
+    """The status, error and offending tensors of failed verdicts."""
+    errors = [f"rank {v.rank}: {e}" for v in verdicts for e in v.errors]
+    names = sorted({n for v in verdicts for n in v.names})
+    status = 504 if any(v.timed_out for v in verdicts) else 400
+    return status, "; ".join(errors) or "update failed", names
+
+
+def rank_nbytes(verdicts: list[RankVerdict]) -> list[int]:
+    """The bytes that reached each rank through the transport, in rank order."""
+    return [v.nbytes for v in sorted(verdicts, key=lambda v: v.rank)]

@@ -1,0 +1,307 @@
+"""This rank's weights: live parameters, optional staging copy, and the Receiver that fills them.
+
+The worker calls these at step boundaries, on every rank alike:
+- `begin_staged` starts receiving into the staging model in a background thread (atomic
+  updates: generation goes on with the live weights meanwhile); `staged_result` polls it;
+  `commit_staged` swaps staging and live parameters (pointer swaps, no copy); `discard_staged`
+  forgets a failed attempt. After a swap the staging memory holds the version it replaced, so
+  `roll_back` swaps it back in (until the next staged receive writes there).
+- `load_in_place` receives straight into the live parameters (generation is paused).
+- `release` / `resume` free and re-allocate memory (`weights`, `kv_cache`).
+
+With `shm_weights` (the default) live and staging parameters live in shared-memory arenas, so a
+co-located `shm` publisher can write updates straight into them (direct mode); where /dev/shm
+cannot hold them they stay in private memory and updates stream through the slots.
+"""
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from weightbus.core.meta import DRAFT_PREFIX, TensorMeta, is_draft_name
+from weightbus.core.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.core.transport import (
+    DirectPlacement,
+    ParamArena,
+    direct_placement,
+    open_source,
+    remove_stale_slots,
+)
+from weightbus.engines.reference.engine import messages
+from weightbus.engines.reference.engine.delta_slices import ModelSlices, copy_parameters
+from weightbus.engines.reference.engine.draft_load import DraftLoads, draft_info
+from weightbus.engines.reference.engine.model_runner import ModelRunner
+from weightbus.engines.reference.models.loader import create_model
+from weightbus.engines.reference.models.served import ServedModels
+
+logger = logging.getLogger(__name__)
+
+DRAFT_MISSING = (
+    "the push carries no draft model while this engine serves one: push the draft's tensors "
+    f"under {DRAFT_PREFIX!r} in the same version, or set keep_draft to keep the draft served"
+)
+
+
+def expected_metas(served: ServedModels, dtype: torch.dtype) -> dict[str, TensorMeta]:
+    """The tensors a complete update must carry (the draft's under `draft.`): full shapes, in
+    the serving dtype."""
+    return {name: TensorMeta(name, dtype, shape) for name, shape in served.weight_shapes().items()}
+
+
+def _new_served(served: ServedModels, dtype: torch.dtype) -> ServedModels:
+    """Unloaded models of `served`'s architectures (a staging copy)."""
+    draft = None if served.draft is None else create_model(served.draft.config, dtype)
+    return ServedModels(create_model(served.main.config, dtype), draft)
+
+
+def _prepare_staging(
+    request: messages.UpdateWeights, live: ServedModels, staging: ServedModels
+) -> Callable[[], None]:
+    """What the staging model must hold before a push writes into it: the live weights for a
+    delta (it changes them), the live draft when the push keeps it, else nothing."""
+    if request.delta:
+        return lambda: copy_parameters(live.parameters(), staging.parameters())
+    if request.keep_draft:
+        return lambda: copy_parameters(live.draft_parameters(), staging.draft_parameters())
+    return lambda: None
+
+
+def _swap_parameters(live: ServedModels, staged: ServedModels) -> None:
+    for live_param, staged_param in zip(live.parameters(), staged.parameters(), strict=True):
+        live_param.data, staged_param.data = staged_param.data, live_param.data
+
+
+class _StagedReceive:
+    """A receive running in a background thread; `result` is set when it ends. `prepare`
+    runs first in the same thread (a delta's base copied into the staging model)."""
+
+    def __init__(
+        self,
+        receiver: Receiver,
+        request: messages.UpdateWeights,
+        direct: DirectPlacement | None,
+        prepare: Callable[[], None],
+    ) -> None:
+        self.result: RankResult | None = None
+        self._receiver = receiver
+        self._request = request
+        self._direct = direct
+        self._prepare = prepare
+        self._thread = threading.Thread(target=self._run, name="staged-receive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        tick = time.perf_counter()
+        self._prepare()
+        prepare_s = time.perf_counter() - tick
+        self.result = receive(self._receiver, self._request, self._direct)
+        self.result.phases["base_copy_s"] = prepare_s
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+def receive(
+    receiver: Receiver, request: messages.UpdateWeights, direct: DirectPlacement | None = None
+) -> RankResult:
+    """Open the request's transport source and receive one session through `receiver`
+    (offering `direct`, the target's parameters in shared memory, to transports that take it)."""
+    update = UpdateRequest(
+        version=request.version,
+        plan_hash=request.plan_hash,
+        verify=request.verify,
+        timeout_s=request.timeout_s,
+        delta=request.delta,
+    )
+    try:
+        source = open_source(
+            request.transport,
+            request.source,
+            rank=receiver.rank,
+            tp_size=receiver.tp_size,
+            direct=direct,
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure must become this rank's verdict
+        result = RankResult()
+        result.fail(f"cannot open {request.transport} source: {type(exc).__name__}: {exc}")
+        return result
+    result = receiver.receive(source, update)
+    _explain_missing_draft(result)
+    return result
+
+
+def _explain_missing_draft(result: RankResult) -> None:
+    """Say why a push without the draft's tensors is refused (the receiver lists them)."""
+    refused = any(error.startswith("missing tensors") for error in result.errors)
+    if refused and any(is_draft_name(name) for name in result.bad_names):
+        result.errors.insert(0, DRAFT_MISSING)
+
+
+class WeightsManager:
+    """Live and staged parameters of one rank.
+
+    Args:
+        runner: the rank's model runner (its `model` holds the live parameters).
+        dtype: serving dtype; pushed tensors must have it.
+        tp_rank, tp_size: this rank's place (digests are verified rank-split).
+        shm_weights: keep parameters in shared-memory arenas (direct mode) where they fit.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        dtype: torch.dtype,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        shm_weights: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.dtype = dtype
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.shm_weights = shm_weights
+        self.served = runner.served
+        self.expected = expected_metas(self.served, dtype)
+        self._staging: ServedModels | None = None
+        self._staged: _StagedReceive | None = None
+        self._shapes = {name: p.shape for name, p in self.served.named_parameters()}
+        self._copies = self.served.shard_copies()  # this rank's slice map, computed once
+        # what the draft's part of the latest receive loaded (`draft_info`)
+        self._draft_loads = DraftLoads(self.served.load_weights)
+        self._placements: dict[str, DirectPlacement | None] = {}
+        self._live_arena = self._place(self.served, copy=True)
+        self._staging_arena: ParamArena | None = None
+        self.weights_released = False
+
+    def _place(self, model: ServedModels, *, copy: bool) -> ParamArena | None:
+        """Move `model`'s parameters into a new shared-memory arena (None: not possible)."""
+        if not self.shm_weights:
+            return None
+        remove_stale_slots()
+        layout = [
+            (name, torch.empty(self._shapes[name], dtype=p.dtype, device="meta"))
+            for name, p in model.named_parameters()
+        ]
+        try:
+            arena = ParamArena(layout)
+        except OSError as exc:
+            logger.warning("parameters stay in private memory (no direct shm updates): %s", exc)
+            return None
+        arena.adopt(model, copy=copy)
+        return arena
+
+    def _placement(self, arena: ParamArena | None) -> DirectPlacement | None:
+        if arena is None:
+            return None
+        if arena.name not in self._placements:
+            self._placements[arena.name] = direct_placement(arena, self._copies)
+        return self._placements[arena.name]
+
+    def _receiver(self, model: ServedModels, request: messages.UpdateWeights) -> Receiver:
+        expected = self.expected
+        if request.keep_draft:
+            expected = {name: m for name, m in expected.items() if not is_draft_name(name)}
+        self._draft_loads = DraftLoads(model.load_weights)
+        return Receiver(
+            load_weights=self._draft_loads,
+            expected=expected,
+            rank=self.tp_rank,
+            tp_size=self.tp_size,
+            slices=ModelSlices(model, self._copies),
+        )
+
+    # atomic: stage, then swap
+    def begin_staged(self, request: messages.UpdateWeights) -> None:
+        """Start receiving into the staging model (allocated on first use, then reused)."""
+        assert self._staged is None, "a staged receive is already running"
+        if self._staging is None:
+            self._staging = _new_served(self.served, self.dtype)
+            self._staging_arena = self._place(self._staging, copy=False)
+        staging = self._staging
+        self._staged = _StagedReceive(
+            self._receiver(staging, request),
+            request,
+            self._placement(self._staging_arena),
+            _prepare_staging(request, self.served, staging),
+        )
+
+    def staged_result(self) -> RankResult | None:
+        """The staged receive's verdict once it ended, else None."""
+        return None if self._staged is None else self._staged.result
+
+    def commit_staged(self) -> None:
+        """Make the staged weights live (the previous live ones become the next staging)."""
+        assert self.staged_result() is not None
+        self._swap()
+        self._staged = None
+
+    def roll_back(self) -> None:
+        """Make the previous version live again: the staging memory holds it since the last
+        swap (rank 0 checks that nothing wrote there since)."""
+        assert self._staged is None, "a staged receive is running"
+        self._swap()
+
+    def _swap(self) -> None:
+        assert self._staging is not None
+        _swap_parameters(self.served, self._staging)
+        self._live_arena, self._staging_arena = self._staging_arena, self._live_arena
+
+    def discard_staged(self, timeout_s: float = 5.0) -> None:
+        """Forget a staged receive (its thread ends by its own timeout if still running)."""
+        if self._staged is not None:
+            self._staged.join(timeout_s)
+        self._staged = None
+
+    # in place
+    def load_in_place(self, request: messages.UpdateWeights) -> RankResult:
+        """Receive straight into the live parameters (re-allocated first if released)."""
+        self.resume(["weights"])
+        direct = self._placement(self._live_arena)
+        return receive(self._receiver(self.served, request), request, direct)
+
+    def draft_info(
+        self, request: messages.UpdateWeights, result: RankResult
+    ) -> messages.DraftInfo | None:
+        """The draft a verified push carried and how it was loaded (None: the push carried
+        no draft, or failed)."""
+        if self.served.draft is None or request.keep_draft or not result.ok:
+            return None
+        return draft_info(request.version, self.expected, result, self._draft_loads)
+
+    # memory
+    def release(self, tags: list[str]) -> None:
+        """Free the weights (live and staging) and/or the KV cache."""
+        if "weights" in tags and not self.weights_released:
+            for param in self.served.parameters():
+                param.data = torch.empty(0, dtype=param.dtype)
+            self._staging = None
+            self._close_arenas()
+            self.weights_released = True
+        if "kv_cache" in tags:
+            self.runner.release_kv_cache()
+
+    def resume(self, tags: list[str]) -> None:
+        """Re-allocate what `release` freed; released weights come back uninitialised."""
+        if "weights" in tags and self.weights_released:
+            self._live_arena = self._place(self.served, copy=False)
+            if self._live_arena is None:
+                for name, param in self.served.named_parameters():
+                    param.data = torch.empty(self._shapes[name], dtype=param.dtype)
+            self.weights_released = False
+        if "kv_cache" in tags:
+            self.runner.resume_kv_cache()
+
+    def _close_arenas(self) -> None:
+        for arena in (self._live_arena, self._staging_arena):
+            if arena is not None:
+                self._placements.pop(arena.name, None)
+                arena.close()
+        self._live_arena = self._staging_arena = None
+
+    def close(self) -> None:
+        """Remove the shared-memory arenas (the process is ending)."""
+        self._close_arenas()

@@ -1,0 +1,34 @@
+"""RMSNorm exactly as Hugging Face computes it (float32 statistics, weight applied last)."""
+
+import torch
+from torch import nn
+
+from weightbus.core.plan.shard import ShardCopy, check_full_shape
+
+
+class RMSNorm(nn.Module):
+    """`weight * x / sqrt(mean(x^2) + eps)`, replicated on every rank."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def shard_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: None = None
+    ) -> ShardCopy:
+        """Replicated: the whole tensor."""
+        check_full_shape(full_shape, tuple(param.shape))
+        return ShardCopy.whole(tuple(param.shape))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        self.shard_copy(param, tuple(loaded.shape)).apply(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm, so float32 results agree bit for bit.
+        input_dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(input_dtype)

@@ -1,0 +1,184 @@
+"""`ModelConfig`: the architecture facts the engine needs, read from a Hugging Face config.json."""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from weightbus.engines.reference.layers.rotary import ROPE_TYPES
+
+MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, Qwen2).
+
+    Field names follow Hugging Face's config.json; `eos_token_ids` is always a tuple.
+
+    Raises:
+        ValueError: a field is out of range or unsupported; the message names the field.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported: {MODEL_TYPES}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported: {ROPE_TYPES}")
+        if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_id {self.eos_token_ids} outside the vocabulary")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+
+    def validate_tp(self, tp_size: int) -> None:
+        """Check that the model can be split over `tp_size` ranks.
+
+        Raises:
+            ValueError: naming `--tp` and the model field that does not divide.
+        """
+        if tp_size < 1:
+            raise ValueError(f"--tp must be >= 1, got {tp_size}")
+        kv = self.num_key_value_heads
+        checks = {
+            "num_attention_heads": self.num_attention_heads % tp_size == 0,
+            "num_key_value_heads": kv % tp_size == 0 or tp_size % kv == 0,
+            "intermediate_size": self.intermediate_size % tp_size == 0,
+            "vocab_size": self.vocab_size >= tp_size,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(
+                    f"--tp {tp_size} does not split this model: {name} = {getattr(self, name)}"
+                )
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Read a Hugging Face config.json dictionary (transformers 4.x or 5.x layout).
+
+        Raises:
+            ValueError: an unsupported architecture or option; the message names the field.
+        """
+        model_type = hf.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type {model_type!r} is not supported: {MODEL_TYPES}"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported")
+        if hf.get("mlp_bias", False):
+            raise ValueError("config.json mlp_bias = true is not supported")
+        if hf.get("use_sliding_window", False):
+            raise ValueError("config.json use_sliding_window = true is not supported")
+        num_heads = hf["num_attention_heads"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        rope_theta, rope_scaling = _read_rope(hf)
+        eos = hf.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            max_position_embeddings=hf["max_position_embeddings"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias sets both.
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_proj_bias=False if model_type == "qwen2" else attention_bias,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """Read `config.json` of a Hugging Face model directory.
+
+        Raises:
+            FileNotFoundError: no config.json in the directory.
+            ValueError: see `from_hf_dict`.
+        """
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _read_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 writes `rope_parameters` (theta inside); 4.x writes `rope_theta` and
+    # `rope_scaling` (with "type" in old files).
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("config.json partial_rotary_factor != 1 is not supported")
+    if params.get("rope_type", "default") == "default":
+        return rope_theta, None
+    return rope_theta, params
+
+
+def tiny_config() -> ModelConfig:
+    """The built-in `tiny` model: a Llama of ~4M parameters that starts in seconds on 2 cores.
+
+    Its vocabulary covers the byte-level fallback tokenizer: ids 0-255 are bytes, 256 is BOS,
+    257 is EOS.
+    """
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        bos_token_id=256,
+        eos_token_ids=(257,),
+    )

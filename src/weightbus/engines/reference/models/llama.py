@@ -1,0 +1,248 @@
+"""Llama-family decoder (Llama 2/3, Qwen2) built from tensor-parallel layers.
+
+Module and parameter names mirror Hugging Face's, except the fused `qkv_proj` and
+`gate_up_proj`; `LlamaForCausalLM.load_weights` maps Hugging Face names onto them.
+"""
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from weightbus.core.plan.shard import ShardCopy
+from weightbus.engines.reference.layers.activation import SiluAndMul
+from weightbus.engines.reference.layers.attention import Attention, AttentionMetadata
+from weightbus.engines.reference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from weightbus.engines.reference.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from weightbus.engines.reference.layers.norm import RMSNorm
+from weightbus.engines.reference.layers.rotary import RotaryEmbedding
+from weightbus.engines.reference.models.config import ModelConfig
+
+
+def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and full (unsharded) shapes of the Hugging Face tensors this model loads, in order.
+
+    With tied embeddings `lm_head.weight` is absent: the head reuses `model.embed_tokens.weight`.
+    """
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_size = config.num_attention_heads * head_dim
+    kv_size = config.num_key_value_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}"
+        shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
+        for proj, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+            shapes[f"{prefix}.self_attn.{proj}.weight"] = (size, hidden)
+            if config.qkv_bias:
+                shapes[f"{prefix}.self_attn.{proj}.bias"] = (size,)
+        shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_size)
+        if config.o_proj_bias:
+            shapes[f"{prefix}.self_attn.o_proj.bias"] = (hidden,)
+        shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        shapes[f"{prefix}.mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[f"{prefix}.mlp.up_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, config.intermediate_size)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.o_proj_bias,
+        )
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.num_kv_heads, scale=config.head_dim**-0.5
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # attention block, then MLP block, each with a residual (transformers' op order)
+        residual = hidden_states
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), meta)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states, meta)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama/Qwen2 causal LM, sharded over the current tensor-parallel context.
+
+    Build it inside `weightbus.engines.reference.layers.parallel.tp_context` (or after
+    `init_tp_group`) to get the
+    shards of a given rank. Parameters are created uninitialized: load weights before use.
+    """
+
+    # HF projection -> (fused parameter, shard id passed to its weight_loader)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states `[num_tokens, hidden_size]` of a packed batch (see AttentionMetadata)."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits `[n, vocab_size]` on every rank."""
+        return self.lm_head(hidden_states)
+
+    def expected_weight_names(self) -> list[str]:
+        """Hugging Face names that a complete `load_weights` must receive, in checkpoint order."""
+        return list(hf_weight_shapes(self.config))
+
+    def shard_copies(self) -> list[tuple[str, str, ShardCopy]]:
+        """This rank's slice map: `(hf_name, parameter name, ShardCopy)` for every HF tensor.
+
+        It is what `load_weights` does, as data: applying each copy from the full HF tensors
+        fills this rank's parameters exactly as `load_weights` would (padding rows aside, which
+        stay as allocated).
+        """
+        params = dict(self.named_parameters())
+        copies = []
+        for hf_name, full_shape in hf_weight_shapes(self.config).items():
+            param_name, shard_id = self._param_name(hf_name)
+            param = params[param_name]
+            layer = param.weight_loader.__self__
+            copies.append((hf_name, param_name, layer.shard_copy(param, full_shape, shard_id)))
+        return copies
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face tensors into this rank's (fused, sharded) parameters, in place.
+
+        May be called repeatedly, each time with any subset of the tensors. The tensors are
+        only read (they may be views into a reused buffer); no reference is kept.
+
+        Args:
+            weights: `(hf_name, full_tensor)` pairs; dtypes are converted to the parameter's.
+
+        Returns:
+            The Hugging Face names loaded. Tensors the model does not use (rotary `inv_freq`
+            buffers, and `lm_head.weight` when embeddings are tied) are skipped, not returned.
+
+        Raises:
+            ValueError: an unknown name or a wrong shape; the message names the tensor.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name.endswith("rotary_emb.inv_freq") or (
+                    name == "lm_head.weight" and self.config.tie_word_embeddings
+                ):
+                    continue
+                param_name, shard_id = self._param_name(name)
+                param = params.get(param_name)
+                if param is None:
+                    raise ValueError(f"unknown tensor {name!r}: this model has no such weight")
+                try:
+                    if shard_id is None:
+                        param.weight_loader(param, tensor)
+                    else:
+                        param.weight_loader(param, tensor, shard_id)
+                except ValueError as exc:
+                    raise ValueError(f"tensor {name!r}: {exc}") from None
+                loaded.add(name)
+        return loaded
+
+    def _param_name(self, hf_name: str) -> tuple[str, str | int | None]:
+        parts = hf_name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.packed_modules_mapping:
+                fused, shard_id = self.packed_modules_mapping[part]
+                return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard_id
+        return hf_name, None

@@ -1,0 +1,449 @@
+"""Request and response schemas of the HTTP API (an OpenAI-style subset), with validation."""
+
+import json
+from typing import Any, Literal
+
+import msgspec
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
+
+from weightbus.core.transport import decode_description, transport_names
+from weightbus.core.transport.distributed.messages import DEFAULT_GROUP_NAME, GROUP_NAME_PATTERN
+from weightbus.core.wire import PauseMode, VerifyLevel
+from weightbus.core.wire.delta import DeltaSpec
+from weightbus.engines.reference.engine.messages import MemoryTag, WeightsStatus
+
+MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20
+MAX_VERSION_CHARS = 256
+ControlAction = Literal["pause", "continue", "release", "resume"]
+# An update's own bound; the server waits a little longer for the engine's answer.
+MAX_UPDATE_TIMEOUT_S = 3600.0
+
+
+def _check_unicode(text: str) -> None:
+    # JSON's "\\ud800" escape reads as a lone surrogate, which no tokenizer can encode
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text has a lone surrogate at character {exc.start}") from None
+
+
+class CompletionRequest(BaseModel):
+    """`POST /v1/completions` body; unknown fields are rejected (422 naming the field), and so
+    are values of another JSON type: `true` is not a token id, a seed or a temperature, `"yes"`
+    not a boolean (integers are accepted where a number is)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | list[int] | list[str | list[int]]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    n: Literal[1] = 1
+    stream: Literal[False] = False
+
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _check_constant(cls, value: object, info: ValidationInfo) -> object:
+        # a Literal compares with ==: True would pass for 1 and 0 for False
+        expected = 1 if info.field_name == "n" else False
+        if type(value) is not type(expected):
+            raise ValueError(f"{info.field_name} must be {json.dumps(expected)}")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: str | list) -> str | list:
+        for text in [prompt] if isinstance(prompt, str) else prompt:
+            if isinstance(text, str):
+                _check_unicode(text)
+        if isinstance(prompt, list):
+            if not prompt:
+                raise ValueError("prompt must not be an empty list")
+            for item in prompt:
+                if isinstance(item, list) and not item:
+                    raise ValueError("a token-id prompt must not be empty")
+                ids = item if isinstance(item, list) else [item]
+                if any(isinstance(t, int) and t < 0 for t in ids):
+                    raise ValueError("token ids must be non-negative")
+        return prompt
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        for text in stops:
+            _check_unicode(text)
+        return stops
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one per choice."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(t, int) for t in prompt):
+            return [prompt]  # one prompt as token ids
+        return list(prompt)
+
+
+class LogProbs(BaseModel):
+    """Per-token logprobs under the model (before temperature and top-p).
+
+    `top_logprobs` is OpenAI's text-keyed form (tokens that decode to the same text keep the
+    best); `top_token_ids`/`top_token_logprobs` give the same alternatives by token id.
+    """
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_token_logprobs: list[list[float]] | None = None
+
+
+class WeightSpan(BaseModel):
+    """Completion tokens `[start, end)` were generated under weights `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
+class CompletionChoice(BaseModel):
+    """One choice; `weight_version` is the version of its last token (the engine's current
+    version when it has none), `weight_versions` the spans of every version it saw."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: LogProbs | None = None
+    finish_reason: str
+    weight_version: str
+    weight_versions: list[WeightSpan]
+    abort_reason: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer; some carry more keys (`names`: the offending tensors of an update)."""
+
+    error: ErrorInfo
+
+
+class ValidationErrorResponse(ErrorResponse):
+    """A 422 answer: `detail` lists every invalid field (absent when the JSON did not parse)."""
+
+    detail: list[dict[str, Any]] | None = None
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "The body cannot be parsed, or the engine refused the request (the message says why)",
+    401: "An admin route without 'Authorization: Bearer <token>' (a token is set)",
+    403: "An admin route with a wrong token",
+    404: "The model named is not served here",
+    409: "Another update or state change is running, or the version is not new",
+    413: "The body exceeds the server's limit",
+    422: "Malformed JSON, or a missing, unknown or mistyped field",
+    503: "The engine is gone, its memory is released or its weights failed",
+    504: "The engine did not answer in time",
+}
+
+
+def error_responses(*status_codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` documenting the error answers a route may give.
+
+    Args:
+        *status_codes: HTTP statuses among 400, 401, 403, 404, 409, 413, 422, 503, 504.
+
+    Returns:
+        The `responses` argument of a route or router.
+    """
+    return {
+        code: {
+            "model": ValidationErrorResponse if code == 422 else ErrorResponse,
+            "description": _ERROR_DESCRIPTIONS[code],
+        }
+        for code in status_codes
+    }
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "weightbus"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- admin routes ---
+
+
+class AdminRequest(BaseModel):
+    """Base of admin bodies: unknown fields are rejected and types are not coerced ("yes" is
+    not a boolean, "5" not an integer): a control plane should fail loudly."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+_VERSION_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+_FINGERPRINT_PATTERN = r"^[0-9a-f]{32}$"
+
+
+def _version(*default: None) -> Any:
+    # a version name as every admin body takes it (required unless a default is given)
+    return Field(*default, min_length=1, max_length=MAX_VERSION_CHARS, pattern=_VERSION_PATTERN)
+
+
+def _timeout() -> Any:
+    return Field(60.0, gt=0, le=MAX_UPDATE_TIMEOUT_S, allow_inf_nan=False)
+
+
+class UpdateWeightsRequest(AdminRequest):
+    """`POST /v1/update_weights` body."""
+
+    version: str = _version()
+    step: int | None = Field(None, ge=0, lt=2**63)
+    force: bool = False
+    transport: str = Field(json_schema_extra={"enum": transport_names()})
+    source: dict[str, Any]
+    plan_hash: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    pause_mode: PauseMode = "drain"
+    atomic: bool = True
+    verify: VerifyLevel = "full"
+    timeout_s: float = _timeout()
+    two_phase: bool = False
+    delta: dict[str, Any] | None = None  # `weightbus.core.wire.delta.DeltaSpec`
+    keep_draft: bool = Field(
+        False,
+        description="the push carries no draft tensors and the draft model served stays as it "
+        "is (an engine with a draft refuses a push without them otherwise)",
+    )
+
+    @field_validator("delta")
+    @classmethod
+    def _check_delta(cls, delta: dict[str, Any] | None) -> dict[str, Any] | None:
+        if delta is not None:
+            try:
+                msgspec.convert(delta, DeltaSpec)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"delta: {exc}") from None
+        return delta
+
+    @field_validator("transport")
+    @classmethod
+    def _check_transport(cls, transport: str) -> str:
+        names = transport_names()
+        if transport not in names:
+            raise ValueError(f"unknown transport {transport!r}; available: {', '.join(names)}")
+        return transport
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, source: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # the transport's own description type says what `source` may hold (422 naming the
+        # field); ranks decode it again with the same registry function
+        transport = info.data.get("transport")  # absent when the transport was refused
+        if transport is not None:
+            decode_description(transport, source)
+        try:  # it travels to rank 0 as msgpack: integers must fit in 64 bits
+            msgspec.msgpack.encode(source)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"source cannot be sent to the engine: {exc}") from None
+        return source
+
+
+class CommitWeightsRequest(AdminRequest):
+    """`POST /v1/commit_weights` body: swap in the two-phase update of `version` (staged and
+    verified), if its fingerprint is `fingerprint` (when given)."""
+
+    version: str = _version()
+    fingerprint: str | None = Field(None, pattern=_FINGERPRINT_PATTERN)
+    timeout_s: float = _timeout()
+
+
+class AbortWeightsRequest(AdminRequest):
+    """`POST /v1/abort_weights` body: discard the two-phase update of `version`."""
+
+    version: str = _version()
+    reason: str = Field("", max_length=1000)
+
+
+class RollbackWeightsRequest(AdminRequest):
+    """`POST /v1/rollback_weights` body: swap back to the previous version (held in the
+    staging memory), expected to be `version` / `fingerprint` when given; with `two_phase` the
+    engine answers `staged` and swaps on `/v1/commit_weights`."""
+
+    version: str | None = _version(None)
+    fingerprint: str | None = Field(None, pattern=_FINGERPRINT_PATTERN)
+    pause_mode: PauseMode = "drain"
+    two_phase: bool = False
+    timeout_s: float = _timeout()
+
+
+class PauseRequest(AdminRequest):
+    """`POST /v1/pause_generation` body."""
+
+    mode: PauseMode
+
+
+class ContinueRequest(AdminRequest):
+    """`POST /v1/continue_generation` body (empty)."""
+
+
+class MemoryRequest(AdminRequest):
+    """`POST /v1/release_memory` and `/v1/resume_memory` body."""
+
+    tags: list[MemoryTag] = Field(min_length=1)
+
+    @field_validator("tags")
+    @classmethod
+    def _check_unique(cls, tags: list[str]) -> list[str]:
+        if len(set(tags)) != len(tags):
+            raise ValueError("tags must be unique")
+        return tags
+
+
+class InitWeightsGroupRequest(AdminRequest):
+    """`POST /v1/init_weights_group` body: this engine's ranks join a `dist` weights group as
+    group ranks `rank_offset ..` of `world_size` (the publisher, serving the store at
+    `master_addr:master_port`, is rank 0)."""
+
+    master_addr: str = Field(min_length=1, max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2, le=65536)
+    backend: Literal["gloo"] = "gloo"
+    group_name: str = Field(DEFAULT_GROUP_NAME, pattern=GROUP_NAME_PATTERN)
+    timeout_s: float = Field(60.0, gt=0, le=MAX_UPDATE_TIMEOUT_S, allow_inf_nan=False)
+
+
+class DestroyWeightsGroupRequest(AdminRequest):
+    """`POST /v1/destroy_weights_group` body."""
+
+    group_name: str = Field(DEFAULT_GROUP_NAME, pattern=GROUP_NAME_PATTERN)
+
+
+class ServerInfo(BaseModel):
+    """`GET /v1/server_info`: what a publisher needs to know about the engine."""
+
+    tp_size: int
+    max_model_len: int
+    served_model_name: str
+
+
+class DraftItem(BaseModel):
+    """The draft model served for speculative decoding."""
+
+    version: str = Field(description="the version its weights came with")
+    fingerprint: str | None = Field(
+        description="its fingerprint as a model of its own (tensor names without 'draft.')"
+    )
+    bytes: int = Field(0, description="draft bytes rank 0 loaded with that version")
+    max_chunk_bytes: int = Field(
+        0, description="the most draft bytes rank 0 loaded at once (one bucket's share)"
+    )
+    load_s: float = Field(0.0, description="seconds rank 0 spent loading them")
+
+
+class UpdateWeightsResponse(BaseModel):
+    """A committed update: what the engine now serves and how long the update took; with
+    `staged`, a two-phase update staged and verified, waiting for `/v1/commit_weights`."""
+
+    version: str
+    fingerprint: str | None
+    bytes: int = Field(description="bytes that reached rank 0 through the transport")
+    rank_bytes: list[int] = Field(
+        default_factory=list,
+        description="bytes that reached each rank through the transport, by TP rank (empty "
+        "for a rollback or a commit of one)",
+    )
+    seconds: float
+    phases: dict[str, float]
+    staged: bool = False
+    draft: DraftItem | None = Field(
+        None, description="the draft model served once it commits (speculative decoding)"
+    )
+
+
+class ControlResponse(BaseModel):
+    """A control action the engine carried out."""
+
+    action: ControlAction | Literal["init_weights_group", "destroy_weights_group", "abort_weights"]
+    message: str
+
+
+class HistoryItem(BaseModel):
+    """One committed version (oldest first in `WeightsInfo.history`)."""
+
+    version: str
+    step: int | None
+    fingerprint: str | None
+    committed_at: float
+    seconds: float
+    bytes: int
+    draft: DraftItem | None = None
+
+
+class WeightsInfo(BaseModel):
+    """`GET /v1/weights`: the engine's weights as rank 0 last reported them."""
+
+    version: str
+    step: int | None
+    status: WeightsStatus
+    fingerprint: str | None
+    generation: Literal["running", "paused"]
+    released: list[MemoryTag]
+    history: list[HistoryItem]
+    rollback: HistoryItem | None = Field(
+        None, description="the previous version, held for POST /v1/rollback_weights"
+    )
+    rollback_unavailable: str = Field("", description="why there is no rollback version")
+    staged_version: str | None = Field(
+        None, description="a two-phase update staged, waiting for its commit or abort"
+    )
+    waiting_for_initial_weights: bool = False
+    two_phase_aborts: int = Field(0, description="staged two-phase updates discarded")
+    rollbacks: int = Field(0, description="rollbacks committed")
+    draft: DraftItem | None = Field(
+        None, description="the draft model served for speculative decoding (None: no draft)"
+    )

@@ -1,0 +1,56 @@
+"""The messages of backend `weightbus` that cross from a trainer into vLLM's workers: the
+trainer side (`target.py`, `trainer.py`) encodes them, the worker side (`worker.py`) decodes them.
+"""
+
+from typing import Annotated, Any
+
+import msgspec
+
+from weightbus.core.wire import VerifyLevel
+
+# Workers start every refusal with this: the model was not touched, vLLM serves what it served.
+UNTOUCHED = "refused before loading; vLLM still serves its previous weights"
+
+
+class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`update_info` of `/update_weights` for backend `weightbus`: one whole push.
+
+    `skip_unchanged`: load only the blocks whose bytes differ from the last weightbus load
+    (safe only while weightbus is the one writer of the weights: vLLM's own `reload_weights`
+    changes them behind its back). `reload_all` (a forced push) loads everything.
+    `keep_draft`: the push carries no draft model; a server serving one keeps it (else its
+    workers refuse a push without the draft's `draft.` tensors).
+    """
+
+    transport: str
+    source: dict[str, Any]
+    version: str
+    plan_hash: str
+    verify: VerifyLevel = "full"
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    skip_unchanged: bool = False
+    reload_all: bool = False
+    keep_draft: bool = False
+
+
+class VllmTransportSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A transport's set-up every worker runs (`dist`: join or leave the weights group):
+    `request` is the transport's typed set-up request in its JSON form."""
+
+    transport: str
+    request: dict[str, Any]
+
+
+class VllmInitInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`init_info` of `/init_weight_transfer_engine` for backend `weightbus`.
+
+    Attributes:
+        retie_tied_heads: rebuild a tied LM head's repacked weight after each load (the fix of
+            the stale-head case; off only to show what the logprob probe catches).
+        setup: a transport set-up to run on every worker (`Publisher.setup_transport`).
+        push: a whole push to receive, verify and load (`VllmEngineTarget.update`).
+    """
+
+    retie_tied_heads: bool = True
+    setup: VllmTransportSetup | None = None
+    push: VllmUpdateInfo | None = None

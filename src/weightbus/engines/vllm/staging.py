@@ -1,0 +1,82 @@
+"""Stage, then load: a vLLM rank keeps a whole push in reusable buffers until every rank has
+verified it, so a killed, corrupted or refused push never reaches vLLM's parameters.
+
+Staging costs one copy of the pushed tensors per rank (full, unsharded: vLLM's loaders narrow
+them to the rank's shard), allocated by the first push and reused by every later push of the
+same layout, so later pushes copy at memcpy speed instead of faulting fresh pages in.
+"""
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from weightbus.core.checkpoint import safetensors_files, safetensors_metas
+from weightbus.core.meta import TensorMeta
+
+# The head of a tied model is its embedding: checkpoints may or may not carry it, pushes do not.
+TIED_HEAD = "lm_head.weight"
+
+
+def checkpoint_metas(
+    model_dir: str | Path, dtype: torch.dtype, tied: bool
+) -> dict[str, TensorMeta]:
+    """The tensors a push must carry, from the served checkpoint's safetensors headers: names
+    and full shapes as saved, floating tensors in the dtype vLLM serves.
+
+    Raises:
+        FileNotFoundError: `model_dir` holds no safetensors checkpoint.
+        ValueError: a file is not safetensors, or holds a dtype weightbus does not carry.
+    """
+    metas = {}
+    for name, (saved, _) in safetensors_metas(safetensors_files(model_dir)).items():
+        served = dtype if saved.dtype.is_floating_point else saved.dtype
+        metas[name] = TensorMeta(name, served, saved.shape)
+    if tied:
+        metas.pop(TIED_HEAD, None)
+    return metas
+
+
+class StagingBuffers:
+    """One reusable buffer per tensor name; `put` is a `Receiver` loader that copies into them."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def put(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        names = []
+        for name, tensor in pairs:
+            buffer = self._buffers.get(name)
+            if buffer is None or buffer.dtype != tensor.dtype or buffer.shape != tensor.shape:
+                buffer = self._buffers[name] = torch.empty_like(tensor, device="cpu")
+            buffer.copy_(tensor)
+            names.append(name)
+        return names
+
+    def pairs(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
+        return [(name, self._buffers[name]) for name in names]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._buffers.values())
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+
+def load_group(name: str) -> str:
+    """The block a checkpoint tensor is loaded with: its module's parent
+    (`model.layers.0.self_attn` for `...self_attn.q_proj.weight`). vLLM fuses tensors only
+    inside such a block (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`), so loading or
+    skipping whole blocks never hands vLLM part of a fused parameter."""
+    parts = name.split(".")
+    return ".".join(parts[:-2]) if len(parts) > 2 else name
+
+
+def changed_tensors(digests: Mapping[str, str], loaded: Mapping[str, str] | None) -> list[str]:
+    """The tensors to load: every tensor of a block in which any tensor's digest differs from
+    the one loaded last (all of them when nothing is known of the loaded version)."""
+    if loaded is None:
+        return sorted(digests)
+    stale_groups = {load_group(n) for n, digest in digests.items() if loaded.get(n) != digest}
+    return sorted(name for name in digests if load_group(name) in stale_groups)

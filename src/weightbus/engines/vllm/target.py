@@ -1,0 +1,343 @@
+"""A vLLM server as an engine target: its weight-transfer routes (served with
+`VLLM_SERVER_DEV_MODE=1`) driving the `weightbus` backend on its workers.
+
+One update: `/pause` (drain -> `wait`, in_place -> `keep`, abort -> `abort`), then **one**
+`/init_weight_transfer_engine` whose `init_info` carries the whole weightbus session (each
+worker receives it, verifies every digest and the fingerprint, and loads only once every rank
+agreed: `weightbus.engines.vllm.worker`), then `/start_weight_update` +
+`/finish_weight_update` to set the version, and `/resume`.
+
+A push that carries a draft model (`draft.` tensors, speculative decoding with vLLM's
+`draft_model` method) rides the same single `init` inside a draft session:
+`/start_draft_weight_update` before it (which retargets each worker's backend at the draft
+model), `/finish_weight_update` after it, always, even on a refusal -- vLLM's init route keeps
+no session of its own, so a session left open would send every later push to the draft.
+
+Why not `/update_weights`: vLLM's worker wrapper marks a session open on `start` and closes it
+on `finish` or on a rank that raised. vLLM's executor stops reading the ranks' answers at the
+first failure, so only the last rank may fail a call (the others' answers would be read by the
+next call); a failed update then leaves the other ranks' sessions open, and the next `start`
+fails on them -- for good, once a publisher died mid-push and cannot `finish`. The init route
+has no session: a refused push leaves every rank as it was.
+
+A push the workers refused leaves vLLM serving the previous weights and resumes it; a load that
+failed after touching the model, or a failed logprob probe, leaves it paused (fail closed)
+until a good push lands.
+"""
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import httpx
+import msgspec
+
+from weightbus.core.meta import DRAFT_PREFIX
+from weightbus.core.publisher.probe import LogprobProbe
+from weightbus.core.publisher.targets.base import (
+    EngineResult,
+    EngineTarget,
+    EngineWeights,
+    UpdateOrder,
+)
+from weightbus.core.publisher.targets.http import HTTP_MARGIN_S, request_json
+from weightbus.core.transport import encode_description
+from weightbus.core.transport.base import EngineRequestError
+from weightbus.core.wire import PauseMode
+from weightbus.engines.vllm.messages import (
+    UNTOUCHED,
+    VllmInitInfo,
+    VllmTransportSetup,
+    VllmUpdateInfo,
+)
+
+# What each weightbus pause mode is called on vLLM's `/pause`.
+PAUSE_MODES: dict[PauseMode, str] = {"drain": "wait", "in_place": "keep", "abort": "abort"}
+_CONTROL_TIMEOUT_S = 30.0
+# vLLM's worker refuses a second session while one is open (a publisher died inside it).
+_SESSION_OPEN = "already active"
+
+logger = logging.getLogger(__name__)
+
+
+def update_info(order: UpdateOrder, *, skip_unchanged: bool = False) -> VllmUpdateInfo:
+    """The `update_info` of one engine's order (a forced push reloads every tensor)."""
+    return VllmUpdateInfo(
+        transport=order.transport,
+        source=encode_description(order.source),
+        version=order.version,
+        plan_hash=order.plan_hash,
+        verify=order.verify,
+        timeout_s=order.timeout_s,
+        skip_unchanged=skip_unchanged,
+        reload_all=order.force,
+        keep_draft=order.keep_draft,
+    )
+
+
+def _refuse_contradictory_draft(order: UpdateOrder) -> None:
+    if order.carries_draft and order.keep_draft:
+        raise EngineRequestError(
+            f"keep_draft is set but the push carries {DRAFT_PREFIX!r} tensors: drop one or the "
+            "other (nothing was changed)"
+        )
+
+
+def _committed(url: str, version: str, start: float, phases: dict[str, float]) -> EngineResult:
+    """A vLLM engine's result: its ranks verified the fingerprint but cannot report it."""
+    return EngineResult(
+        url=url,
+        version=version,
+        fingerprint=None,
+        nbytes=0,
+        seconds=time.perf_counter() - start,
+        phases=phases,
+    )
+
+
+class VllmEngineTarget(EngineTarget):
+    """A vLLM server at `url` started with `--weight-transfer-config '{"backend": "weightbus"}'`.
+
+    Args:
+        url: the server's base URL.
+        init_info: the backend's options (`VllmInitInfo`), sent with every push and set-up.
+        skip_unchanged: ask the workers to reload only the blocks whose bytes changed since
+            their last weightbus load (`VllmUpdateInfo.skip_unchanged`: only while nothing
+            else writes the engine's weights).
+        api_key: vLLM's `--api-key`, if set.
+        client: an HTTP client to use (the target then does not close it).
+    """
+
+    reports_fingerprint = False  # vLLM has no route for it: its ranks verify it instead
+    scores_probes = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        init_info: VllmInitInfo | None = None,
+        skip_unchanged: bool = False,
+        api_key: str | None = None,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.init_info = init_info or VllmInitInfo()
+        self.skip_unchanged = skip_unchanged
+        self._owns_client = client is None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # no keep-alive: uvicorn drops a kept-alive connection after a route raised (500)
+        self._http = client or httpx.Client(
+            headers=headers, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+        self._model: str | None = None
+
+    # requests
+    def _request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
+        return request_json(self._http, method, self.url, path, timeout_s, name_path=True, **kwargs)
+
+    def _pause(self, mode: PauseMode, timeout_s: float) -> None:
+        self._request("POST", "/pause", timeout_s, params={"mode": PAUSE_MODES[mode]})
+
+    def _resume(self) -> None:
+        self._request("POST", "/resume", _CONTROL_TIMEOUT_S)
+
+    def _init(self, timeout_s: float, **fields: Any) -> None:
+        """One `/init_weight_transfer_engine` with this target's options and `fields`."""
+        init_info = msgspec.structs.replace(self.init_info, **fields)
+        body = {"init_info": msgspec.to_builtins(init_info)}
+        self._request("POST", "/init_weight_transfer_engine", timeout_s + HTTP_MARGIN_S, json=body)
+
+    # the EngineTarget seam
+    def update(self, order: UpdateOrder) -> EngineResult:
+        start = time.perf_counter()
+        _refuse_contradictory_draft(order)
+        self._refuse_served_version(order)
+        info = update_info(order, skip_unchanged=self.skip_unchanged)
+        phases: dict[str, float] = {"version_check_s": time.perf_counter() - start}
+        with self._draft_session(order.carries_draft, phases):
+            tick = time.perf_counter()
+            self._pause(order.pause_mode, order.timeout_s)
+            phases["pause_s"] = time.perf_counter() - tick
+            tick = time.perf_counter()
+            self._load(info, order.timeout_s)
+            phases["update_s"] = time.perf_counter() - tick
+        # vLLM's version: a start/finish pair (the backend's are no-ops: nothing can fail)
+        tick = time.perf_counter()
+        self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
+        body = {"weight_version": order.version}
+        self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json=body)
+        phases["version_s"] = time.perf_counter() - tick
+        tick = time.perf_counter()
+        self._resume()
+        phases["resume_s"] = time.perf_counter() - tick
+        if order.probe is not None:
+            tick = time.perf_counter()
+            self._check_probe(order.probe, order.version)
+            phases["probe_s"] = time.perf_counter() - tick
+        return _committed(self.url, order.version, start, phases)
+
+    @contextmanager
+    def _draft_session(self, carries_draft: bool, phases: dict[str, float]) -> Iterator[None]:
+        """Around a push that carries a draft: a draft session, opened before the pause (a
+        server without a draft refuses it, nothing changed) and always closed after the push."""
+        if not carries_draft:
+            yield
+            return
+        tick = time.perf_counter()
+        self._start_draft_session()
+        phases["draft_start_s"] = time.perf_counter() - tick
+        try:
+            yield
+        except BaseException as exc:
+            try:
+                self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S)
+            except EngineRequestError as closing:
+                exc.add_note(f"and the draft session could not be closed: {closing}")
+            raise
+        tick = time.perf_counter()
+        self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S)
+        phases["draft_finish_s"] = time.perf_counter() - tick
+
+    def _start_draft_session(self) -> None:
+        """`/start_draft_weight_update`; a session left open by a publisher that died inside
+        it is closed first (no route says whether one is open: vLLM's refusal does)."""
+        try:
+            self._request("POST", "/start_draft_weight_update", _CONTROL_TIMEOUT_S)
+        except EngineRequestError as exc:
+            if _SESSION_OPEN not in str(exc):
+                raise EngineRequestError(
+                    f"the push carries a draft model ({DRAFT_PREFIX!r} tensors) but the vLLM "
+                    f"server at {self.url} cannot update one: it serves no draft model (start "
+                    'it with --speculative-config \'{"method": "draft_model", ...}\') or '
+                    f"its backend is not weightbus; nothing was changed ({exc})"
+                ) from None
+            logger.warning("%s: closing a weight-update session left open", self.url)
+            self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S)
+            self._request("POST", "/start_draft_weight_update", _CONTROL_TIMEOUT_S)
+
+    def _refuse_served_version(self, order: UpdateOrder) -> None:
+        served = self._request("GET", "/weight_info", _CONTROL_TIMEOUT_S).get("weight_version")
+        if served == order.version and not order.force:
+            raise EngineRequestError(
+                f"the engine already serves version {order.version!r} (push with force=True "
+                "to load it again)"
+            )
+
+    def _load(self, info: VllmUpdateInfo, timeout_s: float) -> None:
+        """The push on every worker; on failure resume when the workers said the model is
+        untouched, else stay paused (fail closed: never serve a half-loaded model)."""
+        try:
+            self._init(timeout_s, push=info)
+        except EngineRequestError as exc:
+            if UNTOUCHED in str(exc):
+                self._resume()
+                raise
+            raise EngineRequestError(f"{exc} (vLLM stays paused until a good push)") from None
+
+    def _check_probe(self, probe: LogprobProbe, version: str) -> None:
+        gap = probe.gap(self.score(probe.token_ids))
+        if gap > probe.tolerance:
+            self._pause("abort", _CONTROL_TIMEOUT_S)
+            raise EngineRequestError(
+                f"logprob probe failed after loading {version!r}: engine and trainer differ by "
+                f"{gap:.3g} > tolerance {probe.tolerance:g}, so the engine does not serve the "
+                "pushed weights (vLLM stays paused until a good push)"
+            )
+
+    def score(self, token_ids: tuple[int, ...] | list[int]) -> list[float]:
+        """vLLM's logprob of each token after the first, teacher-forced (`prompt_logprobs`)."""
+        body = {
+            "model": self.served_model(),
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        answer = self._request("POST", "/v1/completions", _CONTROL_TIMEOUT_S, json=body)
+        scored = answer["choices"][0]["prompt_logprobs"][1:]
+        return [
+            entry[str(token)]["logprob"] for entry, token in zip(scored, token_ids[1:], strict=True)
+        ]
+
+    def served_model(self) -> str:
+        """The name vLLM serves its model under (`GET /v1/models`)."""
+        if self._model is None:
+            self._model = self._request("GET", "/v1/models", _CONTROL_TIMEOUT_S)["data"][0]["id"]
+        return self._model
+
+    def weights(self, timeout_s: float) -> EngineWeights:
+        version = self._request("GET", "/weight_info", timeout_s)["weight_version"]
+        paused = self._request("GET", "/is_paused", timeout_s).get("is_paused", False)
+        return EngineWeights(
+            url=self.url, version=version, fingerprint=None, status="PAUSED" if paused else "NORMAL"
+        )
+
+    def tp_size(self, timeout_s: float) -> int:
+        answer = self._request("GET", "/get_world_size", timeout_s, params={"include_dp": "false"})
+        return int(answer["world_size"])
+
+    def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        """Every worker runs `transport`'s set-up (`dist`: joins the weights group; the call
+        blocks until the whole group formed or its timeout)."""
+        setup = VllmTransportSetup(transport=transport, request=msgspec.to_builtins(info))
+        self._init(timeout_s, setup=setup)
+
+    def teardown_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
+        self.setup_transport(transport, info, timeout_s)
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._http.close()
+
+
+class WeightSyncClient(Protocol):
+    """vLLM's trainer-side control-plane client (`VLLMWeightSyncClient`: HTTP, Ray, ...)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+class VllmClientTarget(EngineTarget):
+    """A vLLM engine reached through one of vLLM's own weight-sync clients (the trainer API:
+    `WeightbusTrainerEngine`). Pausing is the caller's, as in vLLM's trainer flow.
+
+    Args:
+        client: the client (`HTTPVLLMWeightSyncClient`, `RayVLLMWeightSyncClient`, ...).
+        tp_size: the engine's number of workers (each one opens the push's source).
+        name: names the engine in results and errors.
+    """
+
+    reports_fingerprint = False
+
+    def __init__(self, client: WeightSyncClient, *, tp_size: int, name: str = "vllm") -> None:
+        self.url = name
+        self._client = client
+        self._tp_size = tp_size
+
+    def update(self, order: UpdateOrder) -> EngineResult:
+        start = time.perf_counter()
+        _refuse_contradictory_draft(order)
+        if order.carries_draft:
+            raise EngineRequestError(
+                f"{self.url}: vLLM's weight-sync clients open no draft session: push a draft "
+                f"model ({DRAFT_PREFIX!r} tensors) with VllmEngineTarget (nothing was changed)"
+            )
+        info = update_info(order)
+        init_info = msgspec.to_builtins(VllmInitInfo(push=info))
+        try:  # the push rides `init` (see the module's docstring); start/finish set the version
+            self._client.init_weight_transfer_engine(init_info)
+            self._client.start_weight_update()
+            self._client.finish_weight_update(order.version)
+        except Exception as exc:  # noqa: BLE001 - clients raise their transport's errors (requests, Ray)
+            raise EngineRequestError(f"{type(exc).__name__}: {exc}") from None
+        return _committed(self.url, order.version, start, {})
+
+    def weights(self, timeout_s: float) -> EngineWeights:
+        raise EngineRequestError("a weight-sync client cannot read back the served version")
+
+    def tp_size(self, timeout_s: float) -> int:
+        return self._tp_size

@@ -1,0 +1,329 @@
+"""The worker side of backend `weightbus`: one vLLM worker (TP rank) receives a whole push,
+every rank agrees it verified, and only then does vLLM load it.
+
+A push arrives as `init_info.push` of `/init_weight_transfer_engine` (the publisher's target
+says why not `/update_weights`; `update_weights` takes the same session for vLLM's own clients).
+`receive_weights` runs the named steps: `_receive` (a weightbus `Receiver`
+over the push's transport, staging every tensor in reusable buffers and checking every digest,
+the plan and the fingerprint against the served checkpoint's tensor list), `gather_verdicts`
+(all ranks' verdicts over vLLM's CPU TP group), `_load` (the blocks that changed, through
+vLLM's layerwise reload, tied heads re-tied). A refusal raises before any parameter is touched
+and says so (`UNTOUCHED`): the publisher's target resumes vLLM on the previous weights.
+
+A draft model (speculative decoding, vLLM's `draft_model` method) is pushed in the same session
+as the main model, its tensors under `draft.` + its own names, inside a draft session
+(`/start_draft_weight_update`, which points `self.model` at the draft until
+`/finish_weight_update`): the main model's tensors load into the default model, the draft's
+(prefix stripped) into the draft. A server serving a draft refuses a push without its tensors
+unless the push keeps the draft (`keep_draft`).
+"""
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+import torch
+from vllm.distributed import get_tp_group
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightbus.core.meta import DRAFT_PREFIX, TensorMeta, is_draft_name
+from weightbus.core.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.core.transport import decode_setup_request, open_source, rank_setup
+from weightbus.engines.vllm.messages import (
+    UNTOUCHED,
+    VllmInitInfo,
+    VllmTransportSetup,
+    VllmUpdateInfo,
+)
+from weightbus.engines.vllm.reload import reload_weights, unloaded
+from weightbus.engines.vllm.staging import StagingBuffers, changed_tensors, checkpoint_metas
+from weightbus.engines.vllm.verdicts import gather_verdicts
+
+# a child of vLLM's logger: vLLM configures handlers for its own tree only
+logger = logging.getLogger("vllm.weightbus")
+
+# The one speculative method whose draft is a model of its own, updated by name (EAGLE and MTP
+# heads share the target's layers and checkpoint).
+DRAFT_METHOD = "draft_model"
+DRAFT_MISSING = (
+    "this vLLM server serves a draft model (speculative decoding): push the draft's tensors "
+    f"under {DRAFT_PREFIX!r} in the same version (VllmEngineTarget opens the draft session), "
+    "or set keep_draft to keep the draft served"
+)
+DRAFT_SESSION_WITHOUT_DRAFT = (
+    "a draft session is open (/start_draft_weight_update) but the push carries no "
+    f"{DRAFT_PREFIX!r} tensors: a push in a draft session carries both models (if a publisher "
+    "died inside the session, POST /finish_weight_update closes it)"
+)
+DRAFT_OUTSIDE_SESSION = (
+    f"the push carries {DRAFT_PREFIX!r} tensors outside a draft session: this vLLM server "
+    f"serves no draft model (speculative method {DRAFT_METHOD!r}), or the push set keep_draft, "
+    "or no /start_draft_weight_update opened the session"
+)
+
+
+class WeightbusRefusedError(RuntimeError):
+    """A push the ranks did not all verify; the model was not touched."""
+
+
+class WeightbusLoadError(RuntimeError):
+    """vLLM's loader failed after the model was touched: the engine must not serve."""
+
+
+class WeightbusWeightTransferEngine(
+    WeightTransferEngine[WeightTransferInitInfo, WeightTransferUpdateInfo]
+):
+    """Backend `weightbus` on one vLLM worker."""
+
+    supports_draft_weight_update = True
+
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.options = VllmInitInfo()
+        self._staging = StagingBuffers()
+        self._main_metas: dict[str, TensorMeta] | None = None
+        self._draft_metas: dict[str, TensorMeta] | None = None  # `draft.` names
+        # digests of what the model holds, by name; None: not loaded by weightbus (start-up)
+        self._loaded_digests: dict[str, str] | None = None
+
+    # typed parsing (vLLM's default is `cls(**dict)`)
+    def parse_init_info(self, init_dict: dict[str, Any]) -> VllmInitInfo:
+        return _convert(init_dict, VllmInitInfo, "init_info")
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> VllmUpdateInfo:
+        return _convert(update_dict, VllmUpdateInfo, "update_info")
+
+    # lifecycle
+    def init_transfer_engine(self, init_info: VllmInitInfo) -> None:
+        self.options = init_info
+        if init_info.setup is not None:
+            self._setup_transport(init_info.setup)
+        if init_info.push is not None:
+            self.receive_weights(init_info.push)
+
+    def _setup_transport(self, setup: VllmTransportSetup) -> None:
+        """Run a transport's rank set-up (`dist`: join the weights group). vLLM's loaders take
+        whole tensors, so this rank reports no slices: a scatter sends it every tensor whole."""
+        tp = get_tp_group()
+        try:
+            request = decode_setup_request(setup.transport, setup.request)
+            rank_setup(setup.transport)(
+                request, tp_rank=tp.rank_in_group, tp_size=tp.world_size, slices=[]
+            )
+            error = ""
+        except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        failures = _failures(gather_verdicts(not error, error, tp.cpu_group))
+        if failures:
+            _raise_on_last_rank(RuntimeError(f"{setup.transport} set-up failed: {failures}"))
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: a push is staged whole before anything is loaded."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class synchronizes an accelerator, which raises on CPU-only hosts
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: VllmUpdateInfo) -> None:
+        tp = get_tp_group()
+        version = update_info.version
+        start = time.perf_counter()
+        result = self._receive(update_info, tp.rank_in_group, tp.world_size)
+        verdicts = gather_verdicts(result.ok, "; ".join(result.errors), tp.cpu_group)
+        received_s = time.perf_counter() - start
+        refusals = _failures(verdicts)
+        if refusals:
+            _raise_on_last_rank(
+                WeightbusRefusedError(f"{UNTOUCHED}: version {version!r}: {refusals}")
+            )
+            return
+        tick = time.perf_counter()
+        try:
+            skip = update_info.skip_unchanged and not update_info.reload_all
+            loaded, error = self._load(result, skip_unchanged=skip), ""
+        except WeightbusLoadError as exc:
+            loaded, error = 0, str(exc)
+        failures = _failures(gather_verdicts(not error, error, tp.cpu_group))
+        if failures:
+            _raise_on_last_rank(WeightbusLoadError(f"version {version!r}: {failures}"))
+            return
+        logger.info(
+            "weightbus: version %s: received %d bytes in %.3f s (wait %.3f s, verify %.3f s, "
+            "staging %.3f s); vLLM loaded %d of %d tensors in %.3f s",
+            version,
+            result.nbytes,
+            received_s,
+            result.phases.get("wait_s", 0.0),
+            result.phases.get("verify_s", 0.0),
+            result.phases.get("load_s", 0.0),
+            loaded,
+            len(result.digests),
+            time.perf_counter() - tick,
+        )
+
+    def finish_weight_update(self) -> None:
+        """Nothing left: the push was loaded whole once every rank verified it."""
+
+    def shutdown(self) -> None:
+        self._staging.release()
+
+    # steps
+    def _receive(self, info: VllmUpdateInfo, rank: int, tp_size: int) -> RankResult:
+        try:
+            expected = self._expected_metas(info)
+            source = open_source(info.transport, info.source, rank=rank, tp_size=tp_size)
+        except (ValueError, OSError) as exc:
+            return RankResult(ok=False, errors=[str(exc)])
+        receiver = Receiver(
+            load_weights=self._staging.put, expected=expected, rank=rank, tp_size=tp_size
+        )
+        request = UpdateRequest(
+            version=info.version,
+            plan_hash=info.plan_hash,
+            verify=info.verify,
+            timeout_s=info.timeout_s,
+        )
+        result = receiver.receive(source, request)
+        _explain_draft_names(result)
+        return result
+
+    @property
+    def _drafting(self) -> bool:
+        """A draft session is open: vLLM pointed `self.model` at the draft model."""
+        return self.model is not self._default_model
+
+    def _expected_metas(self, info: VllmUpdateInfo) -> dict[str, TensorMeta]:
+        """The tensors this push must carry: the main model's, and in a draft session the
+        draft's under `draft.`.
+
+        Raises:
+            ValueError: the push's draft settings do not fit the draft served (the reason).
+        """
+        if self._main_metas is None:
+            self._main_metas = _metas(self._default_model_config)
+        draft_served = _served_draft_config(self.vllm_config) is not None
+        if self._drafting and info.keep_draft:
+            raise ValueError("keep_draft is set inside a draft session")
+        if not self._drafting:
+            if draft_served and not info.keep_draft:
+                raise ValueError(DRAFT_MISSING)
+            return self._main_metas
+        if not draft_served:
+            method = self.vllm_config.speculative_config.method
+            raise ValueError(
+                f"a draft session on speculative method {method!r}: weightbus updates draft "
+                f"models of method {DRAFT_METHOD!r} only"
+            )
+        if self._draft_metas is None:
+            metas = _metas(self.model_config)
+            self._draft_metas = {
+                DRAFT_PREFIX + name: TensorMeta(DRAFT_PREFIX + name, meta.dtype, meta.shape)
+                for name, meta in metas.items()
+            }
+        return {**self._main_metas, **self._draft_metas}
+
+    def _load(self, result: RankResult, *, skip_unchanged: bool) -> int:
+        previous = self._loaded_digests if skip_unchanged else None
+        names = changed_tensors(result.digests, previous)
+        if not names:
+            return 0
+        # a push that keeps the draft leaves what is known of it as it was
+        kept = {
+            name: digest
+            for name, digest in (self._loaded_digests or {}).items()
+            if is_draft_name(name) and name not in result.digests
+        }
+        # from here on the models are touched: a failure must keep them from serving
+        self._loaded_digests = None
+        main = [name for name in names if not is_draft_name(name)]
+        draft = [name for name in names if is_draft_name(name)]
+        # the draft session retargeted `self.model`: the main model is the default one
+        self._reload(self._default_model, self._default_model_config, main, main)
+        if draft:
+            assert self._drafting, "draft tensors are expected in a draft session only"
+            local = [name.removeprefix(DRAFT_PREFIX) for name in draft]
+            self._reload(self.model, self.model_config, draft, local)
+        self._loaded_digests = {**kept, **result.digests}
+        return len(names)
+
+    def _reload(
+        self, model: torch.nn.Module, model_config: Any, staged: list[str], names: list[str]
+    ) -> None:
+        """Load the staged tensors `staged` into `model` under its own names `names`."""
+        if not staged:
+            return
+        tensors = [tensor for _, tensor in self._staging.pairs(staged)]
+        pairs = list(zip(names, tensors, strict=True))
+        try:
+            loaded = reload_weights(
+                model, model_config, pairs, retie_heads=self.options.retie_tied_heads
+            )
+        except Exception as exc:  # vLLM's loaders raise anything; the engine must fail closed
+            raise WeightbusLoadError(
+                f"vLLM's loader failed after the model was touched: {exc}"
+            ) from exc
+        not_loaded = unloaded(model, names, loaded)
+        if not_loaded:
+            raise WeightbusLoadError(f"vLLM's loader did not load {not_loaded}")
+
+
+def _served_draft_config(vllm_config: Any) -> Any:
+    """The model config of the draft model the server serves (None: none, or a speculative
+    method whose draft is not a model of its own)."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is None or speculative.method != DRAFT_METHOD:
+        return None
+    return speculative.draft_model_config
+
+
+def _metas(model_config: Any) -> dict[str, TensorMeta]:
+    """The tensors of the checkpoint `model_config` serves (a tied head excepted)."""
+    tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+    return checkpoint_metas(model_config.model, model_config.dtype, tied)
+
+
+def _explain_draft_names(result: RankResult) -> None:
+    """Say why a push whose `draft.` tensors do not fit the session is refused (the receiver
+    lists them as unknown or missing)."""
+    draft_names = any(is_draft_name(name) for name in result.bad_names)
+    if result.ok or not draft_names:
+        return
+    if any(error.startswith("unknown tensors") for error in result.errors):
+        result.errors.insert(0, DRAFT_OUTSIDE_SESSION)
+    elif any(error.startswith("missing tensors") for error in result.errors):
+        result.errors.insert(0, DRAFT_SESSION_WITHOUT_DRAFT)
+
+
+def _failures(verdicts: list[tuple[bool, str]]) -> str:
+    return "; ".join(
+        f"rank {rank}: {reason}" for rank, (ok, reason) in enumerate(verdicts) if not ok
+    )
+
+
+def _raise_on_last_rank(error: Exception) -> None:
+    """Raise `error` on the last TP rank only; the others return.
+
+    vLLM's executor reads the ranks' answers in rank order and stops at the first failure,
+    leaving the later answers queued for the next RPC (measured: the next call then failed
+    with this push's error). Every rank knows the verdicts, so only the last one reports them.
+    """
+    tp = get_tp_group()
+    if tp.rank_in_group == tp.world_size - 1:
+        raise error
+    logger.warning("weightbus: %s", error)
+
+
+def _convert(raw: dict[str, Any], struct: type, what: str) -> Any:
+    try:
+        return msgspec.convert(raw, struct)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{UNTOUCHED}: invalid {what}: {exc}") from None

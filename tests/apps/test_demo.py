@@ -1,0 +1,87 @@
+"""`weightbus demo` end to end, bounded: real engine processes, HTTP, shm pushes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import assert_demo_passed
+from weightbus.apps.launch import start_engine, stop_engine
+
+# every test runs `weightbus demo` and engine processes (tiers: tests/conftest.py)
+pytestmark = pytest.mark.e2e
+
+
+def _demo(*args: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "demo.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "weightbus", "demo", "--json", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    return result, json.loads(out.read_text())
+
+
+def test_demo_trains_pushes_and_every_fingerprint_matches(tmp_path):
+    result, record = _demo("--steps", "2", "--tp", "2", "--seed", "3", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_demo_passed(record, result.stdout, num_steps=2)
+
+
+def test_demo_on_a_running_engine_pushes_the_initial_weights_first(tmp_path):
+    proc, url = start_engine("tiny", 1)
+    try:
+        result, record = _demo(
+            "--steps", "1", "--engine", url, "--transport", "disk", tmp_path=tmp_path
+        )
+    finally:
+        stop_engine(proc)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert record["tp"] is None
+    assert record["steps"][0]["fingerprint_matched"]
+    assert "-init' serves the trainer's weights" in result.stdout
+
+
+def test_demo_with_engines_placed_by_ray(tmp_path):
+    result, record = _demo(
+        "--ray", "--replicas", "2", "--steps", "2", "--tp", "2", "--seed", "3", tmp_path=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_demo_passed(record, result.stdout, num_steps=2)
+    assert record["transport"] == "shm (Ray)"
+    # one placement group per replica, rank r on bundle r
+    assert "replica 0: http://" in result.stdout
+    assert "replica 1: http://" in result.stdout
+    assert result.stdout.count("ranks on bundles [0, 1]") == 2
+
+
+def test_ten_consecutive_delta_pushes_keep_the_engine_on_the_trainer(tmp_path):
+    result, record = _demo(
+        "--steps", "10", "--tp", "2", "--delta", "always", "--seed", "4", tmp_path=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_demo_passed(record, result.stdout, num_steps=10)
+    assert [step["push_delta"] for step in record["steps"]] == [True] * 10
+    assert "deltas:         10/10 pushes sent as changes to the last one" in result.stdout
+
+
+def test_demo_with_a_draft_pushes_both_models_every_step(tmp_path):
+    result, record = _demo(
+        "--steps", "4", "--tp", "2", "--draft", "--delta", "always", "--seed", "5",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    # each step: the engine serves the trainer's policy and draft as the step's version
+    assert_demo_passed(record, result.stdout, num_steps=4)
+    assert [step["push_delta"] for step in record["steps"]] == [True] * 4
+    for step in record["steps"]:
+        for name in ("draft_acceptance", "draft_in_step", "draft_frozen"):
+            assert 0.0 <= step[name] <= 1.0, (step["step"], name)
+    # the policy moved away from the step-0 draft; the draft kept in step followed it
+    last = record["steps"][-1]
+    assert last["draft_in_step"] > last["draft_frozen"]
+    assert "draft:          accepted " in result.stdout
+    assert "frozen at step 0" in result.stdout

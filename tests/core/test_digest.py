@@ -1,0 +1,92 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+import xxhash
+
+from helpers import all_dtype_tensors, random_tensor
+from weightbus.core.digest import fingerprint, fingerprint_of_digests, tensor_digest
+from weightbus.core.meta import metas_of
+from weightbus.core.plan import plan_buckets
+from weightbus.core.plan.bucket import byte_view
+
+_REMOTE = """
+import sys
+sys.path.insert(0, {tests_dir!r})
+from helpers import all_dtype_tensors
+from weightbus.core.digest import fingerprint
+from weightbus.core.meta import metas_of
+from weightbus.core.plan import plan_buckets
+weights = all_dtype_tensors(seed=7)
+print(fingerprint(weights), plan_buckets(metas_of(weights), 4096).plan_hash)
+"""
+
+
+@pytest.mark.e2e  # a Python child process (tiers: tests/conftest.py)
+def test_same_weights_same_fingerprint_and_plan_hash_in_another_process(tmp_path):
+    weights = all_dtype_tensors(seed=7)
+    code = _REMOTE.format(tests_dir=str(__import__("pathlib").Path(__file__).parent))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    remote_fingerprint, remote_plan_hash = out.stdout.split()
+    assert remote_fingerprint == fingerprint(weights)
+    assert remote_plan_hash == plan_buckets(metas_of(weights), 4096).plan_hash
+
+
+def test_digest_is_xxh3_128_of_the_bytes():
+    tensor = random_tensor((33, 7), torch.bfloat16)
+    assert tensor_digest(tensor) == xxhash.xxh3_128_hexdigest(byte_view(tensor).numpy().tobytes())
+
+
+def test_non_contiguous_tensor_digests_like_its_contiguous_copy():
+    tensor = random_tensor((16, 12), torch.float32).t()
+    assert not tensor.is_contiguous()
+    assert tensor_digest(tensor) == tensor_digest(tensor.contiguous())
+
+
+def test_fingerprint_ignores_order():
+    weights = all_dtype_tensors()
+    assert fingerprint(weights) == fingerprint(reversed(weights))
+
+
+@pytest.mark.parametrize("tensor_index", range(len(all_dtype_tensors())))
+def test_one_flipped_bit_changes_the_fingerprint(tensor_index):
+    weights = all_dtype_tensors()
+    reference = fingerprint(weights)
+    name, tensor = weights[tensor_index]
+    raw = byte_view(tensor)
+    for byte_index in (0, raw.numel() // 2, raw.numel() - 1):
+        for bit in (0, 7):
+            flipped = tensor.clone()
+            byte_view(flipped)[byte_index] ^= 1 << bit
+            changed = [(n, flipped if n == name else t) for n, t in weights]
+            assert fingerprint(changed) != reference, (name, byte_index, bit)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda n, t: ("renamed", t),
+        lambda n, t: (n, t.reshape(-1)),
+        lambda n, t: (n, t.view(torch.int16)),
+    ],
+    ids=["name", "shape", "dtype with same bytes"],
+)
+def test_metadata_changes_change_the_fingerprint(change):
+    weights = [("a", random_tensor((4, 6), torch.bfloat16)), ("b", torch.ones(2))]
+    changed = [change(*weights[0]), weights[1]]
+    assert fingerprint(changed) != fingerprint(weights)
+
+
+def test_empty_and_scalar_tensors_have_digests():
+    assert tensor_digest(torch.empty(0)) == xxhash.xxh3_128_hexdigest(b"")
+    assert tensor_digest(torch.tensor(1.0)) == xxhash.xxh3_128_hexdigest(
+        torch.tensor([1.0]).numpy().tobytes()
+    )
+
+
+def test_fingerprint_rejects_duplicate_names():
+    with pytest.raises(ValueError, match=r"duplicate tensor names: \['a'\]"):
+        fingerprint_of_digests([("a", "float32", (1,), "0" * 32), ("a", "float32", (1,), "1" * 32)])

