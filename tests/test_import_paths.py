@@ -46,5 +46,6 @@ def test_an_old_path_is_the_same_module_as_its_new_one(old: str, new: str):
 
 
 def test_an_unknown_old_path_still_fails_to_import():
-    with pytest.raises(ModuleNotFoundError, match=re.escape("weightbus.core.publisher.nothing_here")):
+    missing = re.escape("weightbus.core.publisher.nothing_here")
+    with pytest.raises(ModuleNotFoundError, match=missing):
         importlib.import_module("weightbus.publisher.nothing_here")
