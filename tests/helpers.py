@@ -1,6 +1,7 @@
 """Helpers shared by tests."""
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -13,7 +14,7 @@ from weightbus.core.publisher import (
     EngineWeights,
     UpdateOrder,
 )
-from weightbus.core.receiver import Receiver, UpdateRequest
+from weightbus.core.receiver import Receiver
 from weightbus.core.transport import open_source
 
 
@@ -94,13 +95,7 @@ class MirrorTarget(EngineTarget):
             raise EngineRequestError(self.refuse)
         receiver = Receiver(load_weights=self.target.load_weights, expected=self.target.expected())
         source = open_source(order.transport, order.source)
-        request = UpdateRequest(
-            version=order.version,
-            plan_hash=order.plan_hash,
-            verify=order.verify,
-            timeout_s=order.timeout_s,
-        )
-        result = receiver.receive(source, request)
+        result = receiver.receive(source, order)
         if not result.ok:
             raise EngineRequestError("; ".join(result.errors))
         self.version, self.fingerprint = order.version, result.fingerprint
@@ -126,3 +121,9 @@ def assert_demo_passed(record: dict, stdout: str, num_steps: int) -> None:
     # float32 engine and trainer: on-policy to rounding
     assert all(s["logprob_gap"] <= 1e-3 for s in steps)
     assert f"{num_steps}/{num_steps} matched the trainer's" in stdout
+
+
+def receive_order(transport: str, **fields: Any) -> UpdateOrder:
+    """An update order for a Receiver whose source the test opened itself (the Receiver reads
+    the order's version, plan hash, verify level, timeout and delta; not its source)."""
+    return UpdateOrder(transport=transport, source={}, **fields)

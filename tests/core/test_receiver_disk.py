@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TensorDictTarget, assert_bit_identical, random_tensor
+from helpers import TensorDictTarget, assert_bit_identical, random_tensor, receive_order
 from weightbus.core.digest import fingerprint
 from weightbus.core.publisher import SessionFactory, normalize_weights
-from weightbus.core.receiver import Receiver, UpdateRequest
+from weightbus.core.receiver import Receiver
 from weightbus.core.transport import make_sink, open_source
 from weightbus.core.transport.disk import MANIFEST_NAME
 
@@ -41,7 +41,7 @@ def _receive(description: dict, target: TensorDictTarget, rank: int = 0, tp_size
         load_weights=target.load_weights, expected=target.expected(), rank=rank, tp_size=tp_size
     )
     return receiver.receive(
-        open_source("disk", description), UpdateRequest(**{"version": "v1", **kw})
+        open_source("disk", description), receive_order("disk", **{"version": "v1", **kw})
     )
 
 

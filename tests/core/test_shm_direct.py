@@ -13,13 +13,13 @@ import msgspec
 import pytest
 import torch
 
-from helpers import all_dtype_tensors, assert_bit_identical, random_tensor
+from helpers import all_dtype_tensors, assert_bit_identical, random_tensor, receive_order
 from weightbus.core.digest import tensor_digest
 from weightbus.core.meta import TensorMeta, metas_of
 from weightbus.core.plan import plan_buckets
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.publisher import SessionFactory, normalize_weights
-from weightbus.core.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.core.receiver import RankResult, Receiver
 from weightbus.core.transport import make_sink, open_source
 from weightbus.core.transport.parts.arena import ParamArena, direct_placement
 from weightbus.core.transport.parts.shared_memory import (
@@ -77,7 +77,7 @@ class _Rank:
             tp_size=self.tp_size,
             direct=self.placement,
         )
-        return receiver.receive(source, UpdateRequest(version=version, verify=verify))
+        return receiver.receive(source, receive_order("shm", version=version, verify=verify))
 
     def close(self) -> None:
         if self.arena is not None:

@@ -10,9 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TensorDictTarget, all_dtype_tensors, assert_bit_identical, random_tensor
+from helpers import (
+    TensorDictTarget,
+    all_dtype_tensors,
+    assert_bit_identical,
+    random_tensor,
+    receive_order,
+)
 from weightbus.core.publisher import SessionFactory, normalize_weights
-from weightbus.core.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.core.receiver import RankResult, Receiver
 from weightbus.core.transport import encode_description, make_sink, open_source
 from weightbus.core.transport.parts.shared_memory import SHM_DIR, SLOT_PREFIX, Slot
 
@@ -46,7 +52,7 @@ def _push(sink, weights, version: str, ranks: list[tuple[int, int, int]], timeou
             load_weights=target.load_weights, expected=target.expected(), rank=rank, tp_size=tp_size
         )
         source = open_source("shm", sink.for_engine(description, group), rank=rank, tp_size=tp_size)
-        request = UpdateRequest(version=version, timeout_s=timeout_s)
+        request = receive_order("shm", version=version, timeout_s=timeout_s)
         results[group, rank] = receiver.receive(source, request), target
 
     threads = [threading.Thread(target=receive, args=r) for r in ranks]
@@ -112,7 +118,7 @@ def test_a_refusing_rank_still_drains_so_others_commit():
                 "shm", sink.for_engine(description, 0), rank=receiver.rank, tp_size=2
             )
             outcome[name] = receiver.receive(
-                source, UpdateRequest(version=expected_version, timeout_s=20)
+                source, receive_order("shm", version=expected_version, timeout_s=20)
             )
 
         threads = [
@@ -139,7 +145,7 @@ def test_receiver_times_out_when_the_publisher_never_streams():
         target = TensorDictTarget({n: torch.zeros_like(t) for n, t in weights})
         receiver = Receiver(load_weights=target.load_weights, expected=target.expected())
         result = receiver.receive(
-            open_source("shm", description), UpdateRequest(version="v", timeout_s=0.5)
+            open_source("shm", description), receive_order("shm", version="v", timeout_s=0.5)
         )
         assert result.timed_out
         assert not result.ok

@@ -108,15 +108,15 @@ class CorruptingTarget(HttpEngineTarget):
     are corrupted, and its ranks' digest checks must refuse them."""
 
     def update(self, order: UpdateOrder) -> EngineResult:
-        session = Path(order.source.path)
+        session = Path(order.source["path"])
         copy = session.with_name(f"{session.name}-corrupted")
         shutil.copytree(session, copy)
         shard = min(copy.glob("*.safetensors"))
         data = bytearray(shard.read_bytes())
         data[-1] ^= 0xFF  # the last byte of the last tensor's data
         shard.write_bytes(bytes(data))
-        source = msgspec.structs.replace(order.source, path=str(copy))
-        return super().update(dataclasses.replace(order, source=source))
+        source = {**order.source, "path": str(copy)}
+        return super().update(msgspec.structs.replace(order, source=source))
 
 
 def kill_midway(engine: ServedEngine, after_calls: int) -> Callable[[int], None]:

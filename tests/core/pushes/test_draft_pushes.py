@@ -7,7 +7,6 @@ back what they serve: fingerprints over the tensors they hold, and greedy comple
 with an engine without a draft that received the same main model.
 """
 
-import dataclasses
 import json
 import secrets
 import shutil
@@ -203,12 +202,12 @@ class DraftCorruptingTarget(HttpEngineTarget):
     draft it stages is corrupted, and its ranks' digest checks must refuse it."""
 
     def update(self, order: UpdateOrder) -> EngineResult:
-        session = Path(order.source.path)
+        session = Path(order.source["path"])
         copy = session.with_name(f"{session.name}-corrupted")
         shutil.copytree(session, copy)
         flip_a_draft_byte(copy)
-        source = msgspec.structs.replace(order.source, path=str(copy))
-        return super().update(dataclasses.replace(order, source=source))
+        source = {**order.source, "path": str(copy)}
+        return super().update(msgspec.structs.replace(order, source=source))
 
 
 @pytest.mark.parametrize("atomic", [True, False])

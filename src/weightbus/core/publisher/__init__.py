@@ -9,6 +9,7 @@ from weightbus.core.publisher.targets import (
     EngineTarget,
     EngineWeights,
     HttpEngineTarget,
+    PushOrder,
     RollbackOrder,
     UpdateOrder,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "HttpEngineTarget",
     "Publisher",
     "PushError",
+    "PushOrder",
     "PushResult",
     "RollbackOrder",
     "SessionFactory",

@@ -47,10 +47,16 @@ from weightbus.core.publisher.targets import (
     EngineTarget,
     EngineWeights,
     HttpEngineTarget,
-    UpdateOrder,
+    PushOrder,
 )
 from weightbus.core.publisher.two_phase import Check, abort_staged, commit_all, settle
-from weightbus.core.transport import BucketSink, PushSession, SourceDescription, make_sink
+from weightbus.core.transport import (
+    BucketSink,
+    PushSession,
+    SourceDescription,
+    encode_description,
+    make_sink,
+)
 from weightbus.core.transport.base import Progress
 from weightbus.core.transport.distributed.messages import WeightsGroupInfo
 from weightbus.core.wire import PauseMode, VerifyLevel
@@ -528,11 +534,11 @@ class Publisher(FleetMembership):
         carries_draft = any(is_draft_name(meta.name) for meta in session.plan.metas)
         for index, target in enumerate(self.targets):
             route = self._sink.route(description, index, options.verify)
-            order = UpdateOrder(
+            order = PushOrder(
                 version=session.version,
                 step=session.step,
                 transport=route.transport,
-                source=route.source,
+                source=encode_description(route.source),
                 plan_hash=session.plan.plan_hash,
                 pause_mode=options.pause_mode,
                 atomic=options.atomic,

@@ -1,6 +1,6 @@
 """Engine side of an update: consume a transport's batches, verify, load."""
 
 from weightbus.core.receiver.delta import SliceWriter
-from weightbus.core.receiver.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.core.receiver.receiver import RankResult, Receiver
 
-__all__ = ["RankResult", "Receiver", "SliceWriter", "UpdateRequest"]
+__all__ = ["RankResult", "Receiver", "SliceWriter"]

@@ -19,23 +19,11 @@ from weightbus.core.plan import plan_buckets
 from weightbus.core.receiver.delta import DeltaReceive, SliceWriter
 from weightbus.core.transport import BucketSource, ReceivedBatch
 from weightbus.core.transport.parts.prefetch import Prefetcher
-from weightbus.core.wire import UpdateBegin, VerifyLevel
-from weightbus.core.wire.delta import DeltaSpec
+from weightbus.core.wire import UpdateBegin, UpdateOrder
 
 logger = logging.getLogger(__name__)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[str]]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UpdateRequest:
-    """What one rank is asked to receive."""
-
-    version: str
-    plan_hash: str | None = None
-    verify: VerifyLevel = "full"
-    timeout_s: float = 60.0
-    delta: DeltaSpec | None = None  # a delta push: the stream carries changes to the base
 
 
 @dataclass(slots=True, kw_only=True)
@@ -136,67 +124,67 @@ class Receiver:
         self.tp_size = tp_size
         self.prefetch_depth = prefetch_depth
 
-    def receive(self, source: BucketSource, request: UpdateRequest) -> RankResult:
+    def receive(self, source: BucketSource, order: UpdateOrder) -> RankResult:
         """Receive one session from `source`; never raises for bad data, returns the verdict."""
         result = RankResult()
-        deadline = time.monotonic() + request.timeout_s
+        deadline = time.monotonic() + order.timeout_s
         start = time.perf_counter()
         try:
-            session = self._open(source, request, result, deadline)
+            session = self._open(source, order, result, deadline)
             # even a refused session is consumed to its end (nothing is loaded after a
             # failure): a streaming publisher must never be left waiting on this rank
-            self._consume(source, session, request, result, deadline)
+            self._consume(source, session, order, result, deadline)
             self._close(source, session, result, deadline)
         except TimeoutError as exc:
             result.timed_out = True
-            result.fail(f"timed out after {request.timeout_s:g} s: {exc}")
+            result.fail(f"timed out after {order.timeout_s:g} s: {exc}")
         except (ValueError, OSError) as exc:
             result.fail(str(exc))
         finally:
             source.close()
         result.phases["total_s"] = time.perf_counter() - start
         if not result.ok:
-            logger.warning("update %s failed: %s", request.version, "; ".join(result.errors))
+            logger.warning("update %s failed: %s", order.version, "; ".join(result.errors))
         return result
 
     # open
     def _open(
-        self, source: BucketSource, request: UpdateRequest, result: RankResult, deadline: float
+        self, source: BucketSource, order: UpdateOrder, result: RankResult, deadline: float
     ) -> _Session:
         header = source.begin(_remaining(deadline))
-        if header.version != request.version:
-            result.fail(f"stream version {header.version!r} != requested {request.version!r}")
+        if header.version != order.version:
+            result.fail(f"stream version {header.version!r} != requested {order.version!r}")
         plan = plan_buckets((m.to_meta() for m in header.tensors), header.bucket_bytes)
         if plan.plan_hash != header.plan_hash:
             result.fail(f"stream plan hash {header.plan_hash} does not match its own layout")
-        if request.plan_hash is not None and request.plan_hash != header.plan_hash:
-            result.fail(f"stale plan: stream has {header.plan_hash}, expected {request.plan_hash}")
+        if order.plan_hash is not None and order.plan_hash != header.plan_hash:
+            result.fail(f"stale plan: stream has {header.plan_hash}, expected {order.plan_hash}")
         stream = {meta.name: meta for meta in plan.metas}
-        delta = self._delta(request, result)
+        delta = self._delta(order, result)
         if delta is not None:
             problems = delta.check_open(stream)
         else:
-            problems = [] if request.delta else _layout_errors(stream, self.expected)
+            problems = [] if order.delta else _layout_errors(stream, self.expected)
         for message, names in problems:
             result.fail(message, names)
         # direct mode: the publisher writes into the parameters from now on
         result.touched = result.touched or header.direct
         return _Session.of(header, delta)
 
-    def _delta(self, request: UpdateRequest, result: RankResult) -> DeltaReceive | None:
-        if request.delta is None:
+    def _delta(self, order: UpdateOrder, result: RankResult) -> DeltaReceive | None:
+        if order.delta is None:
             return None
         if self.slices is None:
             result.fail("this engine cannot apply a delta push")
             return None
-        return DeltaReceive(request.delta, self.expected, self.slices, self.rank)
+        return DeltaReceive(order.delta, self.expected, self.slices, self.rank)
 
     # consume
     def _consume(
         self,
         source: BucketSource,
         session: _Session,
-        request: UpdateRequest,
+        order: UpdateOrder,
         result: RankResult,
         deadline: float,
     ) -> None:
@@ -212,7 +200,7 @@ class Receiver:
                 timings["wait_s"] += time.perf_counter() - tick
                 try:
                     self._check(batch, session, result)
-                    if result.ok and request.verify == "full":
+                    if result.ok and order.verify == "full":
                         tick = time.perf_counter()
                         self._verify(batch, session, result)
                         timings["verify_s"] += time.perf_counter() - tick

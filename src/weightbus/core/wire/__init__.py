@@ -28,6 +28,7 @@ from weightbus.core.wire.messages import (
     WireMeta,
     WireShardCopy,
 )
+from weightbus.core.wire.order import UpdateOrder
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -48,6 +49,7 @@ __all__ = [
     "UpdateBegin",
     "UpdateCommit",
     "UpdateEnd",
+    "UpdateOrder",
     "VerifyLevel",
     "WireEntry",
     "WireMeta",

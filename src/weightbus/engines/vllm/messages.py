@@ -2,35 +2,27 @@
 trainer side (`target.py`, `trainer.py`) encodes them, the worker side (`worker.py`) decodes them.
 """
 
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
-from weightbus.core.wire import VerifyLevel
+from weightbus.core.wire import UpdateOrder
 
 # Workers start every refusal with this: the model was not touched, vLLM serves what it served.
 UNTOUCHED = "refused before loading; vLLM still serves its previous weights"
 
 
-class VllmUpdateInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`update_info` of `/update_weights` for backend `weightbus`: one whole push.
+class VllmUpdateInfo(UpdateOrder, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`update_info` for backend `weightbus`: one whole push, as the update order's engine fields
+    (`UpdateOrder.engine_fields`: the workers receive, verify and load it; `/pause` and
+    `/resume` apply its pause mode) and one vLLM option.
 
     `skip_unchanged`: load only the blocks whose bytes differ from the last weightbus load
     (safe only while weightbus is the one writer of the weights: vLLM's own `reload_weights`
-    changes them behind its back). `reload_all` (a forced push) loads everything.
-    `keep_draft`: the push carries no draft model; a server serving one keeps it (else its
-    workers refuse a push without the draft's `draft.` tensors).
+    changes them behind its back). A forced push (`force`) loads everything.
     """
 
-    transport: str
-    source: dict[str, Any]
-    version: str
-    plan_hash: str
-    verify: VerifyLevel = "full"
-    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
     skip_unchanged: bool = False
-    reload_all: bool = False
-    keep_draft: bool = False
 
 
 class VllmTransportSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -40,10 +40,9 @@ from weightbus.core.publisher.targets.base import (
     EngineResult,
     EngineTarget,
     EngineWeights,
-    UpdateOrder,
+    PushOrder,
 )
 from weightbus.core.publisher.targets.http import HTTP_MARGIN_S, request_json
-from weightbus.core.transport import encode_description
 from weightbus.core.transport.base import EngineRequestError
 from weightbus.core.wire import PauseMode
 from weightbus.engines.vllm.messages import (
@@ -62,22 +61,14 @@ _SESSION_OPEN = "already active"
 logger = logging.getLogger(__name__)
 
 
-def update_info(order: UpdateOrder, *, skip_unchanged: bool = False) -> VllmUpdateInfo:
-    """The `update_info` of one engine's order (a forced push reloads every tensor)."""
-    return VllmUpdateInfo(
-        transport=order.transport,
-        source=encode_description(order.source),
-        version=order.version,
-        plan_hash=order.plan_hash,
-        verify=order.verify,
-        timeout_s=order.timeout_s,
-        skip_unchanged=skip_unchanged,
-        reload_all=order.force,
-        keep_draft=order.keep_draft,
+def update_info(order: PushOrder, *, skip_unchanged: bool = False) -> VllmUpdateInfo:
+    """The `update_info` of one engine's order."""
+    return msgspec.convert(
+        {**order.engine_fields(), "skip_unchanged": skip_unchanged}, VllmUpdateInfo
     )
 
 
-def _refuse_contradictory_draft(order: UpdateOrder) -> None:
+def _refuse_contradictory_draft(order: PushOrder) -> None:
     if order.carries_draft and order.keep_draft:
         raise EngineRequestError(
             f"keep_draft is set but the push carries {DRAFT_PREFIX!r} tensors: drop one or the "
@@ -150,7 +141,7 @@ class VllmEngineTarget(EngineTarget):
         self._request("POST", "/init_weight_transfer_engine", timeout_s + HTTP_MARGIN_S, json=body)
 
     # the EngineTarget seam
-    def update(self, order: UpdateOrder) -> EngineResult:
+    def update(self, order: PushOrder) -> EngineResult:
         start = time.perf_counter()
         _refuse_contradictory_draft(order)
         self._refuse_served_version(order)
@@ -217,7 +208,7 @@ class VllmEngineTarget(EngineTarget):
             self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S)
             self._request("POST", "/start_draft_weight_update", _CONTROL_TIMEOUT_S)
 
-    def _refuse_served_version(self, order: UpdateOrder) -> None:
+    def _refuse_served_version(self, order: PushOrder) -> None:
         served = self._request("GET", "/weight_info", _CONTROL_TIMEOUT_S).get("weight_version")
         if served == order.version and not order.force:
             raise EngineRequestError(
@@ -318,7 +309,7 @@ class VllmClientTarget(EngineTarget):
         self._client = client
         self._tp_size = tp_size
 
-    def update(self, order: UpdateOrder) -> EngineResult:
+    def update(self, order: PushOrder) -> EngineResult:
         start = time.perf_counter()
         _refuse_contradictory_draft(order)
         if order.carries_draft:

@@ -32,7 +32,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightbus.core.meta import DRAFT_PREFIX, TensorMeta, is_draft_name
-from weightbus.core.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.core.receiver import RankResult, Receiver
 from weightbus.core.transport import decode_setup_request, open_source, rank_setup
 from weightbus.engines.vllm.messages import (
     UNTOUCHED,
@@ -148,7 +148,7 @@ class WeightbusWeightTransferEngine(
             return
         tick = time.perf_counter()
         try:
-            skip = update_info.skip_unchanged and not update_info.reload_all
+            skip = update_info.skip_unchanged and not update_info.force
             loaded, error = self._load(result, skip_unchanged=skip), ""
         except WeightbusLoadError as exc:
             loaded, error = 0, str(exc)
@@ -186,13 +186,7 @@ class WeightbusWeightTransferEngine(
         receiver = Receiver(
             load_weights=self._staging.put, expected=expected, rank=rank, tp_size=tp_size
         )
-        request = UpdateRequest(
-            version=info.version,
-            plan_hash=info.plan_hash,
-            verify=info.verify,
-            timeout_s=info.timeout_s,
-        )
-        result = receiver.receive(source, request)
+        result = receiver.receive(source, info)
         _explain_draft_names(result)
         return result
 

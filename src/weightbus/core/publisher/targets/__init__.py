@@ -4,6 +4,7 @@ from weightbus.core.publisher.targets.base import (
     EngineResult,
     EngineTarget,
     EngineWeights,
+    PushOrder,
     RollbackOrder,
     UpdateOrder,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "EngineTarget",
     "EngineWeights",
     "HttpEngineTarget",
+    "PushOrder",
     "RollbackOrder",
     "UpdateOrder",
 ]

@@ -18,50 +18,25 @@ from dataclasses import dataclass, field
 import msgspec
 
 from weightbus.core.publisher.probe import LogprobProbe
-from weightbus.core.transport import SourceDescription
 from weightbus.core.transport.base import EngineRequestError
-from weightbus.core.wire import PauseMode, VerifyLevel
-from weightbus.core.wire.delta import DeltaSpec
+from weightbus.core.wire import PauseMode
 from weightbus.core.wire.messages import SliceSpec
+from weightbus.core.wire.order import UpdateOrder
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UpdateOrder:
-    """One engine's part of a push: receive `version` from the transport session `source`.
+class PushOrder(UpdateOrder, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One engine's update order as the Publisher hands it to the engine's target: the
+    `UpdateOrder` the engine is sent (`engine_fields()`), and what the Publisher knows of the
+    push that no engine is sent.
 
     Attributes:
-        transport: the registered transport's name.
-        source: the description this engine's ranks open (typed; `encode_description` gives
-            its JSON form).
-        plan_hash: the plan every rank must recompute from the stream's header.
-        verify: `full` checks every digest on the ranks; `none` only the fingerprint.
-        timeout_s: bound of the update on the engine.
         probe: logprobs the engine must reproduce once it serves the version (targets with
             `scores_probes` only).
-        two_phase: stage and verify only; the engine swaps on `commit` (atomic orders, targets
-            with `supports_two_phase` only).
-        delta: the stream carries changes to the version the engine serves (targets whose
-            `slice_maps` is not None only).
-        keep_draft: the push carries no draft model (`draft.` tensors): an engine serving
-            one keeps it (else it refuses such a push).
         carries_draft: the push carries a draft model's tensors (`draft.` names), set by the
             Publisher from the session's tensor names.
     """
 
-    version: str
-    step: int | None
-    transport: str
-    source: SourceDescription
-    plan_hash: str
-    pause_mode: PauseMode
-    atomic: bool
-    verify: VerifyLevel
-    force: bool
-    timeout_s: float
     probe: LogprobProbe | None = None
-    two_phase: bool = False
-    delta: DeltaSpec | None = None
-    keep_draft: bool = False
     carries_draft: bool = False
 
 
@@ -133,7 +108,7 @@ class EngineTarget(ABC):
     supports_two_phase: bool = False
 
     @abstractmethod
-    def update(self, order: UpdateOrder) -> EngineResult:
+    def update(self, order: PushOrder) -> EngineResult:
         """Ask the engine to receive `order` and block until it committed.
 
         Raises:

@@ -8,10 +8,9 @@ from weightbus.core.publisher.targets.base import (
     EngineResult,
     EngineTarget,
     EngineWeights,
+    PushOrder,
     RollbackOrder,
-    UpdateOrder,
 )
-from weightbus.core.transport import encode_description
 from weightbus.core.transport.base import EngineRequestError
 from weightbus.core.wire.messages import SliceSpec
 
@@ -84,22 +83,8 @@ class HttpEngineTarget(EngineTarget):
     def _request(self, method: str, path: str, timeout_s: float, **kwargs: object) -> dict:
         return request_json(self._http, method, self.url, path, timeout_s, **kwargs)
 
-    def update(self, order: UpdateOrder) -> EngineResult:
-        body = {
-            "version": order.version,
-            "step": order.step,
-            "transport": order.transport,
-            "source": encode_description(order.source),
-            "plan_hash": order.plan_hash,
-            "timeout_s": order.timeout_s,
-            "pause_mode": order.pause_mode,
-            "atomic": order.atomic,
-            "verify": order.verify,
-            "force": order.force,
-            "two_phase": order.two_phase,
-            "delta": None if order.delta is None else msgspec.to_builtins(order.delta),
-            "keep_draft": order.keep_draft,
-        }
+    def update(self, order: PushOrder) -> EngineResult:
+        body = order.engine_fields()
         answer = self._request(
             "POST", "/v1/update_weights", order.timeout_s + HTTP_MARGIN_S, json=body
         )

@@ -14,8 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from weightbus.core.wire import PauseMode, VerifyLevel
-from weightbus.core.wire.delta import DeltaSpec
+from weightbus.core.wire import PauseMode, UpdateOrder
 from weightbus.core.wire.messages import SliceSpec
 
 PROTOCOL_VERSION = 1
@@ -84,29 +83,17 @@ MemoryTag = Literal["kv_cache", "weights"]
 WeightsStatus = Literal["NORMAL", "UPDATING", "CLEARING", "CLEARED", "FAILED", "WAITING"]
 
 
-class UpdateWeights(msgspec.Struct, tag="update", frozen=True, kw_only=True):
-    """Receive a new weights version (`POST /v1/update_weights`).
+class UpdateWeights(UpdateOrder, tag="update", frozen=True, kw_only=True):
+    """Receive a new weights version (`POST /v1/update_weights`): the publisher's `UpdateOrder`
+    as the API server validated it, with an `update_id` (32 hex digits) it draws; ranks use the
+    id in their verdicts.
 
-    `update_id` is a 32-hex-digit id the API server draws; ranks use it in their verdicts.
     With `two_phase` (atomic only) rank 0 answers once every rank staged and verified the
     version (`UpdateResult.staged`) and swaps only on a `Decide` to commit. With `delta` the
     stream carries changes to the version served, which must be `delta.base_fingerprint`.
     """
 
     update_id: str
-    version: str
-    step: int | None = None
-    force: bool = False
-    transport: str
-    source: dict[str, Any]
-    plan_hash: str | None = None
-    pause_mode: PauseMode = "drain"
-    atomic: bool = True
-    verify: VerifyLevel = "full"
-    timeout_s: float = 60.0
-    two_phase: bool = False
-    delta: DeltaSpec | None = None  # changes to the version the engine serves
-    keep_draft: bool = False  # the push carries no draft tensors: the draft served stays
 
 
 class Decide(msgspec.Struct, tag="decide", frozen=True, kw_only=True):

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from weightbus.core.wire import RankVerdict
+from weightbus.core.wire import RankVerdict, UpdateOrder
 from weightbus.core.wire.delta import DELTA_BASE_REFUSAL, DeltaSpec
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.actions import Action, StepAction, tags_to_mask
@@ -165,18 +165,18 @@ class UpdateController(ControlRequests):
             return "a weights group is being initialised or destroyed"
         return None
 
-    def _conflict(self, request: messages.UpdateWeights) -> str | None:
+    def _conflict(self, order: UpdateOrder) -> str | None:
         busy = self._busy()
         if busy is not None:
             return busy
-        if request.two_phase and request.atomic and "weights" in self.released:
+        if order.two_phase and order.atomic and "weights" in self.released:
             return "the weights memory is released: resume it before a two-phase update"
-        if request.version == self.version and self.weights_valid and not request.force:
-            return f"version {request.version!r} is already being served (set force to re-push)"
-        if request.step is not None and self.step is not None and request.step <= self.step:
-            return f"step {request.step} is not above the current step {self.step}"
-        if request.delta is not None:
-            return self._delta_conflict(request.delta)
+        if order.version == self.version and self.weights_valid and not order.force:
+            return f"version {order.version!r} is already being served (set force to re-push)"
+        if order.step is not None and self.step is not None and order.step <= self.step:
+            return f"step {order.step} is not above the current step {self.step}"
+        if order.delta is not None:
+            return self._delta_conflict(order.delta)
         return None
 
     def _delta_conflict(self, delta: DeltaSpec) -> str | None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from weightbus.core.meta import DRAFT_PREFIX, TensorMeta, is_draft_name
-from weightbus.core.receiver import RankResult, Receiver, UpdateRequest
+from weightbus.core.receiver import RankResult, Receiver
 from weightbus.core.transport import (
     DirectPlacement,
     ParamArena,
@@ -30,6 +30,7 @@ from weightbus.core.transport import (
     open_source,
     remove_stale_slots,
 )
+from weightbus.core.wire import UpdateOrder
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.delta_slices import ModelSlices, copy_parameters
 from weightbus.engines.reference.engine.draft_load import DraftLoads, draft_info
@@ -58,13 +59,13 @@ def _new_served(served: ServedModels, dtype: torch.dtype) -> ServedModels:
 
 
 def _prepare_staging(
-    request: messages.UpdateWeights, live: ServedModels, staging: ServedModels
+    order: UpdateOrder, live: ServedModels, staging: ServedModels
 ) -> Callable[[], None]:
     """What the staging model must hold before a push writes into it: the live weights for a
     delta (it changes them), the live draft when the push keeps it, else nothing."""
-    if request.delta:
+    if order.delta:
         return lambda: copy_parameters(live.parameters(), staging.parameters())
-    if request.keep_draft:
+    if order.keep_draft:
         return lambda: copy_parameters(live.draft_parameters(), staging.draft_parameters())
     return lambda: None
 
@@ -81,13 +82,13 @@ class _StagedReceive:
     def __init__(
         self,
         receiver: Receiver,
-        request: messages.UpdateWeights,
+        order: UpdateOrder,
         direct: DirectPlacement | None,
         prepare: Callable[[], None],
     ) -> None:
         self.result: RankResult | None = None
         self._receiver = receiver
-        self._request = request
+        self._order = order
         self._direct = direct
         self._prepare = prepare
         self._thread = threading.Thread(target=self._run, name="staged-receive", daemon=True)
@@ -97,7 +98,7 @@ class _StagedReceive:
         tick = time.perf_counter()
         self._prepare()
         prepare_s = time.perf_counter() - tick
-        self.result = receive(self._receiver, self._request, self._direct)
+        self.result = receive(self._receiver, self._order, self._direct)
         self.result.phases["base_copy_s"] = prepare_s
 
     def join(self, timeout_s: float) -> None:
@@ -105,30 +106,23 @@ class _StagedReceive:
 
 
 def receive(
-    receiver: Receiver, request: messages.UpdateWeights, direct: DirectPlacement | None = None
+    receiver: Receiver, order: UpdateOrder, direct: DirectPlacement | None = None
 ) -> RankResult:
-    """Open the request's transport source and receive one session through `receiver`
+    """Open the order's transport source and receive one session through `receiver`
     (offering `direct`, the target's parameters in shared memory, to transports that take it)."""
-    update = UpdateRequest(
-        version=request.version,
-        plan_hash=request.plan_hash,
-        verify=request.verify,
-        timeout_s=request.timeout_s,
-        delta=request.delta,
-    )
     try:
         source = open_source(
-            request.transport,
-            request.source,
+            order.transport,
+            order.source,
             rank=receiver.rank,
             tp_size=receiver.tp_size,
             direct=direct,
         )
     except Exception as exc:  # noqa: BLE001 - any failure must become this rank's verdict
         result = RankResult()
-        result.fail(f"cannot open {request.transport} source: {type(exc).__name__}: {exc}")
+        result.fail(f"cannot open {order.transport} source: {type(exc).__name__}: {exc}")
         return result
-    result = receiver.receive(source, update)
+    result = receiver.receive(source, order)
     _explain_missing_draft(result)
     return result
 
@@ -201,9 +195,9 @@ class WeightsManager:
             self._placements[arena.name] = direct_placement(arena, self._copies)
         return self._placements[arena.name]
 
-    def _receiver(self, model: ServedModels, request: messages.UpdateWeights) -> Receiver:
+    def _receiver(self, model: ServedModels, order: UpdateOrder) -> Receiver:
         expected = self.expected
-        if request.keep_draft:
+        if order.keep_draft:
             expected = {name: m for name, m in expected.items() if not is_draft_name(name)}
         self._draft_loads = DraftLoads(model.load_weights)
         return Receiver(
@@ -215,7 +209,7 @@ class WeightsManager:
         )
 
     # atomic: stage, then swap
-    def begin_staged(self, request: messages.UpdateWeights) -> None:
+    def begin_staged(self, order: UpdateOrder) -> None:
         """Start receiving into the staging model (allocated on first use, then reused)."""
         assert self._staged is None, "a staged receive is already running"
         if self._staging is None:
@@ -223,10 +217,10 @@ class WeightsManager:
             self._staging_arena = self._place(self._staging, copy=False)
         staging = self._staging
         self._staged = _StagedReceive(
-            self._receiver(staging, request),
-            request,
+            self._receiver(staging, order),
+            order,
             self._placement(self._staging_arena),
-            _prepare_staging(request, self.served, staging),
+            _prepare_staging(order, self.served, staging),
         )
 
     def staged_result(self) -> RankResult | None:
@@ -257,20 +251,18 @@ class WeightsManager:
         self._staged = None
 
     # in place
-    def load_in_place(self, request: messages.UpdateWeights) -> RankResult:
+    def load_in_place(self, order: UpdateOrder) -> RankResult:
         """Receive straight into the live parameters (re-allocated first if released)."""
         self.resume(["weights"])
         direct = self._placement(self._live_arena)
-        return receive(self._receiver(self.served, request), request, direct)
+        return receive(self._receiver(self.served, order), order, direct)
 
-    def draft_info(
-        self, request: messages.UpdateWeights, result: RankResult
-    ) -> messages.DraftInfo | None:
+    def draft_info(self, order: UpdateOrder, result: RankResult) -> messages.DraftInfo | None:
         """The draft a verified push carried and how it was loaded (None: the push carried
         no draft, or failed)."""
-        if self.served.draft is None or request.keep_draft or not result.ok:
+        if self.served.draft is None or order.keep_draft or not result.ok:
             return None
-        return draft_info(request.version, self.expected, result, self._draft_loads)
+        return draft_info(order.version, self.expected, result, self._draft_loads)
 
     # memory
     def release(self, tags: list[str]) -> None:

@@ -18,7 +18,6 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
 from weightbus.core.wire import PauseMode
-from weightbus.core.wire.delta import DeltaSpec
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.server.engine_client import EngineClient, EngineDeadError
 from weightbus.engines.reference.server.errors import APIError
@@ -207,10 +206,8 @@ async def update_weights(
         APIError: rank 0's error status (400 with `names`, 409, 503, 504), or 503/504 when the
             engine died or did not answer in time.
     """
-    fields = body.model_dump()
-    if fields["delta"] is not None:
-        fields["delta"] = msgspec.convert(fields["delta"], DeltaSpec)
-    message = messages.UpdateWeights(update_id=secrets.token_hex(16), **fields)
+    fields = {**body.model_dump(), "update_id": secrets.token_hex(16)}
+    message = msgspec.convert(fields, messages.UpdateWeights)  # the order as rank 0 holds it
     logger.info("update %s to %r via %s", message.update_id, body.version, body.transport)
     result = await _answered(request, message, body.timeout_s + config.update_margin_s)
     return _response(result)

@@ -14,16 +14,19 @@ from pydantic import (
 
 from weightbus.core.transport import decode_description, transport_names
 from weightbus.core.transport.distributed.messages import DEFAULT_GROUP_NAME, GROUP_NAME_PATTERN
-from weightbus.core.wire import PauseMode, VerifyLevel
-from weightbus.core.wire.delta import DeltaSpec
+from weightbus.core.wire import PauseMode
+from weightbus.core.wire.order import (
+    MAX_UPDATE_TIMEOUT_S,
+    MAX_VERSION_CHARS,
+    VERSION_PATTERN,
+    UpdateOrder,
+)
 from weightbus.engines.reference.engine.messages import MemoryTag, WeightsStatus
+from weightbus.engines.reference.server.order_body import order_body_model
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
-MAX_VERSION_CHARS = 256
 ControlAction = Literal["pause", "continue", "release", "resume"]
-# An update's own bound; the server waits a little longer for the engine's answer.
-MAX_UPDATE_TIMEOUT_S = 3600.0
 
 
 def _check_unicode(text: str) -> None:
@@ -225,49 +228,29 @@ class AdminRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-_VERSION_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 _FINGERPRINT_PATTERN = r"^[0-9a-f]{32}$"
 
 
 def _version(*default: None) -> Any:
     # a version name as every admin body takes it (required unless a default is given)
-    return Field(*default, min_length=1, max_length=MAX_VERSION_CHARS, pattern=_VERSION_PATTERN)
+    return Field(*default, min_length=1, max_length=MAX_VERSION_CHARS, pattern=VERSION_PATTERN)
 
 
 def _timeout() -> Any:
     return Field(60.0, gt=0, le=MAX_UPDATE_TIMEOUT_S, allow_inf_nan=False)
 
 
-class UpdateWeightsRequest(AdminRequest):
+class UpdateWeightsRequest(
+    order_body_model(
+        UpdateOrder,
+        name="UpdateOrderBody",
+        base=AdminRequest,
+    )
+):
     """`POST /v1/update_weights` body."""
 
-    version: str = _version()
-    step: int | None = Field(None, ge=0, lt=2**63)
-    force: bool = False
+    # the registry's names, in the schema; the fields are `UpdateOrder`'s
     transport: str = Field(json_schema_extra={"enum": transport_names()})
-    source: dict[str, Any]
-    plan_hash: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
-    pause_mode: PauseMode = "drain"
-    atomic: bool = True
-    verify: VerifyLevel = "full"
-    timeout_s: float = _timeout()
-    two_phase: bool = False
-    delta: dict[str, Any] | None = None  # `weightbus.core.wire.delta.DeltaSpec`
-    keep_draft: bool = Field(
-        False,
-        description="the push carries no draft tensors and the draft model served stays as it "
-        "is (an engine with a draft refuses a push without them otherwise)",
-    )
-
-    @field_validator("delta")
-    @classmethod
-    def _check_delta(cls, delta: dict[str, Any] | None) -> dict[str, Any] | None:
-        if delta is not None:
-            try:
-                msgspec.convert(delta, DeltaSpec)
-            except msgspec.ValidationError as exc:
-                raise ValueError(f"delta: {exc}") from None
-        return delta
 
     @field_validator("transport")
     @classmethod

@@ -1,0 +1,78 @@
+"""The update order: one engine's part of a push, declared once.
+
+The Publisher builds one per engine (`PushOrder`, which adds what the trainer knows and no engine
+is sent); an engine target sends it (the reference engine's HTTP target posts `engine_fields()`
+as the body of `POST /v1/update_weights`); the engine's HTTP edge validates that body against
+this struct (its schema is generated from it) and converts it once into the rank-0 message,
+which is this order with an id (`UpdateWeights`); rank 0 holds it as is while the update runs,
+and every rank's Receiver reads what it needs from it. A new push option is a field here and
+its use where it acts.
+"""
+
+from typing import Annotated, Any
+
+import msgspec
+
+from weightbus.core.wire.delta import DeltaSpec
+from weightbus.core.wire.messages import Hex128, PauseMode, VerifyLevel
+
+MAX_VERSION_CHARS = 256
+# An update's own bound; an engine's HTTP edge waits a little longer for its ranks' answer.
+MAX_UPDATE_TIMEOUT_S = 3600.0
+# printable: a version names files, log lines and metrics labels
+VERSION_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+
+OrderVersion = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_VERSION_CHARS, pattern=VERSION_PATTERN)
+]
+Step = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=MAX_UPDATE_TIMEOUT_S)]
+KeepDraft = Annotated[
+    bool,
+    msgspec.Meta(
+        description="the push carries no draft tensors and the draft model served stays as it "
+        "is (an engine with a draft refuses a push without them otherwise)"
+    ),
+]
+
+
+class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Receive `version` from the transport session `source`, and how to apply it.
+
+    Attributes:
+        version: the version's name (printable, at most 256 characters).
+        step: the trainer's step, reported back by the engine.
+        force: push even when the engine serves this version's fingerprint already.
+        transport: the registered transport's name.
+        source: the session this engine's ranks open, in its JSON form
+            (`weightbus.core.transport.decode_description` gives the typed description).
+        plan_hash: the plan every rank must recompute from the stream's header.
+        pause_mode: how generation pauses for the swap (`drain`, `in_place`, `abort`).
+        atomic: stage, verify, then swap (False: load into the live weights).
+        verify: `full` checks every digest on the ranks; `none` only the fingerprint.
+        timeout_s: bound of the update on the engine.
+        two_phase: stage and verify only; the engine swaps on a later commit (atomic only).
+        delta: the stream carries changes to the version the engine serves.
+        keep_draft: the push carries no draft model (`draft.` tensors): an engine serving one
+            keeps it (else it refuses such a push).
+    """
+
+    version: OrderVersion
+    step: Step | None = None
+    force: bool = False
+    transport: str
+    source: dict[str, Any]
+    plan_hash: Hex128 | None = None
+    pause_mode: PauseMode = "drain"
+    atomic: bool = True
+    verify: VerifyLevel = "full"
+    timeout_s: TimeoutS = 60.0
+    two_phase: bool = False
+    delta: DeltaSpec | None = None
+    keep_draft: KeepDraft = False
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The order as an engine receives it, in JSON/msgpack values: this struct's fields
+        only (a subclass's own fields, such as the Publisher's `PushOrder.probe`, stay home)."""
+        values = msgspec.to_builtins(self)
+        return {name: values[name] for name in UpdateOrder.__struct_fields__}
