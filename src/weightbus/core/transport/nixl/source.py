@@ -105,15 +105,8 @@ class NixlSource(RankSessionSource):
         tp_size: int = 1,
         direct: DirectPlacement | None = None,
     ) -> None:
-        super().__init__(
-            session_id=description.session_id,
-            group=description.group,
-            rank=rank,
-            tp_size=tp_size,
-            endpoint=description.endpoint,
-            placement=direct,
-            refusal=f"nixl endpoint {description.endpoint!r}",
-        )
+        refusal = f"nixl endpoint {description.endpoint!r}"
+        super().__init__(description, rank=rank, tp_size=tp_size, direct=direct, refusal=refusal)
         self._publisher_host = description.endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
         self._agent: Agent | None = None
         self._plan: Plan | None = None

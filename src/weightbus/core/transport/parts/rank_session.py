@@ -3,6 +3,7 @@ rank's source (its sockets, acks, `end`, `close`) and the publisher's count of t
 joined. Written once here so the two transports cannot drift apart in what a session is."""
 
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import zmq
 
@@ -13,6 +14,14 @@ from weightbus.core.wire import Message, SlotAck, UpdateEnd
 
 # How long closing a rank's socket may wait to deliver what it still holds (acks, hellos).
 CLOSE_LINGER_MS = 1000
+
+
+class SessionEndpoint(Protocol):
+    """What a rank needs of its transport's description to join the session."""
+
+    session_id: str
+    group: int
+    endpoint: str
 
 
 class RankSessionSource(BucketSource):
@@ -28,19 +37,17 @@ class RankSessionSource(BucketSource):
 
     def __init__(
         self,
+        description: SessionEndpoint,
         *,
-        session_id: str,
-        group: int,
         rank: int,
         tp_size: int,
-        endpoint: str,
-        placement: DirectPlacement | None,
+        direct: DirectPlacement | None,
         refusal: str,
     ) -> None:
-        self.session_id, self.group = session_id, group
+        self.session_id, self.group = description.session_id, description.group
         self.rank, self.tp_size = rank, tp_size
-        self._placement = placement
-        self._endpoint = endpoint
+        self._placement = direct
+        self._endpoint = endpoint = description.endpoint
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         try:
             self._socket.connect(endpoint)

@@ -67,15 +67,8 @@ class ShmSource(RankSessionSource):
         tp_size: int = 1,
         direct: DirectPlacement | None = None,
     ) -> None:
-        super().__init__(
-            session_id=description.session_id,
-            group=description.group,
-            rank=rank,
-            tp_size=tp_size,
-            endpoint=description.endpoint,
-            placement=direct,
-            refusal=f"shm endpoint {description.endpoint!r} cannot be connected",
-        )
+        refusal = f"shm endpoint {description.endpoint!r} cannot be connected"
+        super().__init__(description, rank=rank, tp_size=tp_size, direct=direct, refusal=refusal)
         self._direct = False
         self._slot_names, self._slot_bytes = description.slots, description.slot_bytes
         self.slots: list[Slot] = []  # mapped at begin, for a session through the slots
