@@ -180,6 +180,12 @@ def pack_rows(first_row: int, end_row: int, row_bytes: int, parts: Sequence[RowP
                 hasher.update(row_major_bytes(source if destination is None else destination))
 
 
+def digest_part(full: torch.Tensor, hasher: Any) -> RowPart:
+    """A `pack_rows` part that copies nothing: it digests `full`'s rows (a tensor's digest
+    while its slices are copied elsewhere, from the same rows in cache)."""
+    return (lambda low, high: (None, full[low:high] if full.dim() else full)), hasher
+
+
 def _entry_views(
     destination: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from weightbus.core.plan.bucket import (
     BucketEntry,
     byte_view,
     check_entry_tensor,
+    digest_part,
     pack_entry,
     pack_rows,
 )
@@ -75,7 +76,7 @@ def _pack_slices(
     packed destination and slice hasher), digesting the full rows and each packed slice chunk
     by chunk, from cache."""
     parts = [_slice_part(full, *job) for job in jobs]
-    parts.append((lambda low, high: (None, full[low:high] if full.dim() else full), full_hasher))
+    parts.append(digest_part(full, full_hasher))
     pack_rows(*rows, parts)
 
 

@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from weightbus.core.plan import BucketPlan, Plan
-from weightbus.core.plan.bucket import pack_entry, pack_rows
+from weightbus.core.plan.bucket import digest_part, pack_entry, pack_rows
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.transport.parts.layout import checked_copies, region_meta
 from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX, Slot
@@ -96,15 +96,10 @@ def _write_tensor(
     digest = xxhash.xxh3_128()
     slices = {dest.rank_index: xxhash.xxh3_128() for dest in dests} if slice_digests else {}
     parts = [(partial(dest.chunk, full), slices.get(dest.rank_index)) for dest in dests]
-    parts.append((partial(_full_rows, full), digest))
+    parts.append(digest_part(full, digest))
     row_bytes = full[0].nbytes if full.dim() and full.shape[0] else full.nbytes
     pack_rows(0, full.shape[0] if full.dim() else 1, row_bytes, parts)
     return digest.hexdigest(), {rank: hasher.hexdigest() for rank, hasher in slices.items()}
-
-
-def _full_rows(full: torch.Tensor, start: int, stop: int) -> tuple[None, torch.Tensor]:
-    """The full tensor's rows [start, stop), to digest only."""
-    return None, full[start:stop] if full.dim() else full
 
 
 class DirectWriter:
