@@ -3,18 +3,32 @@
 An entry says where a tensor (or one chunk of a tensor larger than a bucket) lives in the
 buffer. Entries start on 256-byte boundaries so every typed view is aligned for any dtype and
 for vectorised copies.
+
+`pack_entry` is the one pack routine of every sink (a bucket, an `shm` slot, a `nixl` send
+buffer): it lives here, below the transports, so the plan's own `pack_entries` uses it too.
 """
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
+import numpy as np
 import torch
 
 from weightbus.core.meta import TensorMeta, dtype_from_name, dtype_name
 
 ALIGN_BYTES = 256
+# Rows copied and digested together: small enough that the digest reads them from cache.
+CHUNK_BYTES = 4 << 20
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# `pack_rows`' unit of work: rows [low, high) -> (destination or None, source) or None, and
+# the hasher of what it copies (or None).
+RowViews = Callable[[int, int], "tuple[torch.Tensor | None, torch.Tensor] | None"]
+RowPart = tuple[RowViews, Any]
 
 
 def align_up(nbytes: int, align_bytes: int = ALIGN_BYTES) -> int:
@@ -129,16 +143,84 @@ def _chunk_source(tensor: torch.Tensor, entry: BucketEntry) -> tuple[torch.Tenso
     return tensor.reshape(-1)[first : first + count], (count,)
 
 
-def _copy_entry(buffer: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor) -> None:
+def copy_elements(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy through numpy (same-sized integers, so bf16/fp8 too): one thread, GIL released, so
+    a pool of copies runs on every core without oversubscribing them."""
+    int_dtype = _INT_OF_SIZE.get(source.element_size())
+    if int_dtype is None:  # complex128: no 16-byte integer
+        destination.copy_(source)
+        return
+    np.copyto(destination.view(int_dtype).numpy(), source.view(int_dtype).numpy())
+
+
+def row_major_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes in row-major order (in place when contiguous), for digests."""
+    return byte_view(tensor if tensor.is_contiguous() else tensor.contiguous()).numpy()
+
+
+def pack_rows(first_row: int, end_row: int, row_bytes: int, parts: Sequence[RowPart]) -> None:
+    """Copy and digest rows `[first_row, end_row)` for every part, `CHUNK_BYTES` of rows at a
+    time, so each digest reads the rows its copy just wrote while they are still in cache.
+
+    A part is `(views, hasher)`: `views(low, high)` gives `(destination, source)` for rows
+    `[low, high)` (None: the part has none of them; destination None: digest `source` only);
+    `hasher` (anything with `update(bytes)`, or None) digests the destination's bytes.
+    """
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
+    for low in range(first_row, end_row, rows_per_chunk):
+        high = min(low + rows_per_chunk, end_row)
+        for views, hasher in parts:
+            pair = views(low, high)
+            if pair is None:
+                continue
+            destination, source = pair
+            if destination is not None:
+                copy_elements(destination, source)
+            if hasher is not None:
+                hasher.update(row_major_bytes(source if destination is None else destination))
+
+
+def digest_part(full: torch.Tensor, hasher: Any) -> RowPart:
+    """A `pack_rows` part that copies nothing: it digests `full`'s rows (a tensor's digest
+    while its slices are copied elsewhere, from the same rows in cache)."""
+    return (lambda low, high: (None, full[low:high] if full.dim() else full)), hasher
+
+
+def _entry_views(
+    destination: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typed `(destination, source)` views of an entry, at least 1-D so rows can be walked."""
+    source, shape = _chunk_source(tensor, entry) if entry.is_chunk else (tensor, entry.shape)
+    typed = destination.view(entry.torch_dtype).view(shape)
+    if typed.dim() == 0:
+        return typed.view(1), source.reshape(1)
+    return typed, source
+
+
+def pack_entry(
+    destination: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor, hasher: Any = None
+) -> None:
+    """Copy `entry`'s bytes of `tensor` into `destination` (its `entry.nbytes` bytes of a
+    buffer), digesting them into `hasher` (when given) chunk by chunk as they land.
+
+    The one pack routine of every sink: CPU copies are GIL-free (`copy_elements`), so callers
+    pack many entries at once on a pool; other devices get one `copy_` (digested afterwards).
+
+    Raises:
+        ValueError: the tensor's dtype/shape differ from its entry.
+    """
+    check_entry_tensor(entry, tensor)
     if entry.nbytes == 0:
         return
-    raw = buffer[entry.offset : entry.end]
-    if entry.is_chunk:
-        source, shape = _chunk_source(tensor, entry)
-        raw.view(entry.torch_dtype).view(shape).copy_(source)
+    typed, source = _entry_views(destination, entry, tensor.detach())
+    if typed.device.type != "cpu" or source.device.type != "cpu":
+        typed.copy_(source)  # copy_ into the typed view packs non-contiguous sources in place
+        if hasher is not None:
+            hasher.update(row_major_bytes(typed))
         return
-    # copy_ into the typed view packs non-contiguous sources with no intermediate copy.
-    raw.view(entry.torch_dtype).view(entry.shape).copy_(tensor)
+    row_bytes = typed[0].nbytes if len(typed) else 1
+    part = (lambda low, high: (typed[low:high], source[low:high]), hasher)
+    pack_rows(0, len(typed), row_bytes, [part])
 
 
 def pack_entries(
@@ -155,8 +237,7 @@ def pack_entries(
         tensor = tensors.get(entry.name)
         if tensor is None:
             raise ValueError(f"tensor {entry.name!r} is in the plan but was not given")
-        check_entry_tensor(entry, tensor)
-        _copy_entry(buffer, entry, tensor.detach())
+        pack_entry(buffer[entry.offset : entry.end], entry, tensor)
 
 
 def check_entry_tensor(entry: BucketEntry, tensor: torch.Tensor) -> None:

@@ -10,7 +10,6 @@ reader sees a complete session or none. Readers map shards (safetensors' mmap) a
 pages their weight loaders touch are read: a TP rank reads little more than its slices.
 """
 
-import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated
@@ -29,7 +28,7 @@ from weightbus.core.transport.base import (
     SourceDescription,
     no_progress,
 )
-from weightbus.core.transport.parts.shared_memory import private_shm_dir
+from weightbus.core.transport.parts.session_dir import SessionDirectories
 from weightbus.core.wire import UpdateBegin, UpdateEnd
 
 DISK_ROOT_PREFIX = "weightbus-disk-"
@@ -77,10 +76,8 @@ class DiskSink(BucketSink):
     name = "disk"
 
     def __init__(self, root: str | Path | None = None) -> None:
-        self._owned_root = root is None
-        self.root = private_shm_dir(DISK_ROOT_PREFIX) if root is None else Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._sessions: list[Path] = []
+        self._directories = SessionDirectories(root, DISK_ROOT_PREFIX)
+        self.root = self._directories.root
 
     def prepare(
         self,
@@ -89,8 +86,7 @@ class DiskSink(BucketSink):
         progress: Progress = no_progress,
     ) -> DiskDescription:
         session.ensure_digests(tensors)
-        tmp = self.root / f".tmp-{session.session_id}"
-        tmp.mkdir(mode=0o700)
+        tmp = self._directories.start(session.session_id)
         shards = []
         for index, names in enumerate(_shard_names(session)):
             if names:
@@ -109,11 +105,7 @@ class DiskSink(BucketSink):
         )
         (tmp / MANIFEST_NAME).write_bytes(msgspec.json.encode(manifest))
         (tmp / MANIFEST_NAME).chmod(0o600)
-        # Readers only need to see whole sessions; durability across a host crash is not a
-        # goal of a transport, so no fsync before the atomic rename.
-        final = self.root / session.session_id
-        tmp.rename(final)
-        self._drop_old_sessions(keep=final)
+        final = self._directories.publish(session.session_id)
         return DiskDescription(path=str(final))
 
     def stream(
@@ -125,16 +117,8 @@ class DiskSink(BucketSink):
     ) -> None:
         """Nothing to stream: `prepare` wrote the whole session."""
 
-    def _drop_old_sessions(self, keep: Path) -> None:
-        for path in self._sessions:
-            shutil.rmtree(path, ignore_errors=True)
-        self._sessions = [keep]
-
     def close(self) -> None:
-        self._drop_old_sessions(keep=Path())
-        self._sessions = []
-        if self._owned_root:
-            shutil.rmtree(self.root, ignore_errors=True)
+        self._directories.close()
 
 
 def read_manifest(directory: Path) -> DiskManifest:

@@ -14,7 +14,6 @@ fingerprint of what it loaded; with them (a Publisher's push) `verify="full"` ch
 against the trainer's digests.
 """
 
-import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated
@@ -36,12 +35,12 @@ from weightbus.core.transport.base import (
     SourceDescription,
     no_progress,
 )
-from weightbus.core.transport.parts.shared_memory import private_shm_dir
+from weightbus.core.transport.parts.session_dir import SessionDirectories
 from weightbus.core.wire import UpdateBegin, UpdateEnd, WireMeta
 from weightbus.core.wire.messages import Hex128, NonNegative, TensorName, Version
 
 CHECKPOINT_NAME = "model.safetensors"
-# safetensors' dtype codes -> torch dtypes
+HF_DIR_ROOT_PREFIX = "weightbus-hf-dir-"
 
 
 class HfDirDescription(SourceDescription, frozen=True):
@@ -68,10 +67,8 @@ class HfDirSink(BucketSink):
     name = "hf_dir"
 
     def __init__(self, root: str | Path | None = None) -> None:
-        self._owned = root is None
-        self.root = private_shm_dir("weightbus-hf-dir-") if root is None else Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._last: Path | None = None
+        self._directories = SessionDirectories(root, HF_DIR_ROOT_PREFIX)
+        self.root = self._directories.root
 
     def prepare(
         self,
@@ -80,17 +77,12 @@ class HfDirSink(BucketSink):
         progress: Progress = no_progress,
     ) -> HfDirDescription:
         session.ensure_digests(tensors)
-        tmp = self.root / f".tmp-{session.session_id}"
-        tmp.mkdir(mode=0o700)
+        tmp = self._directories.start(session.session_id)
         names = [meta.name for meta in session.plan.metas]
         save_tensors(tmp / CHECKPOINT_NAME, names, tensors)
         session.count_sent(session.plan.total_bytes)
         progress(session.plan.total_bytes)
-        final = self.root / session.session_id
-        tmp.rename(final)
-        if self._last is not None:
-            shutil.rmtree(self._last, ignore_errors=True)
-        self._last = final
+        final = self._directories.publish(session.session_id)
         return HfDirDescription(
             path=str(final),
             version=session.version,
@@ -112,11 +104,7 @@ class HfDirSink(BucketSink):
         """Nothing to stream: `prepare` saved the whole checkpoint."""
 
     def close(self) -> None:
-        if self._last is not None:
-            shutil.rmtree(self._last, ignore_errors=True)
-            self._last = None
-        if self._owned:
-            shutil.rmtree(self.root, ignore_errors=True)
+        self._directories.close()
 
 
 class HfDirSource(BucketSource):

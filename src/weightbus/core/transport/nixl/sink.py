@@ -21,7 +21,7 @@ batch; a slot is written again only after that ack.
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +36,7 @@ from weightbus.core.transport.nixl.schedule import Schedule
 from weightbus.core.transport.nixl.writes import POLL_PAUSE_S, BucketWrites, Rank
 from weightbus.core.transport.parts.direct_channel import receive_one
 from weightbus.core.transport.parts.layout import checked_copies
+from weightbus.core.transport.parts.rank_session import JoiningRanks
 from weightbus.core.wire import DirectReady, Message, ProtocolError, SlotAck, UpdateAbort, decode
 
 logger = logging.getLogger(__name__)
@@ -43,24 +44,18 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_SCHEDULES = 8
 
 
-class _Ranks:
+class _Ranks(JoiningRanks):
     """The ranks that joined the current session, by ZMQ identity."""
 
     def __init__(self, session: PushSession) -> None:
-        self.session = session
+        super().__init__(session)
         self.hellos: dict[bytes, NixlHello] = {}
-        self.tp_sizes: dict[int, int] = {}
         self.ready: set[tuple[int, int]] = set()
         self.inboxes: dict[tuple[int, int], NixlInbox] = {}
         self.acks: set[tuple[int, int, int]] = set()  # (group, rank, bucket) released
 
-    def complete(self) -> bool:
-        joined = dict.fromkeys(self.tp_sizes, 0)
-        for hello in self.hellos.values():
-            joined[hello.group] += 1
-        return len(self.tp_sizes) == self.session.receivers and all(
-            joined[group] == size for group, size in self.tp_sizes.items()
-        )
+    def joined_groups(self) -> Iterator[int]:
+        return (hello.group for hello in self.hellos.values())
 
     def on_message(self, identity: bytes, message: Message) -> None:
         if getattr(message, "session_id", None) != self.session.session_id:

@@ -13,28 +13,24 @@ the Receiver released its batch.
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
-import zmq
 
 from weightbus.core.plan import BucketPlan, Plan, plan_buckets
 from weightbus.core.plan.assemble import ChunkAssembler, unpack_bucket
 from weightbus.core.plan.bucket import BucketEntry
-from weightbus.core.transport.base import BucketSource, ReceivedBatch
+from weightbus.core.transport.base import ReceivedBatch
 from weightbus.core.transport.nixl.agent import Agent, rank_agent
 from weightbus.core.transport.nixl.messages import NixlDescription, NixlHello, NixlInbox
 from weightbus.core.transport.nixl.schedule import inbox_entries, inbox_slot_bytes
 from weightbus.core.transport.parts.arena import DirectPlacement
-from weightbus.core.transport.parts.direct_channel import receive_expected
+from weightbus.core.transport.parts.rank_session import RankSessionSource
 from weightbus.core.wire import (
     DirectReady,
-    Message,
     ProtocolError,
-    SlotAck,
     TensorsWritten,
     UpdateBegin,
-    UpdateEnd,
 )
 
 NO_MEMORY = (
@@ -84,12 +80,16 @@ def _acquire_inbox(agent: Agent, nbytes: int) -> _Inbox:
     return inbox
 
 
+def _no_ack() -> None:
+    """The release of a batch with nothing in the inbox: no slot to hand back."""
+
+
 def _release_inbox(inbox: _Inbox) -> None:
     with _inboxes_lock:
         inbox.busy = False
 
 
-class NixlSource(BucketSource):
+class NixlSource(RankSessionSource):
     """Engine-rank side of `nixl` for one session.
 
     Args:
@@ -105,19 +105,8 @@ class NixlSource(BucketSource):
         tp_size: int = 1,
         direct: DirectPlacement | None = None,
     ) -> None:
-        self.session_id, self.group = description.session_id, description.group
-        self.rank, self.tp_size = rank, tp_size
-        self._placement = direct
-        self._endpoint = description.endpoint
-        # messages are read by the Receiver's prefetch thread, acks sent by the thread that
-        # loads: ZMQ sockets are single-threaded, so each direction has its own socket
-        self._socket = zmq.Context.instance().socket(zmq.DEALER)
-        try:
-            self._socket.connect(description.endpoint)
-        except zmq.ZMQError as exc:
-            self._socket.close(linger=0)
-            raise ValueError(f"nixl endpoint {description.endpoint!r}: {exc}") from None
-        self._ack_socket: zmq.Socket | None = None
+        refusal = f"nixl endpoint {description.endpoint!r}"
+        super().__init__(description, rank=rank, tp_size=tp_size, direct=direct, refusal=refusal)
         self._publisher_host = description.endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
         self._agent: Agent | None = None
         self._plan: Plan | None = None
@@ -145,9 +134,6 @@ class NixlSource(BucketSource):
             memory_address=placement.memory.data_ptr(),
             target=placement.target,
         )
-
-    def _recv(self, expected: type[Message], timeout_s: float) -> Message:
-        return receive_expected(self._socket, self.session_id, expected, timeout_s)
 
     def begin(self, timeout_s: float) -> UpdateBegin:
         hello = self._hello()
@@ -221,7 +207,7 @@ class NixlSource(BucketSource):
                 + sum(entry.nbytes for entry in whole),
                 placed=placed,
                 placed_digests=dict(written.slice_digests),
-                release=self._acker(bucket.index) if whole else lambda: None,
+                release=self._acker(bucket.index, bucket.index % INBOX_SLOTS) if whole else _no_ack,
             )
 
     def _slot(self, bucket_index: int) -> torch.Tensor:
@@ -229,30 +215,8 @@ class NixlSource(BucketSource):
         start = (bucket_index % INBOX_SLOTS) * self._slot_bytes
         return self._inbox_memory[start : start + self._slot_bytes]
 
-    def _acker(self, bucket_index: int) -> Callable[[], None]:
-        ack = SlotAck(
-            session_id=self.session_id,
-            bucket_index=bucket_index,
-            slot=bucket_index % INBOX_SLOTS,
-            rank=self.rank,
-            group=self.group,
-        ).encode()
-        return lambda: self._send_ack(ack)
-
-    def _send_ack(self, frame: bytes) -> None:
-        if self._ack_socket is None:
-            self._ack_socket = zmq.Context.instance().socket(zmq.DEALER)
-            self._ack_socket.connect(self._endpoint)
-        self._ack_socket.send(frame)
-
-    def end(self, timeout_s: float) -> UpdateEnd:
-        return self._recv(UpdateEnd, timeout_s)
-
     def close(self) -> None:
-        self._placement = None  # its arena is freed once released, even if this outlives it
-        self._socket.close(linger=1000)
-        if self._ack_socket is not None:
-            self._ack_socket.close(linger=1000)
+        super().close()
         if self._inbox is not None:
             _release_inbox(self._inbox)
             self._inbox = None

@@ -18,17 +18,21 @@ import torch
 import xxhash
 
 from weightbus.core.plan import BucketPlan
-from weightbus.core.plan.bucket import BucketEntry, byte_view, check_entry_tensor
+from weightbus.core.plan.bucket import (
+    BucketEntry,
+    byte_view,
+    check_entry_tensor,
+    digest_part,
+    pack_entry,
+    pack_rows,
+)
 from weightbus.core.transport.base import Progress, PushSession
 from weightbus.core.transport.nixl.messages import NixlInbox
 from weightbus.core.transport.nixl.schedule import Schedule, SliceJob, entry_rows
-from weightbus.core.transport.parts.copy import copy_elements, row_major_bytes
 from weightbus.core.wire import Message, TensorsWritten
 
 logger = logging.getLogger(__name__)
 
-# Rows copied and digested together: small enough that the digests read from cache.
-CHUNK_BYTES = 4 << 20
 # Between two looks at the transfers' state, when none finished (NIXL has no blocking wait).
 POLL_PAUSE_S = 0.0002
 
@@ -47,49 +51,38 @@ class Rank:
         return f"engine {self.group} rank {self.rank}"
 
 
-def _pack_entry(
+def _slice_part(full: torch.Tensor, job: SliceJob, destination: torch.Tensor, hasher: Any):
+    """A `pack_rows` part: `job`'s slice of the full rows goes to its packed `destination`."""
+    if full.dim() == 0:
+        return (lambda low, high: (destination, full)), hasher
+
+    def views(low: int, high: int):
+        first, last = max(low, job.start), min(high, job.stop)
+        if first >= last:
+            return None
+        rows = slice(first - job.start, last - job.start)
+        return destination[rows], job.source(full)[rows]
+
+    return views, hasher
+
+
+def _pack_slices(
     full: torch.Tensor,
-    rows: tuple[int, int],
+    rows: tuple[int, int, int],
     jobs: list[tuple[SliceJob, torch.Tensor, Any]],
     full_hasher: Any,
 ) -> None:
-    """Pack rows `[start, stop)` of `full` for every job (its packed destination and slice
-    hasher), digesting the full rows and each packed slice chunk by chunk, from cache."""
-    if full.dim() == 0:
-        for _, destination, hasher in jobs:
-            copy_elements(destination, full)
-            if hasher is not None:
-                hasher.update(row_major_bytes(destination))
-        full_hasher.update(row_major_bytes(full))
-        return
-    start, stop = rows
-    row_bytes = max(1, full[0].nbytes) if full.shape[0] else 1
-    step = max(1, CHUNK_BYTES // row_bytes)
-    for low in range(start, stop, step):
-        high = min(low + step, stop)
-        for job, destination, hasher in jobs:
-            first, last = max(low, job.start), min(high, job.stop)
-            if first >= last:
-                continue
-            packed = destination[first - job.start : last - job.start]
-            copy_elements(packed, job.source(full)[first - job.start : last - job.start])
-            if hasher is not None:
-                hasher.update(row_major_bytes(packed))
-        full_hasher.update(row_major_bytes(full[low:high]))
-
-
-def _copy_whole(
-    full: torch.Tensor, entry: BucketEntry, destination: torch.Tensor | None, hasher: Any
-) -> None:
-    """Copy `entry`'s bytes of `full` (contiguous) to `destination` and/or digest them, chunk
+    """Pack rows `[start, end)` of `full` (`rows`: start, end, row bytes) for every job (its
+    packed destination and slice hasher), digesting the full rows and each packed slice chunk
     by chunk, from cache."""
-    source = byte_view(full)[entry.tensor_offset : entry.tensor_offset + entry.nbytes]
-    for low in range(0, entry.nbytes, CHUNK_BYTES):
-        high = min(low + CHUNK_BYTES, entry.nbytes)
-        if destination is not None:
-            copy_elements(destination[low:high], source[low:high])
-        if hasher is not None:
-            hasher.update(source[low:high].numpy())
+    parts = [_slice_part(full, *job) for job in jobs]
+    parts.append(digest_part(full, full_hasher))
+    pack_rows(*rows, parts)
+
+
+def _digest_entry(full: torch.Tensor, entry: BucketEntry, hasher: Any) -> None:
+    """Digest `entry`'s bytes of `full` (contiguous) in place: nothing to copy."""
+    hasher.update(byte_view(full)[entry.tensor_offset : entry.tensor_offset + entry.nbytes].numpy())
 
 
 def _release(handle: Any) -> None:
@@ -258,12 +251,12 @@ class BucketWrites:
         hasher = self._full_hashers.setdefault(entry.name, xxhash.xxh3_128())
         if jobs:  # digests the full rows too
             rows = entry_rows(self._metas[entry.name], entry, self._session.plan.bucket_bytes)
-            _pack_entry(full, rows[:2], jobs, hasher)
-        destination = None
+            _pack_slices(full, rows, jobs, hasher)
         if whole_offset is not None:  # packed once, for every rank that receives it whole
             destination = buffer[whole_offset : whole_offset + entry.nbytes]
-        if destination is not None or not jobs:
-            _copy_whole(full, entry, destination, None if jobs else hasher)
+            pack_entry(destination, entry, full, None if jobs else hasher)
+        elif not jobs:
+            _digest_entry(full, entry, hasher)
 
     def _post(self, bucket: BucketPlan, buffer: torch.Tensor) -> None:
         self._done.append(set())

@@ -13,21 +13,17 @@ import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
-import numpy as np
 import torch
 import xxhash
 
 from weightbus.core.plan import BucketPlan, Plan
-from weightbus.core.plan.bucket import BucketEntry, byte_view, check_entry_tensor
+from weightbus.core.plan.bucket import digest_part, pack_entry, pack_rows
 from weightbus.core.plan.shard import ShardCopy
-from weightbus.core.transport.parts.copy import copy_elements, row_major_bytes
 from weightbus.core.transport.parts.layout import checked_copies, region_meta
 from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX, Slot
 from weightbus.core.wire import DirectTarget, ParamRegion
-
-# Rows copied and digested together: small enough that the digests read from cache.
-CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,18 +35,19 @@ class _Dest:
     param: torch.Tensor  # the whole parameter, a view into the rank's mapped file
 
     def chunk(self, full: torch.Tensor, start: int, stop: int):
-        """(source, destination) views for the full tensor's rows [start, stop), or None."""
+        """(destination, source) views for the full tensor's rows [start, stop), or None: a
+        part of `pack_rows`."""
         copy, dim = self.copy, self.copy.src_dim
         if full.dim() == 0:
-            return full, self.param
+            return self.param, full
         if dim > 0:  # columns of every row: the rows map one to one
             source = full[start:stop].narrow(dim, copy.src_start, copy.length)
-            return source, copy.destination(self.param)[start:stop]
+            return copy.destination(self.param)[start:stop], source
         low, high = max(start, copy.src_start), min(stop, copy.src_start + copy.length)
         if low >= high:
             return None
         destination = self.param.narrow(0, copy.dst_start + low - copy.src_start, high - low)
-        return full[low:high], destination
+        return destination, full[low:high]
 
 
 class MappedTarget:
@@ -98,31 +95,11 @@ def _write_tensor(
     full = full if full.is_contiguous() else full.contiguous()
     digest = xxhash.xxh3_128()
     slices = {dest.rank_index: xxhash.xxh3_128() for dest in dests} if slice_digests else {}
+    parts = [(partial(dest.chunk, full), slices.get(dest.rank_index)) for dest in dests]
+    parts.append(digest_part(full, digest))
     row_bytes = full[0].nbytes if full.dim() and full.shape[0] else full.nbytes
-    rows = max(1, CHUNK_BYTES // max(1, row_bytes))
-    num_rows = full.shape[0] if full.dim() else 1
-    for start in range(0, num_rows, rows):
-        stop = min(start + rows, num_rows)
-        for dest in dests:
-            views = dest.chunk(full, start, stop)
-            if views is not None:
-                copy_elements(views[1], views[0])
-                if slice_digests:
-                    slices[dest.rank_index].update(row_major_bytes(views[1]))
-        digest.update(row_major_bytes(full[start:stop] if full.dim() else full))
+    pack_rows(0, full.shape[0] if full.dim() else 1, row_bytes, parts)
     return digest.hexdigest(), {rank: hasher.hexdigest() for rank, hasher in slices.items()}
-
-
-def _pack_entry(buffer: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor, hasher) -> None:
-    """Copy one entry's bytes into the slot, digesting them as they pass."""
-    check_entry_tensor(entry, tensor)
-    source = byte_view(tensor if tensor.is_contiguous() else tensor.contiguous())
-    source = source[entry.tensor_offset : entry.tensor_offset + entry.nbytes].numpy()
-    destination = buffer[entry.offset : entry.end].numpy()
-    for start in range(0, entry.nbytes, CHUNK_BYTES):
-        chunk = source[start : start + CHUNK_BYTES]
-        np.copyto(destination[start : start + CHUNK_BYTES], chunk)
-        hasher.update(chunk)
 
 
 class DirectWriter:
@@ -196,7 +173,11 @@ class DirectWriter:
             jobs.append((entry, tensors[entry.name].detach(), hasher))
         # biggest first: two workers finish together
         jobs.sort(key=lambda job: -job[0].nbytes)
-        for future in [self._pool.submit(_pack_entry, buffer, *job) for job in jobs]:
+        packs = [
+            self._pool.submit(pack_entry, buffer[entry.offset : entry.end], entry, tensor, hasher)
+            for entry, tensor, hasher in jobs
+        ]
+        for future in packs:
             future.result()
         return {name: hashers.pop(name).hexdigest() for name in bucket.finished_names()}
 

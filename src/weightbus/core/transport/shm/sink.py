@@ -11,7 +11,7 @@ other slot meanwhile, and writes each bucket once whatever the number of engines
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import msgspec
 import torch
@@ -20,6 +20,7 @@ import zmq
 from weightbus.core.plan import BucketPlan
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
 from weightbus.core.transport.parts.direct_channel import receive_one
+from weightbus.core.transport.parts.rank_session import JoiningRanks
 from weightbus.core.transport.parts.shared_memory import Slot, private_ipc_dir, remove_stale_slots
 from weightbus.core.transport.shm.description import ShmDescription
 from weightbus.core.transport.shm.direct import DirectWriter, MappedTarget
@@ -40,26 +41,20 @@ logger = logging.getLogger(__name__)
 DEFAULT_NUM_SLOTS = 2
 
 
-class _Receivers:
+class _Receivers(JoiningRanks):
     """The ranks that joined the current session, by ZMQ identity, and their pending acks."""
 
     def __init__(self, session: PushSession) -> None:
-        self.session = session
+        super().__init__(session)
         self.session_id = session.session_id
         self.num_groups = session.receivers
         self.identities: dict[bytes, tuple[int, int]] = {}  # -> (group, rank)
         self.direct: dict[bytes, DirectTarget | None] = {}  # -> the rank's direct offer
-        self.tp_sizes: dict[int, int] = {}
         self.unacked: dict[int, set[tuple[int, int]]] = {}  # slot -> (group, rank) holding it
         self.direct_ready: set[tuple[int, int]] = set()  # (group, rank) that know it is direct
 
-    def complete(self) -> bool:
-        joined = dict.fromkeys(self.tp_sizes, 0)
-        for group, _ in self.identities.values():
-            joined[group] += 1
-        return len(self.tp_sizes) == self.num_groups and all(
-            joined[group] == size for group, size in self.tp_sizes.items()
-        )
+    def joined_groups(self) -> Iterator[int]:
+        return (group for group, _ in self.identities.values())
 
     def on_message(self, identity: bytes, message: Message) -> None:
         if getattr(message, "session_id", None) != self.session_id:

@@ -6,24 +6,21 @@ import time
 from collections.abc import Iterator
 
 import torch
-import zmq
 
 from weightbus.core.plan import BucketPlan, Plan, plan_buckets
 from weightbus.core.plan.assemble import ChunkAssembler, unpack_bucket
-from weightbus.core.transport.base import BucketSource, ReceivedBatch
+from weightbus.core.transport.base import ReceivedBatch
 from weightbus.core.transport.parts.arena import DirectPlacement
-from weightbus.core.transport.parts.direct_channel import receive_expected, written_batches
+from weightbus.core.transport.parts.direct_channel import written_batches
+from weightbus.core.transport.parts.rank_session import RankSessionSource
 from weightbus.core.transport.parts.shared_memory import Slot
 from weightbus.core.transport.shm.description import ShmDescription
 from weightbus.core.wire import (
     BucketReady,
     DirectReady,
-    Message,
     ProtocolError,
     ReceiverHello,
-    SlotAck,
     UpdateBegin,
-    UpdateEnd,
 )
 
 # Slots mapped by this process, by name: each rank maps a publisher's slots once and reuses
@@ -54,7 +51,7 @@ def _map_slots_locked(names: list[str], slot_bytes: int) -> list[Slot]:
     return slots
 
 
-class ShmSource(BucketSource):
+class ShmSource(RankSessionSource):
     """Engine-rank side of `shm` for one session.
 
     Args:
@@ -70,30 +67,12 @@ class ShmSource(BucketSource):
         tp_size: int = 1,
         direct: DirectPlacement | None = None,
     ) -> None:
-        endpoint = description.endpoint
-        self.session_id, self.group = description.session_id, description.group
-        names, slot_bytes = description.slots, description.slot_bytes
-        self.rank = rank
-        self.tp_size = tp_size
-        self._placement = direct
+        refusal = f"shm endpoint {description.endpoint!r} cannot be connected"
+        super().__init__(description, rank=rank, tp_size=tp_size, direct=direct, refusal=refusal)
         self._direct = False
-        self._slot_names, self._slot_bytes = names, slot_bytes
+        self._slot_names, self._slot_bytes = description.slots, description.slot_bytes
         self.slots: list[Slot] = []  # mapped at begin, for a session through the slots
-        self._context = zmq.Context.instance()
-        self._endpoint = endpoint
-        # Messages are read by the Receiver's prefetch thread, acks are sent by the thread that
-        # loads: ZMQ sockets are single-threaded, so each direction has its own socket.
-        self._socket = self._context.socket(zmq.DEALER)
-        try:
-            self._socket.connect(endpoint)
-        except zmq.ZMQError as exc:  # e.g. a path too long for a unix socket
-            self._socket.close(linger=0)
-            raise ValueError(f"shm endpoint {endpoint!r} cannot be connected: {exc}") from None
-        self._ack_socket: zmq.Socket | None = None
         self._plan: Plan | None = None
-
-    def _recv(self, expected: type[Message], timeout_s: float) -> Message:
-        return receive_expected(self._socket, self.session_id, expected, timeout_s)
 
     def begin(self, timeout_s: float) -> UpdateBegin:
         hello = ReceiverHello(
@@ -137,7 +116,7 @@ class ShmSource(BucketSource):
                 tensors=tensors,
                 digests=dict(ready.digests),
                 nbytes=bucket.payload_bytes,
-                release=self._acker(ready),
+                release=self._acker(ready.bucket_index, ready.slot),
             )
 
     def _check(self, ready: BucketReady, bucket: BucketPlan) -> int:
@@ -150,28 +129,3 @@ class ShmSource(BucketSource):
         if bucket.nbytes > self.slots[ready.slot].nbytes:
             raise ValueError(f"bucket {bucket.index} exceeds its slot")
         return ready.slot
-
-    def _acker(self, ready: BucketReady):
-        ack = SlotAck(
-            session_id=self.session_id,
-            bucket_index=ready.bucket_index,
-            slot=ready.slot,
-            rank=self.rank,
-            group=self.group,
-        ).encode()
-        return lambda: self._send_ack(ack)
-
-    def _send_ack(self, frame: bytes) -> None:
-        if self._ack_socket is None:
-            self._ack_socket = self._context.socket(zmq.DEALER)
-            self._ack_socket.connect(self._endpoint)
-        self._ack_socket.send(frame)
-
-    def end(self, timeout_s: float) -> UpdateEnd:
-        return self._recv(UpdateEnd, timeout_s)
-
-    def close(self) -> None:
-        self._placement = None  # its arena is freed once released, even if this outlives it
-        self._socket.close(linger=1000)
-        if self._ack_socket is not None:
-            self._ack_socket.close(linger=1000)

@@ -1,0 +1,51 @@
+"""Session directories of the file transports (`disk`, `hf_dir`): each push is written into
+`<root>/.tmp-<session>` and renamed to `<root>/<session>`, so a reader sees a whole session or
+none; only the newest session is kept, and a root this writer made is removed on `close`."""
+
+import shutil
+from pathlib import Path
+
+from weightbus.core.transport.parts.shared_memory import private_shm_dir
+
+
+class SessionDirectories:
+    """The session directories of one sink under `root`.
+
+    Args:
+        root: directory shared with the engines; by default a fresh private one under /dev/shm
+            named `<prefix>...` (engines on this host), after the sweep of the directories
+            that killed publishers left there, and removed on `close`.
+    """
+
+    def __init__(self, root: str | Path | None, prefix: str) -> None:
+        self._owned_root = root is None
+        self.root = private_shm_dir(prefix) if root is None else Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._sessions: list[Path] = []
+
+    def start(self, session_id: str) -> Path:
+        """A new private directory to write session `session_id` into (not yet visible)."""
+        tmp = self.root / f".tmp-{session_id}"
+        tmp.mkdir(mode=0o700)
+        return tmp
+
+    def publish(self, session_id: str) -> Path:
+        """Make the written session visible at `<root>/<session_id>`, in one rename, and drop
+        the sessions before it; returns its path."""
+        # Readers only need to see whole sessions; durability across a host crash is not a
+        # goal of a transport, so no fsync before the atomic rename.
+        final = self.root / session_id
+        (self.root / f".tmp-{session_id}").rename(final)
+        self._drop_old_sessions(keep=final)
+        return final
+
+    def _drop_old_sessions(self, keep: Path | None) -> None:
+        for path in self._sessions:
+            shutil.rmtree(path, ignore_errors=True)
+        self._sessions = [] if keep is None else [keep]
+
+    def close(self) -> None:
+        """Remove the kept session, and the root when this writer made it."""
+        self._drop_old_sessions(keep=None)
+        if self._owned_root:
+            shutil.rmtree(self.root, ignore_errors=True)
