@@ -50,9 +50,14 @@ from weightbus.core.publisher.targets import (
     UpdateOrder,
 )
 from weightbus.core.publisher.two_phase import Check, abort_staged, commit_all, settle
-from weightbus.core.transport import BucketSink, PushSession, SourceDescription, make_sink
+from weightbus.core.transport import (
+    BucketSink,
+    PushSession,
+    SourceDescription,
+    WeightsGroupInfo,
+    make_sink,
+)
 from weightbus.core.transport.base import Progress
-from weightbus.core.transport.distributed.messages import WeightsGroupInfo
 from weightbus.core.wire import PauseMode, VerifyLevel
 from weightbus.core.wire.delta import DeltaSpec
 
