@@ -65,9 +65,12 @@ class ControlRequests:
 
     def on_transport_setup(self, message: messages.TransportSetup, tp_size: int) -> None:
         """Accept a transport set-up for the next step boundary, or answer 409/400 at once."""
-        if self._update is not None or self._setup is not None:
-            busy = "an update" if self._setup is None else f"another {self._setup.request.change}"
-            self._reply_control(message.request_id, 409, f"{busy} is in progress")
+        if self._update is not None:
+            self._reply_control(message.request_id, 409, "an update is in progress")
+            return
+        if self._setup is not None:
+            busy = f"another {self._setup.request.change} is in progress"
+            self._reply_control(message.request_id, 409, busy)
             return
         try:
             order = SetupOrder.decode(message)

@@ -425,24 +425,26 @@ def _add_state_routes(router: APIRouter) -> None:
         )
 
 
+async def _transport_setup_answer(
+    body: SetupTransportRequest, request: Request, config: AdminConfig
+) -> TransportSetupResponse:
+    message = await transport_setup(request, config, body.transport, body.request)
+    action = "teardown_transport" if body.teardown else "setup_transport"
+    return TransportSetupResponse(transport=body.transport, action=action, message=message)
+
+
 def _add_transport_setup_routes(router: APIRouter, config: AdminConfig) -> None:
     @router.post("/v1/setup_transport", responses=_ACTION_ERRORS)
     async def setup_transport_route(
         body: SetupTransportRequest, request: Request
     ) -> TransportSetupResponse:
-        message = await transport_setup(request, config, body.transport, body.request)
-        return TransportSetupResponse(
-            transport=body.transport, action="setup_transport", message=message
-        )
+        return await _transport_setup_answer(body, request, config)
 
     @router.post("/v1/teardown_transport", responses=_ACTION_ERRORS)
     async def teardown_transport_route(
         body: TeardownTransportRequest, request: Request
     ) -> TransportSetupResponse:
-        message = await transport_setup(request, config, body.transport, body.request)
-        return TransportSetupResponse(
-            transport=body.transport, action="teardown_transport", message=message
-        )
+        return await _transport_setup_answer(body, request, config)
 
 
 def _add_weights_group_routes(router: APIRouter, config: AdminConfig) -> None:

@@ -349,6 +349,14 @@ class MemoryRequest(AdminRequest):
         return tags
 
 
+def _check_sendable(field: str, value: dict[str, Any]) -> None:
+    """Refuse what cannot travel to rank 0 as msgpack (integers must fit in 64 bits)."""
+    try:
+        msgspec.msgpack.encode(value)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"{field} cannot be sent to the engine: {exc}") from None
+
+
 class SetupTransportRequest(AdminRequest):
     """`POST /v1/setup_transport` body: every rank of this engine runs the rank set-up of
     `transport` with `request` (the transport's set-up request, as its `setup_request` type
@@ -385,10 +393,7 @@ class SetupTransportRequest(AdminRequest):
             raise ValueError(f"request: a {kind} request; post it to {route}")
         if not typed.wait_s() <= MAX_UPDATE_TIMEOUT_S:
             raise ValueError(f"request: its bound exceeds {MAX_UPDATE_TIMEOUT_S:g} s")
-        try:  # it travels to rank 0 as msgpack: integers must fit in 64 bits
-            msgspec.msgpack.encode(request)
-        except (OverflowError, TypeError) as exc:
-            raise ValueError(f"request cannot be sent to the engine: {exc}") from None
+        _check_sendable("request", request)
         return request
 
 
