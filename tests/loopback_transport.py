@@ -1,11 +1,15 @@
 """`loopback`: a transport defined outside weightbus, for the registry's tests.
 
 The sink keeps each session's tensors in this process (copies, so the trainer may change its
-own afterwards); the source hands them to the Receiver in one batch. It exists to show what a
-new transport is: a description, a sink, a source, and one `TransportEntry`.
+own afterwards); the source hands them to the Receiver in one batch. Its set-up (`sink.setup`)
+has every engine rank write a file into a directory (`rank<r>-of-<tp>`), and its tear-down
+remove them. It exists to show what a new transport is: a description, a sink, a source, a rank
+set-up with its requests, and one `TransportEntry`; nothing else in weightbus changes for it.
 """
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -13,13 +17,14 @@ from weightbus.core.transport import (
     BucketSink,
     BucketSource,
     PushSession,
+    RankSetupRequest,
     ReceivedBatch,
     SourceDescription,
     TransportEntry,
 )
-from weightbus.core.transport.base import Progress, no_progress
+from weightbus.core.transport.base import EngineLink, Progress, no_progress
 from weightbus.core.wire import UpdateBegin, UpdateEnd
-from weightbus.core.wire.messages import Hex128
+from weightbus.core.wire.messages import Hex128, SliceSpec
 
 _sessions: dict[str, tuple[UpdateBegin, dict[str, torch.Tensor], dict[str, str], UpdateEnd]] = {}
 
@@ -28,8 +33,61 @@ class LoopbackDescription(SourceDescription, frozen=True):
     session_id: Hex128
 
 
+class LoopbackSetup(RankSetupRequest, frozen=True, tag="setup", tag_field="kind"):
+    """Every rank writes its file into `directory`."""
+
+    directory: str
+
+
+class LoopbackTeardown(RankSetupRequest, frozen=True, tag="teardown", tag_field="kind"):
+    """Every rank removes its file from `directory`."""
+
+    teardown: ClassVar[bool] = True
+
+    directory: str
+
+
+# what an engine rank's set-up takes
+LoopbackRequest = LoopbackSetup | LoopbackTeardown
+
+
+def apply_rank_setup(
+    request: LoopbackSetup | LoopbackTeardown,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    slices: list[SliceSpec],
+) -> None:
+    """Engine rank: write (or remove) `rank<r>-of-<tp>`, holding how many slices the rank has."""
+    path = Path(request.directory) / f"rank{tp_rank}-of-{tp_size}"
+    if request.teardown:
+        path.unlink()
+    else:
+        path.write_text(str(len(slices)))
+
+
 class LoopbackSink(BucketSink):
     name = "loopback"
+
+    def __init__(self) -> None:
+        self._members: tuple[EngineLink, ...] = ()
+        self._directory = ""
+
+    def setup(
+        self, engines: Sequence[EngineLink], *, directory: str, timeout_s: float = 30.0
+    ) -> None:
+        """Every rank of every engine writes its file into `directory`."""
+        for engine in engines:
+            engine.setup_transport("loopback", LoopbackSetup(directory=directory), timeout_s)
+        self._members, self._directory = tuple(engines), directory
+
+    def teardown(self, timeout_s: float) -> None:
+        """Every rank of every engine set up removes its file."""
+        members, self._members = self._members, ()
+        for engine in members:
+            engine.teardown_transport(
+                "loopback", LoopbackTeardown(directory=self._directory), timeout_s
+            )
 
     def prepare(
         self,
@@ -84,4 +142,6 @@ ENTRY = TransportEntry(
     sink="loopback_transport:LoopbackSink",
     source="loopback_transport:LoopbackSource",
     description="loopback_transport:LoopbackDescription",
+    rank_setup="loopback_transport:apply_rank_setup",
+    setup_request="loopback_transport:LoopbackRequest",
 )

@@ -47,3 +47,28 @@ def test_every_test_cited_in_the_reliability_doc_exists():
         if not (root / path).is_file() or (name and f"def {name}(" not in (root / path).read_text())
     ]
     assert not missing, f"docs/reliability.md cites tests that do not exist: {missing}"
+
+
+ARCHITECTURE = README.parent / "docs" / "architecture.md"
+# `core/plan/planner.py`, `shm/direct.py`, `transport/parts/` ...: a file or folder it names
+NAMED_PATH = re.compile(r"`((?:[\w.]+/)*[\w]+(?:\.py|/))`")
+
+
+def test_every_file_the_architecture_doc_names_exists():
+    root = README.parent
+    files = [
+        p.relative_to(root).as_posix()
+        for top in ("src", "tests", "bench")
+        for p in (root / top).rglob("*.py")
+    ]
+    folders = {f"{Path(f).parent.as_posix()}/" for f in files}
+    named = set(NAMED_PATH.findall(ARCHITECTURE.read_text()))
+    assert len(named) > 40
+    missing = sorted(
+        name
+        for name in named
+        if not any(
+            f == name or f.endswith(f"/{name}") for f in (folders if name.endswith("/") else files)
+        )
+    )
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"

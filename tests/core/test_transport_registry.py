@@ -1,12 +1,16 @@
 """The transport registry: a transport defined outside weightbus (`loopback_transport.py`) is
-one module plus one `TransportEntry`, registered in-process or through an entry point, and a
-push travels through it like through any built-in one."""
+one module plus one `TransportEntry`, registered in-process or through an entry point; a push
+travels through it like through any built-in one, and its rank set-up reaches every rank of a
+real `weightbus serve` through the engine's generic route."""
 
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from engine_harness import ServedEngine
 
 from helpers import MirrorTarget, all_dtype_tensors, assert_bit_identical
 from loopback_transport import ENTRY
@@ -16,6 +20,31 @@ from weightbus.core.transport import open_source, register_transport, transport_
 from weightbus.core.wire import ProtocolError
 
 BUILT_IN = ["disk", "dist", "hf_dir", "nixl", "shm"]
+TESTS_DIR = Path(__file__).resolve().parents[1]  # where loopback_transport.py lives
+
+
+def _install_plugins(site: Path, *lines: str) -> None:
+    """An installed package's metadata in `site`, as pip writes it, naming transport plugins."""
+    info = site / "weightbus_loopback-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: weightbus-loopback\nVersion: 0.1\n"
+    )
+    (info / "entry_points.txt").write_text("[weightbus.transports]\n" + "".join(lines))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedEngine]:
+    """`weightbus serve --tp 2` with the loopback plugin installed (an entry point): its server
+    and both ranks find the transport; weightbus itself is as shipped."""
+    site = tmp_path_factory.mktemp("site")
+    _install_plugins(site, "loopback = loopback_transport:ENTRY\n")
+    python_path = [str(site), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, python_path)))
+        served = ServedEngine("--tp", "2", log_path=tmp_path_factory.mktemp("log") / "serve.log")
+    yield served
+    served.stop()
 
 
 @pytest.fixture
@@ -46,16 +75,9 @@ def test_a_transport_registered_in_process_carries_a_push(clean_registry):
 def test_a_transport_plugin_is_found_through_its_entry_point(
     clean_registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ):
-    # an installed package's metadata, as pip writes it: two plugins, one of them broken
-    info = tmp_path / "weightbus_loopback-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: weightbus-loopback\nVersion: 0.1\n"
-    )
-    (info / "entry_points.txt").write_text(
-        "[weightbus.transports]\n"
-        "loopback = loopback_transport:ENTRY\n"
-        "broken = no_such_module_here:ENTRY\n"
+    # two plugins, one of them broken
+    _install_plugins(
+        tmp_path, "loopback = loopback_transport:ENTRY\n", "broken = no_such_module_here:ENTRY\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="weightbus.core.transport"):
@@ -85,3 +107,16 @@ def test_register_refuses_taken_and_malformed_names(clean_registry, name, messag
     with pytest.raises(ValueError, match=message):
         register_transport(name, ENTRY)
     assert transport_names() == BUILT_IN
+
+
+def test_a_plugin_rank_setup_reaches_every_rank_of_a_served_engine(
+    clean_registry, engine: ServedEngine, tmp_path: Path
+):
+    register_transport("loopback", ENTRY)
+    with Publisher([engine.url], transport="loopback") as pub:
+        pub.setup_transport(directory=str(tmp_path))
+        written = {path.name: int(path.read_text()) for path in tmp_path.iterdir()}
+        assert sorted(written) == ["rank0-of-2", "rank1-of-2"]
+        assert all(count > 0 for count in written.values())  # each rank's slices
+        pub.teardown_transport()
+    assert list(tmp_path.iterdir()) == []

@@ -11,10 +11,10 @@ Valid input to some routes changes the engine's state, and the invariant is kept
 
 - `pause_generation`: a successful pause is undone at once with `continue_generation` (state
   of generation, not of weights: the weights invariant is checked after the undo);
-- `release_memory`, `init_weights_group`: negative data only. A successful release of the
-  weights discards them (only a push brings them back), and joining a group blocks every rank
-  for up to `timeout_s` (an hour) on a store that may be anywhere; both are covered by
-  their own tests with real parties (tests/core/pushes/);
+- `release_memory`, `init_weights_group`, `setup_transport`: negative data only. A successful
+  release of the weights discards them (only a push brings them back), and joining a group
+  blocks every rank for up to `timeout_s` (an hour) on a store that may be anywhere; each is
+  covered by its own tests with real parties (tests/core/pushes/, tests/core/);
 - `update_weights`: generated freely. A schema-valid body names a registered transport but no
   session that exists, so rank 0 refuses it (400) and the weights stay as they were: checked
   after every case, which is the point of fuzzing this route.
@@ -46,7 +46,11 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MAX_EXAMPLES = 40
 MAX_TOKENS = 8
 REQUEST_TIMEOUT_S = 60.0
-NEGATIVE_ONLY = {("POST", "/v1/release_memory"), ("POST", "/v1/init_weights_group")}
+NEGATIVE_ONLY = {
+    ("POST", "/v1/release_memory"),
+    ("POST", "/v1/init_weights_group"),
+    ("POST", "/v1/setup_transport"),
+}
 UNDO = {("POST", "/v1/pause_generation"): ("POST", "/v1/continue_generation")}
 
 

@@ -13,7 +13,7 @@ from weightbus.core.publisher.targets import (
     RollbackOrder,
     UpdateOrder,
 )
-from weightbus.core.transport.distributed.messages import WeightsGroupError, WeightsGroupInfo
+from weightbus.core.transport import WeightsGroupError, WeightsGroupInfo
 
 __all__ = [
     "EngineRequestError",

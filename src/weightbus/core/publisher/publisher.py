@@ -54,11 +54,11 @@ from weightbus.core.transport import (
     BucketSink,
     PushSession,
     SourceDescription,
+    WeightsGroupInfo,
     encode_description,
     make_sink,
 )
 from weightbus.core.transport.base import Progress
-from weightbus.core.transport.distributed.messages import WeightsGroupInfo
 from weightbus.core.wire import PauseMode, VerifyLevel
 from weightbus.core.wire.delta import DeltaSpec
 

@@ -27,8 +27,18 @@ from weightbus.core.transport.base import (
     BucketSink,
     BucketSource,
     PushSession,
+    RankSetupRequest,
     ReceivedBatch,
     SourceDescription,
+)
+
+# the built-in `dist` transport's set-up names the publisher's API and the engines' SGLang-style
+# routes use (a light module: torch.distributed loads only with the transport's parts)
+from weightbus.core.transport.distributed.messages import (
+    DEFAULT_GROUP_NAME,
+    GROUP_NAME_PATTERN,
+    WeightsGroupError,
+    WeightsGroupInfo,
 )
 from weightbus.core.transport.parts.arena import DirectPlacement, ParamArena, direct_placement
 from weightbus.core.transport.parts.shared_memory import remove_stale_slots
@@ -47,9 +57,11 @@ class TransportEntry:
         description: the `SourceDescription` struct the sink returns and sources open.
         direct: sources accept a `DirectPlacement` (ranks' parameters in shared memory).
         rank_setup: a function `(request, *, tp_rank, tp_size, slices) -> None` every engine
-            rank runs when the publisher sets the transport up (`Publisher.setup_transport`),
-            or None when it needs none.
-        setup_request: the type of that function's `request` (a struct or a union of them).
+            rank runs when the publisher sets the transport up or tears it down
+            (`Publisher.setup_transport`, `teardown_transport`), or None when it needs none.
+        setup_request: the type of that function's `request`: a `RankSetupRequest` subclass,
+            or a tagged union of them (its `teardown` tells a tear-down from a set-up; its
+            hooks give an engine the bound of the wait and the words of its answers).
     """
 
     sink: str
@@ -245,8 +257,13 @@ def rank_setup(name: str) -> Any:
     return _load(_setup_entry(name).rank_setup)
 
 
-def decode_setup_request(name: str, raw: Mapping[str, Any]) -> Any:
-    """The typed set-up request of transport `name` from its JSON/msgpack form.
+def setup_transport_names() -> list[str]:
+    """Names of the registered transports whose engine ranks run a set-up."""
+    return [name for name in transport_names() if has_setup(name)]
+
+
+def decode_setup_request(name: str, raw: Mapping[str, Any]) -> RankSetupRequest:
+    """The typed set-up (or tear-down) request of transport `name` from its JSON/msgpack form.
 
     Raises:
         ValueError: unknown transport, or one that needs no set-up on the ranks.
@@ -257,15 +274,20 @@ def decode_setup_request(name: str, raw: Mapping[str, Any]) -> Any:
 
 
 __all__ = [
+    "DEFAULT_GROUP_NAME",
     "ENTRY_POINT_GROUP",
+    "GROUP_NAME_PATTERN",
     "BucketSink",
     "BucketSource",
     "DirectPlacement",
     "ParamArena",
     "PushSession",
+    "RankSetupRequest",
     "ReceivedBatch",
     "SourceDescription",
     "TransportEntry",
+    "WeightsGroupError",
+    "WeightsGroupInfo",
     "decode_description",
     "decode_setup_request",
     "description_type",
@@ -277,5 +299,6 @@ __all__ = [
     "rank_setup",
     "register_transport",
     "remove_stale_slots",
+    "setup_transport_names",
     "transport_names",
 ]

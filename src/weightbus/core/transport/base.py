@@ -21,7 +21,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 import torch
@@ -43,6 +43,43 @@ class SourceDescription(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """Base of a transport's description of one session: what its sink returns from `prepare`
     and what every engine rank opens. Each transport declares one subclass (its fields, types
     and ranges); `weightbus.core.transport.decode_description` is the only parser."""
+
+
+DEFAULT_SETUP_TIMEOUT_S = 60.0
+
+
+class RankSetupRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of a transport's rank set-up requests (the registry's `setup_request`): what every
+    engine rank's `rank_setup` takes, and what an engine needs to run it without knowing the
+    transport. A transport overrides the hooks whose default does not fit.
+
+    Attributes:
+        teardown: this kind of request undoes a set-up (the engine's `/v1/teardown_transport`
+            takes it, `/v1/setup_transport` the others).
+        change: what the request changes, as a noun ("another <change> is in progress").
+        busy: why an update is refused while the request runs.
+    """
+
+    teardown: ClassVar[bool] = False
+    change: ClassVar[str] = "transport set-up"
+    busy: ClassVar[str] = "a transport is being set up or torn down"
+
+    def wait_s(self) -> float:
+        """How long the ranks may take (the engine gives up a few seconds later)."""
+        return DEFAULT_SETUP_TIMEOUT_S
+
+    def refusal(self, tp_size: int) -> str | None:
+        """Why an engine of `tp_size` ranks cannot run this request (a 400), or None."""
+        del tp_size
+        return None
+
+    def done_message(self, tp_size: int) -> str:
+        """What an engine of `tp_size` ranks answers once every rank ran the request."""
+        return f"{'torn down' if self.teardown else 'set up'} on {tp_size} ranks"
+
+    def stalled_message(self, waited_s: float) -> str:
+        """Why a rank gave up on the request after `waited_s` seconds without an end."""
+        return f"the {self.change} did not return within {waited_s:g} s"
 
 
 class EngineRequestError(RuntimeError):

@@ -88,3 +88,43 @@ def test_many_invalid_items_list_the_first_errors_and_count_the_rest(
     assert all(error["loc"][:2] == ["body", "prompt"] for error in answer["detail"])
     # the server still answers
     assert rig.client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "reason"),
+    [
+        (
+            "/v1/setup_transport",
+            {"transport": "shm", "request": {}},
+            "transport",
+            "transport 'shm' needs no set-up on engine ranks; those that do: dist",
+        ),
+        (
+            "/v1/setup_transport",
+            {"transport": "dist", "request": {"action": "init", "master_addr": "h"}},
+            "request",
+            "dist set-up: Object missing required field `master_port`",
+        ),
+        (
+            "/v1/setup_transport",
+            {"transport": "dist", "request": {"action": "destroy"}},
+            "request",
+            "request: a tear-down request; post it to /v1/teardown_transport",
+        ),
+        (
+            "/v1/teardown_transport",
+            {"transport": "dist", "request": {"action": "destroy", "group_name": "a b"}},
+            "request",
+            "dist set-up: Expected `str` matching regex",
+        ),
+    ],
+    ids=["no set-up", "missing", "tear-down to set-up", "out of range"],
+)
+def test_a_transport_setup_request_is_checked_by_its_transport(
+    rig: InProcessServer, path: str, body: dict, field: str, reason: str
+) -> None:
+    response = rig.client.post(path, json=body)
+    assert response.status_code == 422, response.text
+    answer = response.json()
+    assert answer["error"]["param"] == field
+    assert reason in answer["error"]["message"]

@@ -1,5 +1,6 @@
 """An engine that speaks weightbus's HTTP control plane: the reference engine (`weightbus serve`),
-in the conventions of SGLang's `/v1/update_weights` and `/v1/init_weights_group`."""
+in the conventions of SGLang's `/v1/update_weights`; any transport's set-up travels through
+`/v1/setup_transport` and `/v1/teardown_transport`."""
 
 import httpx
 import msgspec
@@ -16,10 +17,9 @@ from weightbus.core.wire.messages import SliceSpec
 
 # Margin on top of an update's own timeout for the HTTP answer to travel back.
 HTTP_MARGIN_S = 10.0
-# What each transport's set-up and tear-down is called on this API (SGLang's names).
-_SETUP_ROUTES = {"dist": ("/v1/init_weights_group", "/v1/destroy_weights_group")}
-# The field that tags a set-up request's kind (`WeightsGroupRequest`): the route carries it.
-SETUP_TAG_FIELD = "action"
+# Where any transport's rank set-up and tear-down go (`{transport, request}`).
+SETUP_ROUTE = "/v1/setup_transport"
+TEARDOWN_ROUTE = "/v1/teardown_transport"
 
 
 def error_reason(response: httpx.Response) -> str:
@@ -148,21 +148,16 @@ class HttpEngineTarget(EngineTarget):
     def tp_size(self, timeout_s: float) -> int:
         return self._request("GET", "/v1/server_info", timeout_s)["tp_size"]
 
-    def _setup_route(self, transport: str, index: int) -> str:
-        routes = _SETUP_ROUTES.get(transport)
-        if routes is None:
-            raise EngineRequestError(f"the engine's HTTP API has no set-up for {transport!r}")
-        return routes[index]
-
     def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
-        self._post_setup(self._setup_route(transport, 0), info, timeout_s)
+        self._post_setup(SETUP_ROUTE, transport, info, timeout_s)
 
     def teardown_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
-        self._post_setup(self._setup_route(transport, 1), info, timeout_s)
+        self._post_setup(TEARDOWN_ROUTE, transport, info, timeout_s)
 
-    def _post_setup(self, path: str, info: msgspec.Struct, timeout_s: float) -> None:
-        body = msgspec.to_builtins(info)
-        body.pop(SETUP_TAG_FIELD, None)  # the route says which action it is
+    def _post_setup(
+        self, path: str, transport: str, info: msgspec.Struct, timeout_s: float
+    ) -> None:
+        body = {"transport": transport, "request": msgspec.to_builtins(info)}
         self._request("POST", path, timeout_s, json=body)
 
     def close(self) -> None:

@@ -2,11 +2,11 @@
 outcome of a set-up, and the frames of a push's hand-shake (`handshake.py`)."""
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
-from weightbus.core.transport.base import SourceDescription
+from weightbus.core.transport.base import RankSetupRequest, SourceDescription
 from weightbus.core.wire.codec import Message, register
 from weightbus.core.wire.messages import Hex128, Text
 
@@ -32,10 +32,11 @@ class DistDescription(SourceDescription, frozen=True):
     prefetch_depth: Annotated[int, msgspec.Meta(ge=1, le=MAX_PREFETCH_DEPTH)] = 1
 
 
-class _SetupRequest(
-    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="action"
-):
+class _SetupRequest(RankSetupRequest, frozen=True, tag_field="action"):
     """Base of the weights group's set-up requests (the `action` field tells which)."""
+
+    change: ClassVar[str] = "weights-group change"
+    busy: ClassVar[str] = "a weights group is being initialised or destroyed"
 
 
 class WeightsGroupInit(_SetupRequest, frozen=True, tag="init"):
@@ -50,11 +51,48 @@ class WeightsGroupInit(_SetupRequest, frozen=True, tag="init"):
     group_name: GroupName = DEFAULT_GROUP_NAME
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
+    def wait_s(self) -> float:
+        return self.timeout_s
+
+    def refusal(self, tp_size: int) -> str | None:
+        if self.rank_offset + tp_size <= self.world_size:
+            return None
+        return (
+            f"rank_offset {self.rank_offset} + tp_size {tp_size} exceeds "
+            f"world_size {self.world_size}"
+        )
+
+    def done_message(self, tp_size: int) -> str:
+        last = self.rank_offset + tp_size - 1
+        return (
+            f"joined weights group {self.group_name!r} as ranks "
+            f"{self.rank_offset}..{last} of {self.world_size}"
+        )
+
+    def stalled_message(self, waited_s: float) -> str:
+        return _stalled(self.group_name, "init", waited_s)
+
 
 class WeightsGroupDestroy(_SetupRequest, frozen=True, tag="destroy"):
     """Leave the weights group `group_name`."""
 
+    teardown: ClassVar[bool] = True
+
     group_name: GroupName = DEFAULT_GROUP_NAME
+
+    def done_message(self, tp_size: int) -> str:
+        del tp_size
+        return f"left weights group {self.group_name!r}"
+
+    def stalled_message(self, waited_s: float) -> str:
+        return _stalled(self.group_name, "destroy", waited_s)
+
+
+def _stalled(group_name: str, action: str, waited_s: float) -> str:
+    return (
+        f"weights group {group_name!r}: the {action} did not return within {waited_s:g} s "
+        "(a store that never answers?)"
+    )
 
 
 # what an engine rank's `dist` set-up takes

@@ -15,9 +15,9 @@ class Action(enum.IntEnum):
     RELEASE = 5  # free memory (tags mask)
     RESUME = 6  # re-allocate memory (tags mask)
     ABORT = 7  # discard a staged receive that outlived its timeout
-    WEIGHTS_GROUP = 8  # start joining or leaving a `dist` weights group (payload: the request)
+    TRANSPORT_SETUP = 8  # start a transport's rank set-up or tear-down (payload: the request)
     ROLLBACK = 9  # swap the previous version, held in staging, back in
-    GROUP_POLL = 10  # all-reduce "group change done"; gather the outcomes when all done
+    SETUP_POLL = 10  # all-reduce "transport set-up done"; gather the outcomes when all done
 
 
 TAG_BITS = {"kv_cache": 1, "weights": 2}

@@ -1,4 +1,4 @@
-"""Rank 0's control requests besides updates: pausing generation, memory, weights groups.
+"""Rank 0's control requests besides updates: pausing generation, memory, transport set-up.
 
 `ControlRequests` is mixed into `UpdateController`, whose state it reads and changes (the
 pending update, the status, `released`, `paused`) and whose replies it uses (`_reply_control`,
@@ -10,10 +10,11 @@ from weightbus.core.wire import RankVerdict
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.actions import mask_to_tags
 from weightbus.engines.reference.engine.pending_update import failure
+from weightbus.engines.reference.engine.transport_setup import SetupOrder
 
 
 class ControlRequests:
-    """Pause/continue, release/resume and weights-group requests of `UpdateController`."""
+    """Pause/continue, release/resume and transport set-up requests of `UpdateController`."""
 
     def on_control(self, control: messages.Control) -> None:
         handler = {
@@ -62,40 +63,35 @@ class ControlRequests:
             return
         self._resume = control
 
-    def on_weights_group(self, request: messages.WeightsGroupRequest, tp_size: int) -> None:
-        """Accept a weights-group change for the next step boundary, or answer 409/400 at once."""
-        if self._update is not None or self._group_request is not None:
-            busy = "an update" if self._update is not None else "another weights-group change"
-            self._reply_control(request.request_id, 409, f"{busy} is in progress")
+    def on_transport_setup(self, message: messages.TransportSetup, tp_size: int) -> None:
+        """Accept a transport set-up for the next step boundary, or answer 409/400 at once."""
+        if self._update is not None:
+            self._reply_control(message.request_id, 409, "an update is in progress")
             return
-        if request.action == "init" and request.rank_offset + tp_size > request.world_size:
-            self._reply_control(
-                request.request_id,
-                400,
-                f"rank_offset {request.rank_offset} + tp_size {tp_size} exceeds "
-                f"world_size {request.world_size}",
-            )
+        if self._setup is not None:
+            busy = f"another {self._setup.request.change} is in progress"
+            self._reply_control(message.request_id, 409, busy)
             return
-        self._group_request = request
+        try:
+            order = SetupOrder.decode(message)
+        except ValueError as exc:
+            self._reply_control(message.request_id, 400, str(exc))
+            return
+        refusal = order.request.refusal(tp_size)
+        if refusal is not None:
+            self._reply_control(message.request_id, 400, refusal)
+            return
+        self._setup = order
 
-    def on_weights_group_done(
-        self, request: messages.WeightsGroupRequest, verdicts: list[RankVerdict]
-    ) -> None:
-        """Every rank applied the weights-group change; answer with the combined outcome."""
-        self._group_request, self._group_started = None, False
+    def on_transport_setup_done(self, order: SetupOrder, verdicts: list[RankVerdict]) -> None:
+        """Every rank ran the transport set-up; answer with the combined outcome."""
+        self._setup, self._setup_started = None, False
         if not all(v.ok for v in verdicts):
             status, error, _ = failure(verdicts)
-            self._reply_control(request.request_id, status, error)
+            self._reply_control(order.message.request_id, status, error)
             return
-        if request.action == "destroy":
-            message = f"left weights group {request.group_name!r}"
-        else:
-            last = request.rank_offset + len(verdicts) - 1
-            message = (
-                f"joined weights group {request.group_name!r} as ranks "
-                f"{request.rank_offset}..{last} of {request.world_size}"
-            )
-        self._reply_control(request.request_id, 200, message)
+        message = order.request.done_message(len(verdicts))
+        self._reply_control(order.message.request_id, 200, message)
 
     def on_released(self, mask: int) -> None:
         assert self._release is not None

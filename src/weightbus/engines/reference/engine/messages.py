@@ -1,11 +1,11 @@
 """Messages between the API server and rank 0, as msgspec structs over msgpack (never pickle).
 
 API server -> rank 0: `AddRequest`, `AbortRequest`, `Shutdown`, `UpdateWeights`, `Control`,
-`WeightsGroupRequest`, `Decide` (commit or abort a two-phase update), `Rollback`.
+`TransportSetup`, `Decide` (commit or abort a two-phase update), `Rollback`.
 Rank 0 -> API server: `Ready` once, then `StepOutputs` after every step, `RequestError` when a
 request cannot run, `Aborted` when the engine ends requests itself (pause mode `abort`, memory
 release), `UpdateResult` answering `UpdateWeights`, `Decide` and `Rollback`, `ControlResult`
-answering `Control` (and `WeightsGroupRequest`), and `WeightsState` whenever the weights'
+answering `Control` (and `TransportSetup`), and `WeightsState` whenever the weights'
 version, status or memory changes (and once after Ready).
 Decoding checks every field's type; unknown tags are rejected.
 """
@@ -133,22 +133,16 @@ class Control(msgspec.Struct, tag="control", frozen=True, kw_only=True):
     tags: list[MemoryTag] = msgspec.field(default_factory=list)
 
 
-class WeightsGroupRequest(msgspec.Struct, tag="weights_group", frozen=True, kw_only=True):
-    """Join (`init`) or leave (`destroy`) a `dist` weights group, on every rank.
+class TransportSetup(msgspec.Struct, tag="transport_setup", frozen=True, kw_only=True):
+    """Set transport `transport` up (or tear it down) on every rank: each rank decodes `request`
+    with the registry's `decode_setup_request` and runs the transport's `rank_setup`.
 
-    Rank r joins as group rank `rank_offset + r` of `world_size` (the publisher is rank 0).
     Answered with a `ControlResult`.
     """
 
     request_id: str
-    action: Literal["init", "destroy"]
-    group_name: str
-    master_addr: str = ""
-    master_port: int = 0
-    rank_offset: int = 0
-    world_size: int = 0
-    backend: Literal["gloo"] = "gloo"
-    timeout_s: float = 60.0
+    transport: str
+    request: dict[str, Any]
 
 
 class DraftInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,7 +229,7 @@ ToEngine = (
     | Shutdown
     | UpdateWeights
     | Control
-    | WeightsGroupRequest
+    | TransportSetup
     | Decide
     | Rollback
 )

@@ -24,6 +24,7 @@ from weightbus.engines.reference.engine.actions import Action, StepAction, tags_
 from weightbus.engines.reference.engine.control_requests import ControlRequests
 from weightbus.engines.reference.engine.pending_update import PendingUpdate, failure, rank_nbytes
 from weightbus.engines.reference.engine.rollback import RollbackSlot
+from weightbus.engines.reference.engine.transport_setup import SetupOrder
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,9 @@ class UpdateController(ControlRequests):
         self._pause_drains: list[str] = []
         self._release: messages.Control | None = None
         self._resume: messages.Control | None = None
-        # the weights-group change from acceptance until every rank applied it
-        self._group_request: messages.WeightsGroupRequest | None = None
-        self._group_started = False
+        # the transport set-up from acceptance until every rank ran it
+        self._setup: SetupOrder | None = None
+        self._setup_started = False
 
     # --- what the scheduler may do this step ---
 
@@ -97,8 +98,8 @@ class UpdateController(ControlRequests):
         return self._update is not None
 
     @property
-    def group_changing(self) -> bool:
-        return self._group_request is not None
+    def setting_up(self) -> bool:
+        return self._setup is not None
 
     @property
     def receiving_staged(self) -> bool:
@@ -161,8 +162,8 @@ class UpdateController(ControlRequests):
             return f"an update to {self._update.version!r} is already running"
         if self.status == "CLEARING" or self._release is not None:
             return "a memory release is in progress"
-        if self._group_request is not None:
-            return "a weights group is being initialised or destroyed"
+        if self._setup is not None:
+            return self._setup.request.busy
         return None
 
     def _conflict(self, order: UpdateOrder) -> str | None:
@@ -202,8 +203,8 @@ class UpdateController(ControlRequests):
         if self._discard_staging:
             self._discard_staging = False
             return StepAction(Action.ABORT)
-        if self._group_request is not None and self._update is None:
-            return self._group_action(self._group_request)
+        if self._setup is not None and self._update is None:
+            return self._setup_action(self._setup)
         if self._resume is not None:
             mask = tags_to_mask(self._resume.tags)
             return StepAction(Action.RESUME, tags_mask=mask)
@@ -214,11 +215,11 @@ class UpdateController(ControlRequests):
             return self._update_action(self._update, num_running)
         return StepAction()
 
-    def _group_action(self, request: messages.WeightsGroupRequest) -> StepAction:
-        if self._group_started:  # the ranks join in the background; generation goes on
-            return StepAction(Action.GROUP_POLL)
-        self._group_started = True
-        return StepAction(Action.WEIGHTS_GROUP, payload=messages.encode(request))
+    def _setup_action(self, order: SetupOrder) -> StepAction:
+        if self._setup_started:  # the ranks run it in the background; generation goes on
+            return StepAction(Action.SETUP_POLL)
+        self._setup_started = True
+        return StepAction(Action.TRANSPORT_SETUP, payload=messages.encode(order.message))
 
     def _update_action(self, update: PendingUpdate, num_running: int) -> StepAction:
         if not update.begun:

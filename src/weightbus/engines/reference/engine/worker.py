@@ -44,13 +44,17 @@ from weightbus.engines.reference.engine.speculative import (
     emit,
     plan_step,
 )
+from weightbus.engines.reference.engine.transport_setup import (
+    SetupChange,
+    SetupOrder,
+    slice_specs,
+)
 from weightbus.engines.reference.engine.update_control import UpdateController
 from weightbus.engines.reference.engine.verdicts import (
     all_flags,
     gather_slice_maps,
     gather_verdicts,
 )
-from weightbus.engines.reference.engine.weights_group import GroupChange, slice_specs
 from weightbus.engines.reference.engine.weights_manager import WeightsManager
 from weightbus.engines.reference.layers.attention import AttentionMetadata
 from weightbus.engines.reference.layers.parallel import destroy_tp_group, init_tp_group
@@ -166,7 +170,7 @@ class Worker:
         self.stopping = False
         self.step_action = StepAction()
         self.update_request: messages.UpdateWeights | None = None
-        self.group_change: GroupChange | None = None
+        self.setup_change: SetupChange | None = None
         self.spec_plan: SpecPlan | None = None
         self.spec_payload: torch.Tensor | None = None  # rank 0: the packed plan
         self.speculator: SpeculativeDecoder | None = None
@@ -273,7 +277,7 @@ class Worker:
     def _recv_requests(self) -> None:
         # wait only when there is nothing to compute; otherwise just drain what arrived
         busy = self.scheduler.has_work() and self.control.may_run()
-        polling = self.control.updating or self.control.group_changing
+        polling = self.control.updating or self.control.setting_up
         idle_wait_s = UPDATE_POLL_S if polling else self.config.idle_wait_s
         timeout_ms = 0 if busy else int(idle_wait_s * 1000)
         if not self.requests.poll(timeout_ms):
@@ -300,8 +304,8 @@ class Worker:
             self.control.on_update(message)
         elif isinstance(message, messages.Control):
             self.control.on_control(message)
-        elif isinstance(message, messages.WeightsGroupRequest):
-            self.control.on_weights_group(message, self.tp_size)
+        elif isinstance(message, messages.TransportSetup):
+            self.control.on_transport_setup(message, self.tp_size)
         elif isinstance(message, messages.Decide):
             self.control.on_decide(message)
         elif isinstance(message, messages.Rollback):
@@ -426,11 +430,11 @@ class Worker:
         action = self.step_action
         if action.action == Action.NONE:
             return
-        if action.action == Action.WEIGHTS_GROUP:
-            self._start_group_change(action.payload)
+        if action.action == Action.TRANSPORT_SETUP:
+            self._start_setup_change(action.payload)
             return
-        if action.action == Action.GROUP_POLL:
-            self._poll_group_change()
+        if action.action == Action.SETUP_POLL:
+            self._poll_setup_change()
             return
         if action.payload:
             request = messages.decode_to_engine(action.payload)
@@ -448,22 +452,23 @@ class Worker:
         }
         handlers[action.action]()
 
-    def _start_group_change(self, payload: bytes) -> None:
-        request = messages.decode_to_engine(payload)
-        assert isinstance(request, messages.WeightsGroupRequest)
-        self.group_change = GroupChange(request, self.config.tp_rank, self.tp_size, self.slices)
+    def _start_setup_change(self, payload: bytes) -> None:
+        message = messages.decode_to_engine(payload)
+        assert isinstance(message, messages.TransportSetup)
+        order = SetupOrder.decode(message)  # rank 0 decoded it before sending the action
+        self.setup_change = SetupChange(order, self.config.tp_rank, self.tp_size, self.slices)
 
-    def _poll_group_change(self) -> None:
-        change = self.group_change
-        assert change is not None, "GROUP_POLL without a group change"
+    def _poll_setup_change(self) -> None:
+        change = self.setup_change
+        assert change is not None, "SETUP_POLL without a transport set-up"
         outcome = change.outcome()
         (all_done,) = all_flags(outcome is not None)
         if not all_done:
             return
-        verdicts = gather_verdicts(change.request.request_id, change.outcome())
-        self.group_change = None
+        verdicts = gather_verdicts(change.order.message.request_id, change.outcome())
+        self.setup_change = None
         if self.is_driver:
-            self.control.on_weights_group_done(change.request, verdicts)
+            self.control.on_transport_setup_done(change.order, verdicts)
 
     def _commit_staged(self) -> None:
         self.weights.commit_staged()

@@ -1,5 +1,6 @@
-"""Admin routes: weight updates (one- or two-phase, rollback), the weights' state, pausing
-generation, releasing memory.
+"""Admin routes: weight updates (one- or two-phase, rollback), the weights' state, any
+transport's rank set-up (and `dist`'s under SGLang's names), pausing generation, releasing
+memory.
 
 Each action becomes one message to rank 0 with an id drawn here (`UpdateWeights.update_id`,
 `Control.request_id`, 32 hex digits); the route awaits rank 0's result with that id through
@@ -11,12 +12,13 @@ an answer sees its change.
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
+from weightbus.core.transport import decode_setup_request
 from weightbus.core.wire import PauseMode
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.server.engine_client import EngineClient, EngineDeadError
@@ -36,6 +38,9 @@ from weightbus.engines.reference.server.protocol import (
     PauseRequest,
     RollbackWeightsRequest,
     ServerInfo,
+    SetupTransportRequest,
+    TeardownTransportRequest,
+    TransportSetupResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     WeightsInfo,
@@ -310,25 +315,30 @@ async def control(
     return ControlResponse(action=message.action, message=result.message)
 
 
-async def weights_group(
-    request: Request, config: AdminConfig, message: messages.WeightsGroupRequest
-) -> ControlResponse:
-    """Send one `WeightsGroupRequest` to rank 0 and answer with its `ControlResult`.
+async def transport_setup(
+    request: Request, config: AdminConfig, transport: str, setup_request: dict[str, Any]
+) -> str:
+    """Send one `TransportSetup` to rank 0 and answer with its `ControlResult`'s message.
 
     Args:
         request: the HTTP request (its app holds the client).
-        config: bounds of the wait (the request's own `timeout_s` plus `update_margin_s`).
-        message: join or leave, with a fresh `request_id`.
+        config: bounds of the wait (the set-up request's own `wait_s()` plus `update_margin_s`).
+        transport: a transport with rank set-up.
+        setup_request: its set-up or tear-down request, validated (`decode_setup_request`).
 
     Returns:
-        The action and rank 0's message.
+        Rank 0's message.
 
     Raises:
-        APIError: rank 0's status (400: the group could not form, 409: an update or another
-            group change is running, 504: not every member joined within `timeout_s`), or
-            503/504 when the engine died or did not answer.
+        APIError: rank 0's status (400: the set-up failed or cannot run on this engine, 409: an
+            update or another set-up is running, 504: a rank did not finish within the
+            request's bound), or 503/504 when the engine died or did not answer.
     """
-    wait_s = message.timeout_s + config.update_margin_s
+    typed = decode_setup_request(transport, setup_request)
+    message = messages.TransportSetup(
+        request_id=secrets.token_hex(16), transport=transport, request=setup_request
+    )
+    wait_s = typed.wait_s() + config.update_margin_s
     try:
         result = await _client(request).control(message, timeout_s=wait_s)
     except EngineDeadError as exc:
@@ -337,8 +347,8 @@ async def weights_group(
         raise APIError(504, f"no answer from the engine within {wait_s:.1f} s") from None
     status_code = _checked_status(result.status_code)
     if status_code != 200:
-        raise APIError(status_code, result.message or f"{message.action} weights group failed")
-    return ControlResponse(action=f"{message.action}_weights_group", message=result.message)
+        raise APIError(status_code, result.message or f"the {typed.change} failed")
+    return result.message
 
 
 def admin_router(config: AdminConfig) -> APIRouter:
@@ -353,6 +363,7 @@ def admin_router(config: AdminConfig) -> APIRouter:
     router = APIRouter(responses=error_responses(401, 403))  # with a token set
     _add_update_route(router, config)
     _add_state_routes(router)
+    _add_transport_setup_routes(router, config)
     _add_weights_group_routes(router, config)
     _add_generation_routes(router, config)
     _add_memory_routes(router, config)
@@ -411,24 +422,45 @@ def _add_state_routes(router: APIRouter) -> None:
         )
 
 
+async def _transport_setup_answer(
+    body: SetupTransportRequest, request: Request, config: AdminConfig
+) -> TransportSetupResponse:
+    message = await transport_setup(request, config, body.transport, body.request)
+    action = "teardown_transport" if body.teardown else "setup_transport"
+    return TransportSetupResponse(transport=body.transport, action=action, message=message)
+
+
+def _add_transport_setup_routes(router: APIRouter, config: AdminConfig) -> None:
+    @router.post("/v1/setup_transport", responses=_ACTION_ERRORS)
+    async def setup_transport_route(
+        body: SetupTransportRequest, request: Request
+    ) -> TransportSetupResponse:
+        return await _transport_setup_answer(body, request, config)
+
+    @router.post("/v1/teardown_transport", responses=_ACTION_ERRORS)
+    async def teardown_transport_route(
+        body: TeardownTransportRequest, request: Request
+    ) -> TransportSetupResponse:
+        return await _transport_setup_answer(body, request, config)
+
+
 def _add_weights_group_routes(router: APIRouter, config: AdminConfig) -> None:
+    # SGLang's names for `dist`'s set-up and tear-down: the generic path with its requests
     @router.post("/v1/init_weights_group", responses=_ACTION_ERRORS)
     async def init_weights_group_route(
         body: InitWeightsGroupRequest, request: Request
     ) -> ControlResponse:
-        message = messages.WeightsGroupRequest(
-            request_id=secrets.token_hex(16), action="init", **body.model_dump()
-        )
-        return await weights_group(request, config, message)
+        setup_request = {"action": "init", **body.model_dump()}
+        message = await transport_setup(request, config, "dist", setup_request)
+        return ControlResponse(action="init_weights_group", message=message)
 
     @router.post("/v1/destroy_weights_group", responses=_ACTION_ERRORS)
     async def destroy_weights_group_route(
         body: DestroyWeightsGroupRequest, request: Request
     ) -> ControlResponse:
-        message = messages.WeightsGroupRequest(
-            request_id=secrets.token_hex(16), action="destroy", group_name=body.group_name
-        )
-        return await weights_group(request, config, message)
+        setup_request = {"action": "destroy", "group_name": body.group_name}
+        message = await transport_setup(request, config, "dist", setup_request)
+        return ControlResponse(action="destroy_weights_group", message=message)
 
 
 def _add_generation_routes(router: APIRouter, config: AdminConfig) -> None:

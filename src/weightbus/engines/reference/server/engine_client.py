@@ -209,9 +209,9 @@ class EngineClient:
         return await self._call(self._updates, key, message, timeout_s)
 
     async def control(
-        self, message: messages.Control | messages.WeightsGroupRequest, *, timeout_s: float
+        self, message: messages.Control | messages.TransportSetup, *, timeout_s: float
     ) -> messages.ControlResult:
-        """Send a `Control` or `WeightsGroupRequest` to rank 0; wait for the `ControlResult` of
+        """Send a `Control` or `TransportSetup` to rank 0; wait for the `ControlResult` of
         its `request_id`.
 
         Args:

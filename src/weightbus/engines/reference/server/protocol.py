@@ -1,7 +1,7 @@
 """Request and response schemas of the HTTP API (an OpenAI-style subset), with validation."""
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from pydantic import (
@@ -12,8 +12,14 @@ from pydantic import (
     field_validator,
 )
 
-from weightbus.core.transport import decode_description, transport_names
-from weightbus.core.transport.distributed.messages import DEFAULT_GROUP_NAME, GROUP_NAME_PATTERN
+from weightbus.core.transport import (
+    DEFAULT_GROUP_NAME,
+    GROUP_NAME_PATTERN,
+    decode_description,
+    decode_setup_request,
+    setup_transport_names,
+    transport_names,
+)
 from weightbus.core.wire import PauseMode
 from weightbus.core.wire.order import (
     MAX_UPDATE_TIMEOUT_S,
@@ -326,10 +332,74 @@ class MemoryRequest(AdminRequest):
         return tags
 
 
+def _check_sendable(field: str, value: dict[str, Any]) -> None:
+    """Refuse what cannot travel to rank 0 as msgpack (integers must fit in 64 bits)."""
+    try:
+        msgspec.msgpack.encode(value)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"{field} cannot be sent to the engine: {exc}") from None
+
+
+class SetupTransportRequest(AdminRequest):
+    """`POST /v1/setup_transport` body: every rank of this engine runs the rank set-up of
+    `transport` with `request` (the transport's set-up request, as its `setup_request` type
+    reads it, e.g. `dist`'s `{"action": "init", ...}`)."""
+
+    teardown: ClassVar[bool] = False
+
+    transport: str = Field(json_schema_extra={"enum": setup_transport_names()})
+    request: dict[str, Any]
+
+    @field_validator("transport")
+    @classmethod
+    def _check_transport(cls, transport: str) -> str:
+        names = setup_transport_names()
+        if transport not in names:
+            raise ValueError(
+                f"transport {transport!r} needs no set-up on engine ranks; "
+                f"those that do: {', '.join(names)}"
+            )
+        return transport
+
+    @field_validator("request")
+    @classmethod
+    def _check_request(cls, request: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # the transport's own request type says what `request` may hold (422 naming the
+        # field); ranks decode it again with the same registry function
+        transport = info.data.get("transport")  # absent when the transport was refused
+        if transport is None:
+            return request
+        typed = decode_setup_request(transport, request)
+        if typed.teardown != cls.teardown:
+            route = "/v1/teardown_transport" if typed.teardown else "/v1/setup_transport"
+            kind = "tear-down" if typed.teardown else "set-up"
+            raise ValueError(f"request: a {kind} request; post it to {route}")
+        if not typed.wait_s() <= MAX_UPDATE_TIMEOUT_S:
+            raise ValueError(f"request: its bound exceeds {MAX_UPDATE_TIMEOUT_S:g} s")
+        _check_sendable("request", request)
+        return request
+
+
+class TeardownTransportRequest(SetupTransportRequest):
+    """`POST /v1/teardown_transport` body: every rank of this engine undoes the set-up of
+    `transport` (`request`: the transport's tear-down request, e.g. `dist`'s
+    `{"action": "destroy"}`)."""
+
+    teardown: ClassVar[bool] = True
+
+
+class TransportSetupResponse(BaseModel):
+    """A transport set-up or tear-down every rank of the engine ran."""
+
+    transport: str
+    action: Literal["setup_transport", "teardown_transport"]
+    message: str
+
+
 class InitWeightsGroupRequest(AdminRequest):
-    """`POST /v1/init_weights_group` body: this engine's ranks join a `dist` weights group as
-    group ranks `rank_offset ..` of `world_size` (the publisher, serving the store at
-    `master_addr:master_port`, is rank 0)."""
+    """`POST /v1/init_weights_group` body (SGLang's name for `/v1/setup_transport` with
+    `dist`): this engine's ranks join a `dist` weights group as group ranks `rank_offset ..` of
+    `world_size` (the publisher, serving the store at `master_addr:master_port`, is rank 0)."""
 
     master_addr: str = Field(min_length=1, max_length=255)
     master_port: int = Field(ge=1, le=65535)
@@ -341,7 +411,8 @@ class InitWeightsGroupRequest(AdminRequest):
 
 
 class DestroyWeightsGroupRequest(AdminRequest):
-    """`POST /v1/destroy_weights_group` body."""
+    """`POST /v1/destroy_weights_group` body (SGLang's name for `/v1/teardown_transport` with
+    `dist`)."""
 
     group_name: str = Field(DEFAULT_GROUP_NAME, pattern=GROUP_NAME_PATTERN)
 
