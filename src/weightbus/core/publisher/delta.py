@@ -28,6 +28,13 @@ DELTA_MODES = ("auto", "never", "always")
 DEFAULT_MAX_RATIO = 0.5
 
 
+def check_delta_mode(mode: str) -> DeltaMode:
+    """Raises: ValueError: `mode` is not one of `DELTA_MODES`."""
+    if mode not in DELTA_MODES:
+        raise ValueError(f"delta must be one of {', '.join(DELTA_MODES)}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeltaReport:
     """How a push was sent: as a delta (`sent`) or whole, and why.

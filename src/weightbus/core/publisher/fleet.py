@@ -1,35 +1,46 @@
-"""The fleet side of a Publisher: rollback, and engines joining and leaving between pushes.
+"""The fleet a Publisher pushes to: its members, the sink that reaches them, and every decision
+taken over all of them.
 
-`FleetMembership` is mixed into `Publisher` (it uses the Publisher's targets, lock, pool, sink
-and `fleet_version`):
+A `Fleet` holds the members (`EngineTarget`s, in push order), their sink (one transport's, or a
+`RoutedSink` routing each engine over its own), the thread pool their calls run on and the
+transport's set-up (`dist`: one gloo group over every member). The `Publisher` holds one and
+delegates to it:
 
+- `collect` waits for every engine's answer to a push or rollback (`two_phase.settle`; a failure
+  makes the engines that staged discard), and `commit` runs phase two: an engine that fails its
+  commit is past the commit point and leaves the fleet.
 - `rollback` swaps every engine back to the previous version its staging memory still holds,
   two-phase like a push: no bytes move, and no engine swaps unless all can.
-- `add_engine` brings a newcomer to the fleet's version with a push of its own (a second sink of
-  the same transport, so pushes to the members go on meanwhile), then counts it as a member.
-- `remove_engine` stops pushing to one. Transports with a set-up (`dist`: one gloo group over
-  every member) re-do it with the new membership; the members keep serving while they do.
+- `newcomer_route`, `sibling` and `admit` let an engine join: a push of its own on `sibling` (a
+  fleet of the newcomer alone, on a second sink of the same transport, so pushes to the members
+  go on meanwhile) brings it to the fleet's version, then `admit` counts it as a member.
+  `remove` stops pushing to one. Transports with a set-up re-do it with the new membership; the
+  members keep serving while they do.
+
+The caller runs pushes, rollbacks and membership changes one at a time (the Publisher's lock).
 """
 
+import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
+from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.results import FleetVersion, PushError, PushResult
-from weightbus.core.publisher.routes import check_transport
-from weightbus.core.publisher.session import NameMap, Weights
+from weightbus.core.publisher.routes import RoutedSink, check_transport, normalize_routes
 from weightbus.core.publisher.targets import (
     EngineRequestError,
     EngineResult,
     EngineTarget,
     EngineWeights,
+    PushOrder,
     RollbackOrder,
 )
-from weightbus.core.transport import has_setup
+from weightbus.core.publisher.two_phase import Check, abort_staged, commit_all, settle
+from weightbus.core.transport import BucketSink, has_setup, make_sink
 from weightbus.core.wire import PauseMode
-
-if TYPE_CHECKING:
-    from weightbus.core.publisher.publisher import Publisher
 
 logger = logging.getLogger(__name__)
 
@@ -38,63 +49,290 @@ _STATE_TIMEOUT_S = 10.0
 _ROLLBACK = "rollback to the previous version"
 
 
-class FleetMembership:
-    """Rollback and membership of a `Publisher` (see the module docstring)."""
+class Fleet:
+    """The engines one Publisher pushes to (see the module docstring).
 
-    def rollback(
-        self: "Publisher", *, pause_mode: PauseMode = "drain", timeout_s: float | None = None
-    ) -> PushResult:
-        """Swap every engine back to the previous version, without moving weights.
+    Args:
+        targets: the members, in push order (`close` closes them).
+        sink: the sink that reaches them.
+        transport: the transport's name, or the routed sink's routes (the same dict: membership
+            changes update both).
+        transport_options: keyword arguments of the sink (with routes: by transport name).
+        timeout_s: bound of a push, commit or rollback on every engine.
 
-        Every engine must hold the same previous version (same fingerprint) in its staging
-        memory: it does after an atomic commit, until the next push stages there, an in-place
-        push, or a release of the weights memory. With several engines it is two-phase.
+    Attributes:
+        version: what every member serves since the last commit (None before the first).
+    """
 
-        Args:
-            pause_mode: how each engine pauses for the swap (as for a push).
-            timeout_s: bound on every engine (default: the Publisher's).
+    def __init__(
+        self,
+        targets: Sequence[EngineTarget],
+        sink: BucketSink,
+        transport: str | dict[str, str],
+        transport_options: dict[str, Any],
+        timeout_s: float,
+    ) -> None:
+        self.targets = list(targets)
+        self.sink = sink
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.version: FleetVersion | None = None
+        self._transport_options = transport_options
+        self._setup_options: dict[str, Any] | None = None
+        self._pool = self._new_pool()
 
-        Returns:
-            The version the fleet serves again, and per-engine results (`nbytes` 0).
+    @classmethod
+    def build(
+        cls,
+        targets: Sequence[EngineTarget],
+        transport: str | Mapping[str, str],
+        transport_options: dict[str, Any],
+        timeout_s: float,
+    ) -> "Fleet":
+        """A fleet of `targets` over `transport`: a registered transport's name, or each
+        engine's transport by URL (a `RoutedSink`).
 
         Raises:
-            PushError: an engine holds no rollback version or another one (each named, with
-                the engine's reason), refused, or did not answer; no engine swapped.
+            ValueError: an unknown transport, routes that do not match the targets, or options
+                the sink refuses.
         """
-        with self._lock:
-            start = time.perf_counter()
-            target = _rollback_target(self._states())
-            order = RollbackOrder(
-                version=target.version,
-                fingerprint=target.fingerprint,
-                pause_mode=pause_mode,
-                two_phase=len(self.targets) > 1,
-                timeout_s=timeout_s or self.timeout_s,
-            )
-            futures = {t.url: self._pool.submit(t.rollback, order) for t in self.targets}
-            engines = self._collect(
-                futures,
-                target.version,
-                check=lambda result: (result, None),
-                two_phase=order.two_phase,
-                action=f"rollback to version {target.version!r}",
-            )
-            gone: dict[str, str] = {}
-            if order.two_phase:
-                engines, gone = self._commit(engines, target.version, target.fingerprint)
-            self.fleet_version = target
-            return PushResult(
-                version=target.version,
-                fingerprint=target.fingerprint,
-                nbytes=0,
-                seconds=time.perf_counter() - start,
-                engines=engines,
-                mode="rollback",
-                two_phase=order.two_phase,
-                gone=gone,
-            )
+        if isinstance(transport, str):
+            sink = make_sink(transport, **transport_options)
+            return cls(targets, sink, transport, transport_options, timeout_s)
+        routes = normalize_routes(transport, [target.url for target in targets])
+        routed = RoutedSink(routes, transport_options)
+        return cls(targets, routed, routed.routes, transport_options, timeout_s)
 
-    def _states(self: "Publisher") -> list[EngineWeights]:
+    @property
+    def urls(self) -> list[str]:
+        """The members' URLs, in push order."""
+        return [target.url for target in self.targets]
+
+    @property
+    def transports(self) -> set[str]:
+        """The transports pushes take (one, or each routed engine's)."""
+        return {self.transport} if isinstance(self.transport, str) else set(self.transport.values())
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        # each engine may have an update and an abort (or a commit) in flight at once
+        return ThreadPoolExecutor(max_workers=2 * len(self.targets) + 2, thread_name_prefix="push")
+
+    def release(self) -> None:
+        """Free the sink and the thread pool; the members stay open (a newcomer caught up on
+        a sibling joins another fleet)."""
+        self.sink.close()
+        self._pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Free the sink and the thread pool, and close every member."""
+        self.release()
+        for target in self.targets:
+            target.close()
+
+    # --- the transport's set-up ---
+
+    def setup(self, **options: Any) -> Any:
+        """Set the transport up across every member; membership changes re-do it with the
+        same options.
+
+        Returns:
+            What the sink's set-up reports.
+
+        Raises:
+            ValueError: the transport needs no set-up.
+        """
+        info = self.sink.setup(self.targets, **options)
+        self._setup_options = options
+        return info
+
+    def teardown(self, timeout_s: float) -> None:
+        """Undo `setup` here and on every member."""
+        self._setup_options = None
+        self.sink.teardown(timeout_s)
+
+    def _redo_setup(self) -> Any:
+        """Re-do the transport's set-up over the members (a `dist` group re-forms).
+
+        Raises:
+            what the sink's `setup` raises (`WeightsGroupError`): it is left undone, and the
+            next push says so.
+        """
+        assert self._setup_options is not None
+        return self.sink.setup(self.targets, **self._setup_options)
+
+    def _redo_setup_or_log(self) -> None:
+        """`_redo_setup` where its failure must not hide the outcome being reported."""
+        if self._setup_options is None:
+            return
+        try:
+            self._redo_setup()
+        except Exception:  # logged: the next push reports the set-up missing
+            logger.exception("re-doing the %s set-up over the members failed", self.transport)
+
+    # --- what every member is asked ---
+
+    def engine_weights(self, timeout_s: float) -> list[EngineWeights]:
+        """The version, fingerprint and status every member serves now, in push order.
+
+        Raises:
+            EngineRequestError: an engine did not answer.
+        """
+        futures = [self._pool.submit(target.weights, timeout_s) for target in self.targets]
+        return [future.result() for future in futures]
+
+    def check_probe(self, probe: LogprobProbe | None) -> None:
+        """Raises: ValueError: a probe is given and a member cannot score one."""
+        if probe is None:
+            return
+        unable = [t.url for t in self.targets if not t.scores_probes]
+        if unable:
+            raise ValueError(f"probe: these engines cannot score a logprob probe: {unable}")
+
+    def two_phase(self, requested: bool | None, atomic: bool) -> bool:
+        """Whether a push is two-phase: as `requested`, or (None) when it is atomic, to several
+        members, and every member can stage and commit on a later word (else logged).
+
+        Raises:
+            ValueError: two-phase is requested for an in-place push, or a member cannot take
+                part.
+        """
+        unable = [t.url for t in self.targets if not t.supports_two_phase]
+        if requested:
+            if not atomic:
+                raise ValueError(
+                    "two_phase needs atomic=True: an in-place push writes the live weights, "
+                    "so there is nothing to commit on a later word"
+                )
+            if unable:
+                raise ValueError(f"two_phase: these engines cannot stage and commit: {unable}")
+            return True
+        if requested is None and atomic and len(self.targets) > 1:
+            if unable:
+                logger.warning("one-phase push: %s cannot take part in a two-phase commit", unable)
+                return False
+            return True
+        return False
+
+    def update_all(self, orders: Mapping[str, PushOrder]) -> dict[str, Future]:
+        """Hand every member its order (by URL), in parallel.
+
+        Returns:
+            Each member's pending `update`, by URL, in push order.
+        """
+        return {t.url: self._pool.submit(t.update, orders[t.url]) for t in self.targets}
+
+    # --- settle and commit ---
+
+    def collect(
+        self,
+        futures: dict[str, Future],
+        version: str,
+        *,
+        check: Check,
+        two_phase: bool,
+        stream_error: str | None = None,
+        action: str | None = None,
+    ) -> list[EngineResult]:
+        """Every engine's result (two-phase: staged), in the order of `futures`.
+
+        Raises:
+            PushError: naming each failure (every engine, with `stream_error`, when the stream
+                failed and no engine did), once the engines that staged were told to discard.
+        """
+        settled = settle(
+            self._pool, self.targets, futures, version=version, check=check, two_phase=two_phase
+        )
+        failures = settled.failures
+        if stream_error and not failures:
+            failures = dict.fromkeys(futures, stream_error)
+        if failures:
+            aborted = []
+            if two_phase:
+                aborted = abort_staged(self._pool, self.targets, settled, version)
+            raise PushError(version, failures, stream_error, aborted=aborted, action=action)
+        return [settled.results[url] for url in futures]
+
+    def fingerprint_check(self, pushed: str) -> Check:
+        """A result fails unless it reports `pushed` (targets that cannot report one: theirs
+        is the pushed one, which their ranks verified)."""
+        targets = {target.url: target for target in self.targets}
+
+        def check(result: EngineResult) -> tuple[EngineResult, str | None]:
+            if result.fingerprint is None and not targets[result.url].reports_fingerprint:
+                result = dataclasses.replace(result, fingerprint=pushed)
+            if result.fingerprint != pushed:
+                what = "staged" if result.staged else "committed"
+                return result, f"{what} fingerprint {result.fingerprint} != pushed {pushed}"
+            return result, None
+
+        return check
+
+    def commit(
+        self, staged: list[EngineResult], version: str, fingerprint: str | None
+    ) -> tuple[list[EngineResult], dict[str, str]]:
+        """Phase two; engines that fail it are past the commit point: they leave the fleet.
+
+        Returns:
+            The committed results, and the engines that left (URL -> reason).
+
+        Raises:
+            PushError: no engine committed.
+        """
+        members = {target.url: target for target in self.targets}
+        targets = [members[result.url] for result in staged]
+        committed, gone = commit_all(
+            self._pool, targets, version=version, fingerprint=fingerprint, timeout_s=self.timeout_s
+        )
+        if not committed:
+            raise PushError(version, {url: f"commit: {why}" for url, why in gone.items()})
+        for url in gone:
+            self._drop(members[url], f"it failed after the commit point of {version!r}")
+        if gone:
+            self._redo_setup_or_log()  # the push committed: report that, not a set-up failure
+        return committed, gone
+
+    # --- rollback ---
+
+    def rollback(self, pause_mode: PauseMode, timeout_s: float | None) -> PushResult:
+        """Swap every member back to the previous version (see `Publisher.rollback`).
+
+        Raises:
+            PushError: an engine holds no rollback version or another one, refused, or did not
+                answer; no engine swapped.
+        """
+        start = time.perf_counter()
+        target = _rollback_target(self._states())
+        order = RollbackOrder(
+            version=target.version,
+            fingerprint=target.fingerprint,
+            pause_mode=pause_mode,
+            two_phase=len(self.targets) > 1,
+            timeout_s=timeout_s or self.timeout_s,
+        )
+        futures = {t.url: self._pool.submit(t.rollback, order) for t in self.targets}
+        engines = self.collect(
+            futures,
+            target.version,
+            check=lambda result: (result, None),
+            two_phase=order.two_phase,
+            action=f"rollback to version {target.version!r}",
+        )
+        gone: dict[str, str] = {}
+        if order.two_phase:
+            engines, gone = self.commit(engines, target.version, target.fingerprint)
+        self.version = target
+        return PushResult(
+            version=target.version,
+            fingerprint=target.fingerprint,
+            nbytes=0,
+            seconds=time.perf_counter() - start,
+            engines=engines,
+            mode="rollback",
+            two_phase=order.two_phase,
+            gone=gone,
+        )
+
+    def _states(self) -> list[EngineWeights]:
         futures = {t.url: self._pool.submit(t.weights, _STATE_TIMEOUT_S) for t in self.targets}
         states, failures = [], {}
         for url, future in futures.items():
@@ -106,120 +344,17 @@ class FleetMembership:
             raise PushError("(previous)", failures, action=_ROLLBACK)
         return states
 
-    def add_engine(
-        self: "Publisher",
-        engine: "str | EngineTarget",
-        weights: Weights | None = None,
-        *,
-        name_map: NameMap | None = None,
-        transport: str | None = None,
-    ) -> EngineResult | None:
-        """Add an engine to the fleet, brought to the fleet's version first.
+    # --- joining and leaving ---
 
-        The catch-up is a push to the newcomer alone, on a second sink of the same transport:
-        pushes to the members go on meanwhile. An engine started with
-        `--wait-for-initial-weights` serves nothing until it lands. With a transport set-up
-        (`dist`), the set-up is then re-done over every member and the newcomer.
-
-        Args:
-            engine: the newcomer's URL or target.
-            weights: the weights of `fleet_version` (needed once the fleet has one): their
-                fingerprint is checked before a byte is sent.
-            name_map: as for `push`.
-            transport: the newcomer's transport, when the Publisher routes each engine over
-                its own (`Publisher(transport={url: name})`), needed there, also for an
-                engine that was a member before. A transport with a set-up
-                (`dist`) needs it done already (`setup_transport` over its other engines).
-
-        Returns:
-            The newcomer's catch-up result (None when the fleet has no version yet).
+    def newcomer_route(self, url: str, transport: str | None) -> str | None:
+        """The transport of a newcomer `url` on a routed fleet (None on a single-transport one).
 
         Raises:
-            ValueError: the engine is already a member, `weights` are missing or are not
-                the fleet's version, or a routed Publisher has no transport for it (or an
-                unknown one, or one whose set-up is not done).
-            PushError: the catch-up failed (the newcomer is not added), or the fleet moved to
-                another version meanwhile (add it again with that version's weights).
+            ValueError: `url` is already a member, or the transport is missing, unknown, not
+                this fleet's, or one whose set-up is not done.
         """
-        target = self._target(engine)
-        if target.url in self.engines:
-            raise ValueError(f"engine {target.url} is already a member")
-        route = self._route_for(target.url, transport)
-        current = self.fleet_version
-        result = None
-        if current is not None:
-            result = self._catch_up(target, weights, current, name_map, route)
-        with self._lock:
-            if self.fleet_version != current:
-                moved = self.fleet_version.version if self.fleet_version else None
-                raise PushError(
-                    current.version if current else "(none)",
-                    {target.url: f"the fleet moved to version {moved!r} during the catch-up"},
-                    action=f"catch-up of {target.url} to version {current.version!r}"
-                    if current
-                    else f"adding {target.url}",
-                )
-            if route is not None:  # its sink exists before the engine counts as a member
-                self._sink.add_route(target.url, route, self._transport_options.get(route, {}))
-            self.targets.append(target)
-            self._resize_pool()
-            if self._setup_options is not None:
-                try:
-                    self._redo_setup()
-                except Exception:
-                    # the members go on without it; the caller learns why it did not join
-                    self.targets.remove(target)
-                    self._forget_route(target.url)
-                    self._resize_pool()
-                    self._redo_setup_or_log()
-                    raise
-        logger.info("engine %s joined the fleet", target.url)
-        return result
-
-    def _catch_up(
-        self: "Publisher",
-        target: EngineTarget,
-        weights: Weights | None,
-        current: FleetVersion,
-        name_map: NameMap | None,
-        route: str | None,
-    ) -> EngineResult:
-        if weights is None:
-            raise ValueError(
-                f"weights: the fleet serves version {current.version!r}; pass its weights so "
-                f"{target.url} can catch up before it joins"
-            )
-        sink_options, setup_options = self._sink.sibling_options(
-            self._transport_options, self._setup_options
-        )
-        if route is not None and not has_setup(route):
-            setup_options = None  # the set-up is another route's
-        catch_up = type(self)(
-            [target],
-            transport=self.transport if route is None else {target.url: route},
-            bucket_bytes=self.bucket_bytes,
-            token=self._token,
-            timeout_s=self.timeout_s,
-            transport_options=sink_options,
-        )
-        try:
-            fingerprint = catch_up.fingerprint(weights, name_map)
-            if fingerprint != current.fingerprint:
-                raise ValueError(
-                    f"weights: fingerprint {fingerprint} is not the fleet's version "
-                    f"{current.version!r} ({current.fingerprint}): pass the weights pushed last"
-                )
-            if setup_options is not None:
-                catch_up.setup_transport(**setup_options)
-            pushed = catch_up.push(
-                weights, version=current.version, step=current.step, force=True, name_map=name_map
-            )
-        finally:
-            catch_up._close_transport()  # the target stays open: it joins this Publisher
-        return pushed.engines[0]
-
-    def _route_for(self: "Publisher", url: str, transport: str | None) -> str | None:
-        """The newcomer's transport on a routed Publisher (None on a single-transport one)."""
+        if url in self.urls:
+            raise ValueError(f"engine {url} is already a member")
         if isinstance(self.transport, str):
             if transport not in (None, self.transport):
                 raise ValueError(
@@ -237,29 +372,86 @@ class FleetMembership:
             )
         return transport
 
-    def _forget_route(self: "Publisher", url: str) -> None:
-        if not isinstance(self.transport, str):  # `transport` is the routed sink's routes
-            self._sink.remove_route(url)
+    def sibling(self, target: EngineTarget, route: str | None) -> "Fleet":
+        """A fleet of `target` alone, on a second sink of this fleet's transport (`route` on
+        a routed fleet), its set-up done where the transport has one: a push to it goes on
+        beside the members' pushes. `release` it afterwards; `target` stays open.
 
-    def remove_engine(self: "Publisher", url: str) -> None:
-        """Stop pushing to an engine (alive or not); it keeps serving what it serves.
+        Raises:
+            ValueError: the sink refuses the options.
+            WeightsGroupError: the set-up failed (the sibling is released).
+        """
+        sink_options, setup_options = self.sink.sibling_options(
+            self._transport_options, self._setup_options
+        )
+        if route is not None and not has_setup(route):
+            setup_options = None  # the set-up is another route's
+        transport = self.transport if route is None else {target.url: route}
+        sibling = Fleet.build([target], transport, sink_options, self.timeout_s)
+        if setup_options is not None:
+            try:
+                sibling.setup(**setup_options)
+            except Exception:
+                sibling.release()
+                raise
+        return sibling
+
+    def admit(
+        self, target: EngineTarget, route: str | None, caught_up: FleetVersion | None
+    ) -> None:
+        """Count `target` as a member, caught up to `caught_up` (the fleet's version then).
+
+        Raises:
+            PushError: the fleet moved to another version meanwhile.
+            WeightsGroupError: the set-up did not re-form with it (it is not a member; the set-up
+                is re-done over the others).
+        """
+        self._check_unmoved(target.url, caught_up)
+        if route is not None:  # its sink exists before the engine counts as a member
+            self.sink.add_route(target.url, route, self._transport_options.get(route, {}))
+        self.targets.append(target)
+        self._resize_pool()
+        if self._setup_options is None:
+            return
+        try:
+            self._redo_setup()
+        except Exception:
+            # the members go on without it; the caller learns why it did not join
+            self.targets.remove(target)
+            self._forget_route(target.url)
+            self._resize_pool()
+            self._redo_setup_or_log()
+            raise
+
+    def _check_unmoved(self, url: str, caught_up: FleetVersion | None) -> None:
+        if self.version == caught_up:
+            return
+        moved = self.version.version if self.version else None
+        raise PushError(
+            caught_up.version if caught_up else "(none)",
+            {url: f"the fleet moved to version {moved!r} during the catch-up"},
+            action=f"catch-up of {url} to version {caught_up.version!r}"
+            if caught_up
+            else f"adding {url}",
+        )
+
+    def remove(self, url: str) -> None:
+        """Stop pushing to a member (alive or not); it keeps serving what it serves.
 
         Raises:
             ValueError: no member has this URL, or it is the last one.
-            WeightsGroupError: a `dist` group could not re-form over the other members (the
-                next push says so too; `init_weights_group` re-forms it).
+            WeightsGroupError: a `dist` group could not re-form over the other members.
         """
-        with self._lock:
-            target = next((t for t in self.targets if t.url == url.rstrip("/")), None)
-            if target is None:
-                raise ValueError(f"engine {url} is not a member; members: {self.engines}")
-            if len(self.targets) == 1:
-                raise ValueError(f"engine {url} is the last member: close the Publisher instead")
-            self._drop(target, "removed")
-            if self._setup_options is not None:
-                self._redo_setup()
+        target = next((t for t in self.targets if t.url == url.rstrip("/")), None)
+        if target is None:
+            raise ValueError(f"engine {url} is not a member; members: {self.urls}")
+        if len(self.targets) == 1:
+            raise ValueError(f"engine {url} is the last member: close the Publisher instead")
+        self._drop(target, "removed")
+        if self._setup_options is not None:
+            self._redo_setup()
 
-    def _drop(self: "Publisher", target: EngineTarget, reason: str) -> None:
+    def _drop(self, target: EngineTarget, reason: str) -> None:
         """Stop pushing to `target`; the caller re-does the transport's set-up."""
         self.targets.remove(target)
         self._resize_pool()
@@ -269,34 +461,19 @@ class FleetMembership:
         self._forget_route(target.url)
         target.close()
 
-    def _resize_pool(self: "Publisher") -> None:
+    def _forget_route(self, url: str) -> None:
+        if isinstance(self.sink, RoutedSink):
+            self.sink.remove_route(url)
+
+    def _resize_pool(self) -> None:
         old, self._pool = self._pool, self._new_pool()
         old.shutdown(wait=False)
 
-    def _leave_setup(self: "Publisher", target: EngineTarget) -> None:
+    def _leave_setup(self, target: EngineTarget) -> None:
         try:
-            self._sink.teardown_engine(target, _STATE_TIMEOUT_S)
+            self.sink.teardown_engine(target, _STATE_TIMEOUT_S)
         except EngineRequestError as exc:  # gone, or never joined: nothing to leave
             logger.info("engine %s did not leave the transport set-up: %s", target.url, exc)
-
-    def _redo_setup(self: "Publisher") -> Any:
-        """Re-do the transport's set-up over the members (a `dist` group re-forms).
-
-        Raises:
-            what the sink's `setup` raises (`WeightsGroupError`): it is left undone, and the
-            next push says so.
-        """
-        assert self._setup_options is not None
-        return self._sink.setup(self.targets, **self._setup_options)
-
-    def _redo_setup_or_log(self: "Publisher") -> None:
-        """`_redo_setup` where its failure must not hide the outcome being reported."""
-        if self._setup_options is None:
-            return
-        try:
-            self._redo_setup()
-        except Exception:  # logged: the next push reports the set-up missing
-            logger.exception("re-doing the %s set-up over the members failed", self.transport)
 
 
 def _rollback_target(states: list[EngineWeights]) -> FleetVersion:

@@ -4,9 +4,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from weightbus.core.publisher.delta import DeltaReport
-from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.targets import EngineResult
-from weightbus.core.wire import PauseMode, VerifyLevel
 
 
 class PushError(RuntimeError):
@@ -71,16 +69,3 @@ class PushResult:
     gone: dict[str, str] = field(default_factory=dict)
     sent_bytes: int = 0
     delta: DeltaReport | None = None  # whether the push went as a delta, and why
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PushOptions:
-    """How engines apply a push (the `push` arguments every order carries)."""
-
-    pause_mode: PauseMode
-    atomic: bool
-    verify: VerifyLevel
-    force: bool
-    probe: LogprobProbe | None = None
-    two_phase: bool = False
-    keep_draft: bool = False

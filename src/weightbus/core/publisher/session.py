@@ -104,3 +104,9 @@ class SessionFactory:
             verify=verify,
             engines=engines,
         )
+
+    def fingerprint(self, weights: list[tuple[str, torch.Tensor]]) -> str:
+        """The fingerprint engines report after a push of `weights` (computed here)."""
+        session = self.session(weights, "local", None)
+        session.ensure_digests(dict(weights))
+        return session.fingerprint

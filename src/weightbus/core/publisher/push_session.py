@@ -1,0 +1,462 @@
+"""One push session to every member of a fleet: plan → prepare → order → stream → collect.
+
+`PushRun.run` reads as the protocol, one named step each: `_plan` (`SessionFactory.session`: the
+plan, reused while the layout is unchanged, and the digests), `_prepare` (`sink.prepare`: make the
+session readable), `_order` (every engine gets its `PushOrder` from `engine_order`, in
+parallel; an answer while the stream runs abandons it for that engine), `_stream` (the sink
+sends what is not sent yet), `_collect` (every engine committed the same fingerprint, or one
+`PushError` naming each engine that did not and why) and, two-phase, `_commit`. No transport
+is named here: each one's specifics live behind its sink, each engine's behind its
+`EngineTarget`.
+
+`PushRequest` carries what a push sends and how (its order before routing, from `push_options`).
+`push_version` runs a push as a delta when every engine can take one (`DeltaState.plan`), else
+(or after an engine refused the delta's base) as the whole version. `catch_up` is the push
+that brings a newcomer to the fleet's version before it joins.
+"""
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from weightbus.core.meta import is_draft_name
+from weightbus.core.publisher.delta import (
+    DeltaMode,
+    DeltaPlan,
+    DeltaReport,
+    DeltaState,
+    is_base_refusal,
+)
+from weightbus.core.publisher.fleet import Fleet
+from weightbus.core.publisher.probe import LogprobProbe
+from weightbus.core.publisher.progress import PushProgress
+from weightbus.core.publisher.results import FleetVersion, PushError, PushResult
+from weightbus.core.publisher.session import NameMap, SessionFactory, Weights, normalize_weights
+from weightbus.core.publisher.targets import (
+    EngineRequestError,
+    EngineResult,
+    EngineTarget,
+    PushOrder,
+)
+from weightbus.core.transport import BucketSink, PushSession, SourceDescription, encode_description
+from weightbus.core.transport.base import EngineRoute, Progress, no_progress
+from weightbus.core.wire import PauseMode, VerifyLevel
+from weightbus.core.wire.delta import DeltaSpec
+
+logger = logging.getLogger(__name__)
+
+# Bound of reading each engine's slice maps and version before a delta.
+_DELTA_CHECK_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class PushRequest:
+    """What one push sends and how.
+
+    Attributes:
+        tensors: the normalized tensors, by HF name (a delta's stream, for a delta session).
+        version: the new version's name.
+        step: its training step, if any.
+        options: the order every engine's is made from (`push_options`).
+        progress: also called with the bytes of each part handed to the transport.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    version: str
+    step: int | None
+    options: PushOrder
+    progress: Progress | None = None
+
+
+def push_options(
+    fleet: Fleet,
+    *,
+    version: str,
+    step: int | None = None,
+    pause_mode: PauseMode = "drain",
+    atomic: bool = True,
+    verify: VerifyLevel = "full",
+    force: bool = False,
+    probe: LogprobProbe | None = None,
+    two_phase: bool | None = None,
+    keep_draft: bool = False,
+) -> PushOrder:
+    """A push's options (as `Publisher.push` takes them), checked against `fleet`'s members.
+
+    Returns:
+        The order every engine's is made from (`engine_order` fills in its transport, source,
+        verify level, plan, timeout and delta); `two_phase` decided (`Fleet.two_phase`).
+
+    Raises:
+        ValueError: a probe for members that cannot score one; `two_phase` with an in-place
+            push or members that cannot stage and commit on a later word.
+    """
+    use_two_phase = fleet.two_phase(two_phase, atomic)
+    fleet.check_probe(probe)
+    return PushOrder(
+        version=version,
+        step=step,
+        transport="",  # each engine's route says (`engine_order`)
+        source={},
+        pause_mode=pause_mode,
+        atomic=atomic,
+        verify=verify,
+        force=force,
+        probe=probe,
+        two_phase=use_two_phase,
+        keep_draft=keep_draft,
+    )
+
+
+def engine_order(
+    session: PushSession,
+    route: EngineRoute,
+    options: PushOrder,
+    *,
+    timeout_s: float,
+    delta: DeltaSpec | None,
+    carries_draft: bool,
+) -> PushOrder:
+    """One engine's order for `session`: every order of a push is made here.
+
+    Args:
+        session: the push's session.
+        route: the engine's transport, source description and verify level (`sink.route`).
+        options: the push's order before routing (`push_options`).
+        timeout_s: bound of the update on the engine.
+        delta: the engine's delta spec (None: a whole version).
+        carries_draft: the session carries a draft model's tensors.
+
+    Returns:
+        The order the engine's target `update`s with.
+    """
+    return msgspec.structs.replace(
+        options,
+        version=session.version,
+        step=session.step,
+        transport=route.transport,
+        source=encode_description(route.source),
+        plan_hash=session.plan.plan_hash,
+        verify=route.verify,
+        timeout_s=timeout_s,
+        delta=delta,
+        carries_draft=carries_draft,
+    )
+
+
+class PushRun:
+    """One session to every member of `fleet`: `request.tensors` travel, the engines commit
+    `request.version` (the delta's fingerprint when `delta` is given, else the tensors' own).
+
+    Args:
+        fleet: the engines to push to.
+        sessions: builds the session (and reuses its plan).
+        request: what to send, and how.
+        delta: the delta plan `request.tensors` stream (None: a whole version).
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        sessions: SessionFactory,
+        request: PushRequest,
+        delta: DeltaPlan | None = None,
+    ) -> None:
+        self._fleet = fleet
+        self._sessions = sessions
+        self._request = request
+        self._delta = delta
+        self._phases: dict[str, float] = {}
+        self._session: PushSession | None = None
+        self._bar: PushProgress | None = None
+        self._advance: Progress = no_progress
+        self._description: SourceDescription | None = None
+        self._futures: dict[str, Future] = {}
+        self._stream_error: str | None = None
+        self._fingerprint = "(stream failed)"
+        self._engines: list[EngineResult] = []
+        self._gone: dict[str, str] = {}
+
+    @property
+    def session(self) -> PushSession:
+        """The push's session (its digests), once `run` planned it."""
+        assert self._session is not None, "the push was not planned"
+        return self._session
+
+    def run(self) -> PushResult:
+        """Plan, prepare, order, stream, collect (and, two-phase, commit); the fleet's version
+        becomes the pushed one.
+
+        Returns:
+            The committed version, its fingerprint, per-engine results and each step's seconds.
+
+        Raises:
+            PushError: an engine refused, failed or timed out, or the stream failed (each
+                engine named with its reason); two-phase: no engine committed.
+        """
+        start = time.perf_counter()
+        try:
+            for phase, step in self._steps():
+                tick = time.perf_counter()
+                step()
+                if phase is not None:
+                    self._phases[phase] = time.perf_counter() - tick
+        finally:
+            self._close_progress()
+        return self._result(time.perf_counter() - start)
+
+    def _steps(self) -> list[tuple[str | None, Callable[[], None]]]:
+        """Each step, under the phase its seconds are reported as (None: not reported)."""
+        steps: list[tuple[str | None, Callable[[], None]]] = [
+            ("plan_s", self._plan),
+            ("prepare_s", self._prepare),
+            (None, self._order),
+            ("stream_s", self._stream),
+            ("wait_s", self._collect),
+        ]
+        if self._request.options.two_phase:
+            steps.append(("commit_s", self._commit))
+        return steps
+
+    def _plan(self) -> None:
+        request = self._request
+        self._session = self._sessions.session(
+            list(request.tensors.items()),
+            request.version,
+            request.step,
+            receivers=len(self._fleet.targets),
+            verify=request.options.verify == "full",
+            engines=tuple(self._fleet.urls),
+        )
+        self._bar = PushProgress(request.version, self._session.plan.total_bytes)
+        self._advance = _both(self._bar.advance, request.progress)
+
+    def _prepare(self) -> None:
+        self._description = self._fleet.sink.prepare(
+            self.session, self._request.tensors, self._advance
+        )
+
+    def _order(self) -> None:
+        """Hand every member its order (in parallel); an early answer abandons the stream."""
+        session, options, sink = self.session, self._request.options, self._fleet.sink
+        assert self._description is not None
+        specs = {} if self._delta is None else self._delta.specs
+        carries_draft = any(is_draft_name(meta.name) for meta in session.plan.metas)
+        orders = {}
+        for index, target in enumerate(self._fleet.targets):
+            orders[target.url] = engine_order(
+                session,
+                sink.route(self._description, index, options.verify),
+                options,
+                timeout_s=self._fleet.timeout_s,
+                delta=specs.get(target.url),
+                carries_draft=carries_draft,
+            )
+        self._futures = self._fleet.update_all(orders)
+        for url, future in self._futures.items():
+            future.add_done_callback(_abandon_on_answer(sink, session, url))
+
+    def _stream(self) -> None:
+        sink = self._fleet.sink
+        try:
+            sink.stream(self.session, self._request.tensors, self._fleet.timeout_s, self._advance)
+        except (TimeoutError, OSError, ValueError) as exc:
+            self._stream_error = f"transport {sink.name}: {exc}"
+        finally:
+            self._close_progress()
+
+    def _collect(self) -> None:
+        """Every engine committed (two-phase: staged) the pushed fingerprint."""
+        # a failed stream may have left tensors undigested: no engine can match then
+        if self._stream_error is None:
+            delta = self._delta
+            self._fingerprint = self.session.fingerprint if delta is None else delta.fingerprint
+        self._engines = self._fleet.collect(
+            self._futures,
+            self._request.version,
+            check=self._fleet.fingerprint_check(self._fingerprint),
+            two_phase=self._request.options.two_phase,
+            stream_error=self._stream_error,
+        )
+
+    def _commit(self) -> None:
+        self._engines, self._gone = self._fleet.commit(
+            self._engines, self._request.version, self._fingerprint
+        )
+
+    def _close_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _result(self, seconds: float) -> PushResult:
+        request = self._request
+        self._fleet.version = FleetVersion(request.version, request.step, self._fingerprint)
+        logger.info(
+            "pushed %s to %d engine(s) in %.3f s", request.version, len(self._engines), seconds
+        )
+        return PushResult(
+            version=request.version,
+            fingerprint=self._fingerprint,
+            nbytes=self.session.plan.total_bytes,
+            seconds=seconds,
+            engines=self._engines,
+            phases=self._phases,
+            mode=self._fleet.sink.mode,
+            two_phase=request.options.two_phase,
+            gone=self._gone,
+            sent_bytes=self.session.sent_bytes,
+        )
+
+
+def push_version(
+    fleet: Fleet,
+    sessions: SessionFactory,
+    deltas: DeltaState,
+    request: PushRequest,
+    mode: DeltaMode,
+) -> PushResult:
+    """Push `request` as a delta when every engine can take one (`DeltaState.plan`), else (or
+    after an engine refused the delta's base) as the whole version; the base then becomes what
+    was pushed.
+
+    Returns:
+        The push's result, with `delta` saying how it went and why.
+
+    Raises:
+        PushError: the push failed (a delta's base refusal is followed by a whole push).
+    """
+    tick = time.perf_counter()
+    plan = deltas.plan(mode, request.tensors, fleet.targets, fleet.sink, _DELTA_CHECK_TIMEOUT_S)
+    delta_s = time.perf_counter() - tick
+    report = plan
+    if isinstance(plan, DeltaPlan):
+        result, report = _push_delta(fleet, sessions, deltas, request, plan)
+        if result is not None:
+            return _with_delta(result, report, delta_s)
+        forced = msgspec.structs.replace(request.options, force=True)  # some may serve it already
+        request = dataclasses.replace(request, options=forced)
+    run = PushRun(fleet, sessions, request)
+    result = run.run()
+    if deltas.keeps_base(mode):
+        digests = run.session.digests
+        deltas.committed_full(request.tensors, request.version, result.fingerprint, digests)
+    return _with_delta(result, report, delta_s)
+
+
+def _push_delta(
+    fleet: Fleet,
+    sessions: SessionFactory,
+    deltas: DeltaState,
+    request: PushRequest,
+    plan: DeltaPlan,
+) -> tuple[PushResult | None, DeltaReport]:
+    """The delta pushed and its base advanced; or no result, and why, when an engine refused
+    the delta's base (the whole version goes next)."""
+    delta_request = dataclasses.replace(request, tensors=plan.stream)
+    try:
+        result = PushRun(fleet, sessions, delta_request, plan).run()
+    except PushError as exc:
+        if not any(is_base_refusal(reason) for reason in exc.failures.values()):
+            raise
+        logger.warning("%s: pushing the whole version instead", exc)
+        return None, DeltaReport.full(f"refused: {exc}", plan.encoding, plan.report.base_version)
+    deltas.committed_delta(plan, request.tensors, request.version)
+    return result, plan.report
+
+
+def catch_up(
+    fleet: Fleet,
+    target: EngineTarget,
+    *,
+    weights: Weights | None,
+    name_map: NameMap | None,
+    route: str | None,
+    current: FleetVersion,
+    bucket_bytes: int,
+) -> EngineResult:
+    """Bring a newcomer to the fleet's version with a push of its own, on a sibling of `fleet`
+    (`Fleet.sibling`): pushes to the members go on meanwhile. `target` stays open.
+
+    Args:
+        fleet: the fleet it is to join.
+        target: the newcomer.
+        weights: the weights of `current`.
+        name_map: as for a push.
+        route: its transport on a routed fleet (None: the fleet's one transport).
+        current: the fleet's version.
+        bucket_bytes: bucket size of the catch-up's plan.
+
+    Returns:
+        The newcomer's result.
+
+    Raises:
+        ValueError: the weights are missing or are not `current`'s version (checked before a
+            byte is sent).
+        PushError: the catch-up failed.
+    """
+    if weights is None:
+        raise ValueError(
+            f"weights: the fleet serves version {current.version!r}; pass its weights so "
+            f"{target.url} can catch up before it joins"
+        )
+    tensors = dict(normalize_weights(weights, name_map))
+    sessions = SessionFactory(bucket_bytes)
+    fingerprint = sessions.fingerprint(list(tensors.items()))
+    if fingerprint != current.fingerprint:
+        raise ValueError(
+            f"weights: fingerprint {fingerprint} is not the fleet's version "
+            f"{current.version!r} ({current.fingerprint}): pass the weights pushed last"
+        )
+    newcomer = fleet.sibling(target, route)
+    try:
+        options = push_options(newcomer, version=current.version, step=current.step, force=True)
+        request = PushRequest(tensors, current.version, current.step, options)
+        return PushRun(newcomer, sessions, request).run().engines[0]
+    finally:
+        newcomer.release()
+
+
+def _with_delta(result: PushResult, report: DeltaReport, delta_s: float) -> PushResult:
+    phases = {"delta_s": delta_s, **result.phases}
+    report = dataclasses.replace(report, prepare_s=delta_s)
+    return dataclasses.replace(
+        result, delta=report, phases=phases, seconds=result.seconds + delta_s
+    )
+
+
+def _abandon_on_answer(
+    sink: BucketSink, session: PushSession, url: str
+) -> Callable[[Future], None]:
+    """A callback for an engine's update: an answer while the stream still runs (a refusal,
+    a 503, a dropped connection) means that engine reads no more of it."""
+
+    def answered(future: Future) -> None:
+        try:
+            future.result()
+        except EngineRequestError as exc:
+            reason = str(exc)
+        else:
+            reason = "it committed"
+        sink.engine_answered(
+            session, url, f"engine {url} answered before the stream ended: {reason}"
+        )
+
+    return answered
+
+
+def _both(first: Progress, second: Progress | None) -> Progress:
+    if second is None:
+        return first
+
+    def advance(nbytes: int) -> None:
+        first(nbytes)
+        second(nbytes)
+
+    return advance
