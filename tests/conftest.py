@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from process_pool import SharedProcesses
+
 if TYPE_CHECKING:
     from engine_harness import ServedEngine
     from netns_harness import Namespaces
@@ -42,6 +44,7 @@ PROCESS_FIXTURES = frozenset(
         "tied_tp1",  # a vLLM server (tests/engines/vllm_backend/conftest.py)
         "untied_tp2",  # a vLLM server, TP 2 (tests/engines/vllm_backend/conftest.py)
         "ray_cluster",  # a Ray cluster of three nodes (tests/apps/ray_fleet/conftest.py)
+        "shared_processes",  # servers shared by several modules (tests/process_pool.py)
     }
 )
 
@@ -64,9 +67,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # The engine namespace of the session (tests/core/pushes/netns_harness.py), made once collection
 # shows a test that needs it, before any test runs (UCX reads the routes once per process).
 _ENGINE_NAMESPACES = pytest.StashKey["Namespaces | None"]()
+# Servers shared by several test modules (tests/process_pool.py), made once collection shows
+# which tests use them: each is stopped after the last module of those.
+_SHARED = pytest.StashKey[SharedProcesses]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[_SHARED] = SharedProcesses(session.items)
     if any("namespaces" in getattr(item, "fixturenames", ()) for item in session.items):
         from netns_harness import create_namespaces
 
@@ -74,11 +81,30 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    shared = session.config.stash.get(_SHARED, None)
+    if shared is not None:
+        shared.close_all()
     namespaces = session.config.stash.get(_ENGINE_NAMESPACES, None)
     if namespaces is not None:
         from netns_harness import delete_namespaces
 
         delete_namespaces(namespaces.name)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:  # after the item's fixtures: a module's last test tore down its module fixtures
+        shared = item.config.stash.get(_SHARED, None)
+        if shared is not None:
+            shared.release_after(item, nextitem)
+
+
+@pytest.fixture(scope="session")
+def shared_processes(request: pytest.FixtureRequest) -> SharedProcesses:
+    """The servers test modules share (`SharedProcesses`)."""
+    return request.config.stash[_SHARED]
 
 
 @pytest.fixture(scope="session")
@@ -102,17 +128,22 @@ def hf_model(
 
 @pytest.fixture(scope="module")
 def engine(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    shared_processes: SharedProcesses,
 ) -> Iterator["ServedEngine"]:
-    """`weightbus serve --tp 2` for the test module, stopped after it: on the `hf_model`
-    checkpoint when the module names an `HF_CASE`, else on the built-in tiny model. Modules
-    that need other flags (an API token, TP 1) define their own `engine`."""
+    """`weightbus serve --tp 2`: on the `hf_model` checkpoint when the module names an
+    `HF_CASE` (started for the module, stopped after it), else on the built-in tiny model,
+    shared with the other modules that use it (`shared_processes`; `engines["tp2"]` of
+    tests/core/pushes is the same engine). Modules that need other flags (an API token, TP 1)
+    or a fresh engine define their own `engine`."""
     from engine_harness import ServedEngine
 
-    args: tuple[str, ...] = ("--tp", "2")
-    if hasattr(request.module, "HF_CASE"):
-        path, _ = request.getfixturevalue("hf_model")
-        args = ("--model", str(path), *args)
-    served = ServedEngine(*args, log_path=tmp_path_factory.mktemp("log") / "serve.log")
+    log_dir = tmp_path_factory.mktemp("log")
+    if not hasattr(request.module, "HF_CASE"):
+        yield shared_processes.tiny_engine("--tp", "2", log_dir=log_dir)
+        return
+    path, _ = request.getfixturevalue("hf_model")
+    served = ServedEngine("--model", str(path), "--tp", "2", log_path=log_dir / "serve.log")
     yield served
     served.stop()

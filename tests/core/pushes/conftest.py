@@ -1,6 +1,5 @@
 """Fixtures of the live-update tests."""
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -9,14 +8,26 @@ from netns_harness import namespaces  # noqa: F401 - the fixture, for the module
 if TYPE_CHECKING:
     from engine_harness import ServedEngine
 
+    from process_pool import SharedProcesses
+
 
 @pytest.fixture(scope="module")
 def engines(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, "ServedEngine"]]:
-    """`update_harness.targets_and_reference` for the module: `tp2` and `tp1` to push into, and
-    `reference_tp2` started with the tiny weights of the module's `SEED`."""
-    from update_harness import targets_and_reference
-
-    with targets_and_reference(tmp_path_factory.mktemp("log"), request.module.SEED) as started:
-        yield started
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    shared_processes: "SharedProcesses",
+) -> dict[str, "ServedEngine"]:
+    """Tiny-model engines: `tp2` and `tp1` to push into, and `reference_tp2`, started with the
+    tiny weights of the module's `SEED` (what the targets should serve after receiving them;
+    `update_harness.targets_and_reference` starts the same three). All are shared with the
+    modules that use the same (tests/process_pool.py): `tp2` is the tiny-model
+    `engine` of tests/conftest.py; the modules push first, then compare with the reference."""
+    log_dir = tmp_path_factory.mktemp("log")
+    flags = {
+        "tp2": ("--tp", "2"),
+        "tp1": ("--tp", "1"),
+        "reference_tp2": ("--tp", "2", "--seed", str(request.module.SEED)),
+    }
+    return {
+        name: shared_processes.tiny_engine(*args, log_dir=log_dir) for name, args in flags.items()
+    }

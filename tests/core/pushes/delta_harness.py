@@ -5,6 +5,7 @@ import contextlib
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from engine_harness import ServedEngine
@@ -14,10 +15,24 @@ from weightbus import Publisher
 from weightbus.engines.reference.models.config import tiny_config
 from weightbus.engines.reference.models.loader import random_hf_weights
 
+if TYPE_CHECKING:
+    from process_pool import SharedProcesses
+
 
 @contextlib.contextmanager
-def bf16_engines(log_dir: Path) -> Iterator[dict[str, ServedEngine]]:
-    """bf16 tiny-model engines `tp2` and `tp1`."""
+def bf16_engines(
+    log_dir: Path, shared: "SharedProcesses | None" = None
+) -> Iterator[dict[str, ServedEngine]]:
+    """bf16 tiny-model engines `tp2` and `tp1`: from `shared` (the `shared_processes` fixture:
+    the same engines for every module, left running on exit) when given, else started here
+    and stopped on exit. Every test's first push into them is whole (a new Publisher has no
+    delta base), so what an earlier module left does not matter."""
+    if shared is not None:
+        yield {
+            name: shared.tiny_engine("--tp", str(tp), "--dtype", "bfloat16", log_dir=log_dir)
+            for name, tp in (("tp2", 2), ("tp1", 1))
+        }
+        return
     started: dict[str, ServedEngine] = {}
     try:
         for name, tp in (("tp2", 2), ("tp1", 1)):

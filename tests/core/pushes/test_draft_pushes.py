@@ -51,8 +51,11 @@ def unprefixed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServedEngine]]:
-    """`drafted`: TP 2 with a tiny draft; `plain`: TP 1, no draft (the reference)."""
+def engines(
+    tmp_path_factory: pytest.TempPathFactory, shared_processes
+) -> Iterator[dict[str, ServedEngine]]:
+    """`drafted`: TP 2 with a tiny draft; `plain`: TP 1, no draft (the reference; the TP 1
+    engine other modules share, tests/process_pool.py: every test pushes into it first)."""
     log_dir = tmp_path_factory.mktemp("log")
     started: dict[str, ServedEngine] = {}
     try:
@@ -60,8 +63,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
             "--tp", "2", "--draft-model", "tiny", "--draft-seed", str(DRAFT_SEED),
             "--num-speculative-tokens", "3", log_path=log_dir / "drafted.log",
         )  # fmt: skip
-        started["plain"] = ServedEngine(log_path=log_dir / "plain.log")
-        yield started
+        plain = shared_processes.tiny_engine("--tp", "1", log_dir=log_dir)
+        yield {**started, "plain": plain}
     finally:
         for engine in started.values():
             engine.stop()

@@ -31,8 +31,10 @@ MEMBERS = ("tp2", "tp1")
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServedEngine]]:
-    with bf16_engines(tmp_path_factory.mktemp("log")) as started:
+def engines(
+    tmp_path_factory: pytest.TempPathFactory, shared_processes
+) -> Iterator[dict[str, ServedEngine]]:
+    with bf16_engines(tmp_path_factory.mktemp("log"), shared_processes) as started:
         yield started
 
 

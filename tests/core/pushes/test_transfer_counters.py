@@ -4,7 +4,6 @@ publisher's sink sent (`PushResult.sent_bytes`), against the bytes of each rank'
 computed here from the tensors' shapes."""
 
 import math
-from collections.abc import Iterator
 
 import pytest
 from engine_harness import ServedEngine
@@ -25,17 +24,11 @@ SPLIT_VOCAB = ("embed_tokens", "lm_head")
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServedEngine]]:
-    """A TP 2 and a TP 1 tiny-model engine to push into."""
+def engines(tmp_path_factory: pytest.TempPathFactory, shared_processes) -> list[ServedEngine]:
+    """A TP 2 and a TP 1 tiny-model engine to push into: the ones other modules share
+    (tests/process_pool.py); each test's counters are its own push's."""
     log_dir = tmp_path_factory.mktemp("log")
-    started: dict[int, ServedEngine] = {}
-    try:
-        for tp in (2, 1):
-            started[tp] = ServedEngine("--tp", str(tp), log_path=log_dir / f"tp{tp}.log")
-        yield list(started.values())
-    finally:
-        for engine in started.values():
-            engine.stop()
+    return [shared_processes.tiny_engine("--tp", str(tp), log_dir=log_dir) for tp in (2, 1)]
 
 
 def _rank_numel(name: str, shape: tuple[int, ...], tp: int, rank: int) -> int:

@@ -1,11 +1,14 @@
-"""Module-scoped real vLLM servers (each takes ~40-65 s to start on 2 cores)."""
+"""Real vLLM servers (each takes ~40-65 s to start on 2 cores): `tied_tp1` is shared by the
+modules that use it (test_vllm_backend.py, test_vllm_draft.py), `untied_tp2` is the module's."""
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
 import torch
 from vllm_harness import make_vllm_model
 
+from process_pool import SharedProcesses
 from weightbus.engines.vllm.launch import VllmServer
 
 # (case, tp_size): tied Qwen2 on TP 1, untied Llama on TP 2 -- float32, where vLLM-CPU and
@@ -37,8 +40,12 @@ def _serve(name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
 
 
 @pytest.fixture(scope="module")
-def tied_tp1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    yield from _serve("tied_tp1", tmp_path_factory)
+def tied_tp1(tmp_path_factory: pytest.TempPathFactory, shared_processes: SharedProcesses) -> Served:
+    """One server for every module: each test starts from what the last one left (it pushes
+    first, or reads the served version and tokens first) and records what it pushed in
+    `Served.model`."""
+    start = contextlib.contextmanager(lambda: _serve("tied_tp1", tmp_path_factory))
+    return shared_processes.get(("vllm", "tied_tp1"), ("tied_tp1",), start)
 
 
 @pytest.fixture(scope="module")
