@@ -274,10 +274,7 @@ class UpdateWeightsRequest(
         transport = info.data.get("transport")  # absent when the transport was refused
         if transport is not None:
             decode_description(transport, source)
-        try:  # it travels to rank 0 as msgpack: integers must fit in 64 bits
-            msgspec.msgpack.encode(source)
-        except (OverflowError, TypeError) as exc:
-            raise ValueError(f"source cannot be sent to the engine: {exc}") from None
+        _check_sendable("source", source)
         return source
 
 
