@@ -198,13 +198,20 @@ def _entry_views(
 
 
 def pack_entry(
-    destination: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor, hasher: Any = None
+    destination: torch.Tensor,
+    entry: BucketEntry,
+    tensor: torch.Tensor,
+    hasher: Any = None,
+    *,
+    pooled: bool = True,
 ) -> None:
     """Copy `entry`'s bytes of `tensor` into `destination` (its `entry.nbytes` bytes of a
     buffer), digesting them into `hasher` (when given) chunk by chunk as they land.
 
-    The one pack routine of every sink: CPU copies are GIL-free (`copy_elements`), so callers
-    pack many entries at once on a pool; other devices get one `copy_` (digested afterwards).
+    The one pack routine of every sink. `pooled` (the caller packs many entries at once on its
+    own pool): CPU copies are single-threaded and GIL-free (`copy_elements`). Not pooled, a copy
+    with nothing to digest is one `copy_` on torch's threads (every core, memcpy speed). Other
+    devices get one `copy_` (digested afterwards).
 
     Raises:
         ValueError: the tensor's dtype/shape differ from its entry.
@@ -213,7 +220,8 @@ def pack_entry(
     if entry.nbytes == 0:
         return
     typed, source = _entry_views(destination, entry, tensor.detach())
-    if typed.device.type != "cpu" or source.device.type != "cpu":
+    on_cpu = typed.device.type == "cpu" and source.device.type == "cpu"
+    if not on_cpu or (hasher is None and not pooled):
         typed.copy_(source)  # copy_ into the typed view packs non-contiguous sources in place
         if hasher is not None:
             hasher.update(row_major_bytes(typed))
@@ -237,7 +245,7 @@ def pack_entries(
         tensor = tensors.get(entry.name)
         if tensor is None:
             raise ValueError(f"tensor {entry.name!r} is in the plan but was not given")
-        pack_entry(buffer[entry.offset : entry.end], entry, tensor)
+        pack_entry(buffer[entry.offset : entry.end], entry, tensor, pooled=False)
 
 
 def check_entry_tensor(entry: BucketEntry, tensor: torch.Tensor) -> None:
