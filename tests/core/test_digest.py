@@ -26,7 +26,7 @@ print(fingerprint(weights), plan_buckets(metas_of(weights), 4096).plan_hash)
 @pytest.mark.e2e  # a Python child process (tiers: tests/conftest.py)
 def test_same_weights_same_fingerprint_and_plan_hash_in_another_process(tmp_path):
     weights = all_dtype_tensors(seed=7)
-    code = _REMOTE.format(tests_dir=str(__import__("pathlib").Path(__file__).parent))
+    code = _REMOTE.format(tests_dir=str(__import__("pathlib").Path(__file__).parents[1]))
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
