@@ -45,8 +45,10 @@ def _push(engine: ServedEngine, tmp_path: Path, seed: int, version: str, **kw) -
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in_place_load"])
 def test_in_place_update_continues_sequences_and_reports_version_spans(engine, tmp_path, atomic):
     _push(engine, tmp_path, 0, f"before-{atomic}", force=True)
-    threads, results = _start_completions(engine, count=4, max_tokens=120)
-    _push(engine, tmp_path, 1, f"after-{atomic}", pause_mode="in_place", atomic=atomic)
+    after = _tiny_weights(1)  # made, and the publisher opened, before the sequences start
+    with Publisher([engine.url], timeout_s=60, transport_options={"root": tmp_path}) as pub:
+        threads, results = _start_completions(engine, count=4, max_tokens=120)
+        pub.push(after, version=f"after-{atomic}", pause_mode="in_place", atomic=atomic)
     for thread in threads:
         thread.join(60)
     assert len(results) == 4
@@ -64,8 +66,10 @@ def test_in_place_update_continues_sequences_and_reports_version_spans(engine, t
 
 def test_abort_mode_ends_running_requests_with_a_reason(engine, tmp_path):
     _push(engine, tmp_path, 0, "abort-before", force=True)
-    threads, results = _start_completions(engine, count=3, max_tokens=120)
-    _push(engine, tmp_path, 2, "abort-after", pause_mode="abort")
+    after = _tiny_weights(2)  # made, and the publisher opened, before the sequences start
+    with Publisher([engine.url], timeout_s=60, transport_options={"root": tmp_path}) as pub:
+        threads, results = _start_completions(engine, count=3, max_tokens=120)
+        pub.push(after, version="abort-after", pause_mode="abort")
     for thread in threads:
         thread.join(60)
     assert len(results) == 3
