@@ -125,5 +125,7 @@ def assert_demo_passed(record: dict, stdout: str, num_steps: int) -> None:
 
 def receive_order(transport: str, **fields: Any) -> UpdateOrder:
     """An update order for a Receiver whose source the test opened itself (the Receiver reads
-    the order's version, plan hash, verify level, timeout and delta; not its source)."""
-    return UpdateOrder(transport=transport, source={}, **fields)
+    the order's version, plan hash, verify level, timeout and delta; not its source). It allows
+    non-finite values: the transports' tests carry random bit patterns (`random_tensor`), NaN
+    payloads included, and check them bit-exactly."""
+    return UpdateOrder(transport=transport, source={}, **{"allow_nonfinite": True, **fields})

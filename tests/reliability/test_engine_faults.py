@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from update_harness import weights_state
 
 from weightbus import Publisher, PushError
+from weightbus.core.publisher.targets.http import HTTP_MARGIN_S
 from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX, SHM_DIR
 from weightbus.core.transport.shm.sink import ShmSink
 from weightbus.core.wire import BucketReady
@@ -99,37 +100,51 @@ def _updates_answered(engine: ServedEngine) -> float:
     raise AssertionError("no weightbus_weight_updates_total in /metrics")
 
 
-def test_a_frozen_engine_times_the_push_out_and_serves_the_old_weights_after_it_thaws(tmp_path):
-    engine = ServedEngine("--tp", "2", log_path=tmp_path / "serve.log")
-    processes = [engine.proc.pid, *children_of(engine.proc.pid)]
+def test_a_frozen_engine_fails_the_fleet_push_naming_it_and_frees_the_healthy_one(engine, tmp_path):
+    frozen = ServedEngine("--tp", "2", log_path=tmp_path / "serve.log")
+    processes = [frozen.proc.pid, *children_of(frozen.proc.pid)]
     try:
-        before = weights_state(engine)
-        answered_before = _updates_answered(engine)
-        with Publisher([engine.url], transport="shm", timeout_s=3) as pub:
+        before = weights_state(frozen)
+        healthy_before = weights_state(engine)
+        answered_before = _updates_answered(frozen)
+        timeout_s = 3
+        with Publisher([engine.url, frozen.url], transport="shm", timeout_s=timeout_s) as pub:
             for pid in processes:
                 os.kill(pid, signal.SIGSTOP)
+            start = time.monotonic()
             try:
                 with pytest.raises(PushError) as raised:
                     pub.push(_weights(32), version="frozen")
             finally:
                 for pid in processes:
                     os.kill(pid, signal.SIGCONT)
+            elapsed_s = time.monotonic() - start
+        # the bound docs/fleet.md states: the stream's timeout, then the HTTP margin for an
+        # engine that never answers (generous slack: a bound, not a speed)
+        assert elapsed_s < timeout_s + HTTP_MARGIN_S + 20
         reason = str(raised.value)
-        assert "ReadTimeout" in reason
-        assert "timed out waiting for every engine rank to join" in reason
+        assert "ReadTimeout" in raised.value.failures[frozen.url]
+        assert (
+            "timed out waiting for every engine rank to join; "
+            f"not joined: {frozen.url} (no rank joined)"
+        ) in reason
+        # the healthy engine heard of it at once and serves what it served
+        assert "publisher failed" in raised.value.failures[engine.url]
+        state = weights_state(engine)
+        assert (state["status"], state["fingerprint"]) == ("NORMAL", healthy_before["fingerprint"])
         # the thawed engine gets the abandoned request, finds no publisher, keeps the old weights
         deadline = time.monotonic() + 60
-        while _updates_answered(engine) < answered_before + 1:
+        while _updates_answered(frozen) < answered_before + 1:
             assert time.monotonic() < deadline, "the abandoned update was never answered"
-        state = weights_state(engine)
+        state = weights_state(frozen)
         assert (state["status"], state["version"], state["fingerprint"]) == (
             "NORMAL",
             before["version"],
             before["fingerprint"],
         )
-        with Publisher([engine.url], transport="shm", timeout_s=30) as pub:
+        with Publisher([frozen.url], transport="shm", timeout_s=30) as pub:
             result = pub.push(_weights(33), version="thawed")
-        assert weights_state(engine)["fingerprint"] == result.fingerprint
-        assert engine.complete(prompt=PROMPT, max_tokens=2).status_code == 200
+        assert weights_state(frozen)["fingerprint"] == result.fingerprint
+        assert frozen.complete(prompt=PROMPT, max_tokens=2).status_code == 200
     finally:
-        engine.stop()
+        frozen.stop()

@@ -1,5 +1,8 @@
 """`hf_dir`: reloading a Hugging Face checkpoint directory into a real TP-2 engine."""
 
+import copy
+import re
+
 import pytest
 import torch
 from engine_harness import ServedEngine
@@ -75,3 +78,50 @@ def test_malformed_description_is_422_naming_the_field(engine, source, message):
     assert message in answer["error"]["message"]
     after = weights_state(engine)
     assert (after["version"], after["fingerprint"]) == (before["version"], before["fingerprint"])
+
+
+def _clone(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict cloned tensor by tensor: the tied head no longer shares memory."""
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def test_a_tied_model_its_state_dict_a_deepcopy_and_a_clone_have_one_fingerprint(hf_model):
+    _, model = hf_model
+    trained = trained_copy(model, seed=13)
+    with Publisher(["http://127.0.0.1:9"]) as pub:  # fingerprints are computed locally
+        prints = {
+            pub.fingerprint(weights)
+            for weights in (trained, trained.state_dict(), copy.deepcopy(trained.state_dict()))
+        }
+        prints.add(pub.fingerprint(_clone(trained)))
+    assert len(prints) == 1
+
+
+def test_a_clone_is_a_delta_base_and_pushes_into_the_tied_engine(engine, hf_model):
+    _, model = hf_model
+    start = trained_copy(model, seed=14)
+    with Publisher([engine.url], transport="disk", bucket_bytes=64 * KiB, delta="always") as pub:
+        pub.push(_clone(start), version="tied-clone-0", force=True)
+        pub.set_delta_base(_clone(start), version="tied-clone-0")
+        nxt = trained_copy(start, seed=15)
+        result = pub.push(_clone(nxt), version="tied-clone-1")
+        assert result.delta.sent, result.delta.reason
+        assert result.fingerprint == pub.fingerprint(nxt)
+    assert weights_state(engine)["fingerprint"] == result.fingerprint
+    _assert_serves(engine, nxt)
+
+
+def test_a_module_tying_its_head_that_holds_another_one_is_refused_naming_both(hf_model):
+    _, model = hf_model
+    untied = copy.deepcopy(model)
+    assert untied.config.tie_word_embeddings
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach() + 1)
+    message = (
+        "'lm_head.weight' differs from 'model.embed_tokens.weight', but the model's config ties "
+        "them (tie_word_embeddings): untie the config or the tensors"
+    )
+    with (
+        Publisher(["http://127.0.0.1:9"]) as pub,
+        pytest.raises(ValueError, match=re.escape(message)),
+    ):
+        pub.fingerprint(untied)

@@ -1,5 +1,6 @@
 """Timing and reporting helpers shared by the benchmark suites."""
 
+import gc
 import json
 import statistics
 import time
@@ -32,16 +33,22 @@ def measure_interleaved(
 
     Interleaving makes the ratios between rows robust to load that comes and goes on a shared
     machine: every operation sees the same conditions. One untimed round warms up first (page
-    faults, caches).
+    faults, caches). The objects alive after it are frozen out of the garbage collector, so a
+    full collection of the benchmark's own heap never lands inside a timed row.
     """
     for _, _, fn in operations:
         fn()
     seconds: list[list[float]] = [[] for _ in operations]
-    for _ in range(repeat):
-        for samples, (_, _, fn) in zip(seconds, operations, strict=True):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
+    gc.collect()
+    gc.freeze()
+    try:
+        for _ in range(repeat):
+            for samples, (_, _, fn) in zip(seconds, operations, strict=True):
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+    finally:
+        gc.unfreeze()
     return [
         Measurement(name, nbytes, samples)
         for samples, (name, nbytes, _) in zip(seconds, operations, strict=True)

@@ -3,8 +3,10 @@
 For each size: write a Hugging Face checkpoint of Llama-shaped bf16 weights, start
 `weightbus serve --model DIR --tp N --dtype bfloat16` engine(s), then time on the same weights:
 the floor (one memcpy of the model's bytes into a preallocated buffer, all cores) and a push
-over each transport with verification on and off. Reports median push seconds, GB/s, the ratio
-to the floor, the speed-up of `shm` over `disk`, and the engines' extra peak RSS.
+over each transport with verification on and off, the first transport also without the
+non-finite check (`allow_nonfinite=True`), and that check alone. Reports median push seconds,
+GB/s, the ratio to the floor, the speed-up of `shm` over `disk`, and the engines' extra peak
+RSS.
 """
 
 import argparse
@@ -23,6 +25,7 @@ from weightbus.apps.bench.memory import child_pids, reset_peak, rss_bytes
 from weightbus.apps.bench.timing import Measurement, measure_interleaved, write_json
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.apps.tables import print_table
+from weightbus.core.finite import refuse_nonfinite
 from weightbus.core.publisher import Publisher
 from weightbus.core.units import byte_size_arg, format_bytes
 
@@ -55,7 +58,9 @@ _PATHS = {
 class _Pusher:
     """Pushes one configuration repeatedly, each push a new version."""
 
-    def __init__(self, urls: list[str], path: str, verify: str, bucket_bytes: int) -> None:
+    def __init__(
+        self, urls: list[str], path: str, verify: str, bucket_bytes: int, *, checked: bool = True
+    ) -> None:
         transport, options = _PATHS[path]
         self.publisher = Publisher(
             urls,
@@ -65,6 +70,7 @@ class _Pusher:
             transport_options=options,
         )
         self.verify = verify
+        self.checked = checked  # the Publisher's non-finite check
         self.count = 0
         self.mode = transport
 
@@ -72,9 +78,18 @@ class _Pusher:
         self.count += 1
         version = f"{self.publisher.transport}-{self.verify}-{self.count}-{time.monotonic_ns()}"
         result = self.publisher.push(
-            weights, version=version, atomic=False, pause_mode="in_place", verify=self.verify
+            weights,
+            version=version,
+            atomic=False,
+            pause_mode="in_place",
+            verify=self.verify,
+            allow_nonfinite=not self.checked,
         )
         self.mode = result.mode
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode} verify={self.verify}" + ("" if self.checked else " unchecked")
 
 
 def _reset_peak_rss(pids: list[int]) -> dict[int, int]:
@@ -115,18 +130,18 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
             for path in args.transports
             for verify in ("full", "none")
         ]
+        pushers.append(_Pusher(urls, args.transports[0], "none", args.bucket_bytes, checked=False))
         # The first push of each path makes its slots and mappings: the rank memory it adds
         # is measured there (shared pages count in every rank that touches them).
         peak_extra = {}
         for p in pushers:
             extra = _extra_peak_rss(pids, p, weights)
-            peak_extra[f"{p.mode} verify={p.verify}"] = extra
+            peak_extra[p.name] = extra
         operations = [
-            ("floor: memcpy into preallocated", model_bytes, lambda: floor_buffer.copy_(source))
+            ("floor: memcpy into preallocated", model_bytes, lambda: floor_buffer.copy_(source)),
+            ("non-finite check alone", model_bytes, lambda: refuse_nonfinite(weights)),
         ]
-        operations += [
-            (f"{p.mode} verify={p.verify}", model_bytes, lambda p=p: p(weights)) for p in pushers
-        ]
+        operations += [(p.name, model_bytes, lambda p=p: p(weights)) for p in pushers]
         rows = measure_interleaved(operations, args.repeat)
         for pusher in pushers:
             pusher.publisher.close()

@@ -7,6 +7,7 @@ embedding: the bytes verified, the model served the old head). After an update t
 scores a fixed token sequence and its logprobs must match the trainer's on the same weights.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,10 +56,14 @@ class LogprobProbe:
         )
 
     def gap(self, engine_logprobs: Sequence[float]) -> float:
-        """Largest |engine - trainer| over the scored tokens."""
+        """Largest |engine - trainer| over the scored tokens; `inf` when a logprob on either
+        side is NaN or infinite (a NaN compares False to any tolerance: it must fail)."""
         if len(engine_logprobs) != len(self.logprobs):
             raise ValueError(
                 f"the engine scored {len(engine_logprobs)} tokens, the probe has "
                 f"{len(self.logprobs)}"
             )
-        return max(abs(a - b) for a, b in zip(engine_logprobs, self.logprobs, strict=True))
+        pairs = list(zip(engine_logprobs, self.logprobs, strict=True))
+        if not all(math.isfinite(a) and math.isfinite(b) for a, b in pairs):
+            return math.inf
+        return max(abs(a - b) for a, b in pairs)

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from weightbus.core.delta import version_digests
+from weightbus.core.finite import refuse_nonfinite
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher.delta import (
     DEFAULT_MAX_RATIO,
@@ -279,6 +280,7 @@ class Publisher:
         two_phase: bool | None = None,
         delta: DeltaMode | None = None,
         keep_draft: bool = False,
+        allow_nonfinite: bool = False,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed.
 
@@ -307,6 +309,8 @@ class Publisher:
             keep_draft: `weights` hold no draft model: engines serving one (speculative
                 decoding) keep it. Without it they refuse a push lacking the draft's tensors
                 (`draft.` + its names), so a draft never goes stale by accident.
+            allow_nonfinite: send NaN and infinite values (a diverged step is refused
+                otherwise, before a byte is sent, and engines refuse one in their verify pass).
 
         Returns:
             The committed version, its fingerprint and per-engine results; `gone` names engines
@@ -315,6 +319,8 @@ class Publisher:
         Raises:
             PushError: an engine refused, failed or timed out (each one named with its reason);
                 two-phase: no engine committed.
+            NonFiniteWeightsError: a tensor holds NaN or inf (each named with its counts) and
+                `allow_nonfinite` is off; nothing was sent, no engine paused.
             ValueError: a probe for targets that cannot score one; `two_phase` with an in-place
                 push or targets that cannot stage and commit on a later word.
         """
@@ -330,8 +336,11 @@ class Publisher:
                 probe=probe,
                 two_phase=two_phase,
                 keep_draft=keep_draft,
+                allow_nonfinite=allow_nonfinite,
             )
             tensors = dict(normalize_weights(weights, name_map))
+            if not allow_nonfinite:
+                refuse_nonfinite(tensors.items())
             mode = self.delta if delta is None else check_delta_mode(delta)
             request = PushRequest(tensors, version, step, options, progress)
             return push_version(self._fleet, self._sessions, self._delta, request, mode)

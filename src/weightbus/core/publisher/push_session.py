@@ -15,10 +15,13 @@ is named here: each one's specifics live behind its sink, each engine's behind i
 that brings a newcomer to the fleet's version before it joins.
 """
 
+import contextlib
 import dataclasses
+import gc
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -86,6 +89,7 @@ def push_options(
     probe: LogprobProbe | None = None,
     two_phase: bool | None = None,
     keep_draft: bool = False,
+    allow_nonfinite: bool = False,
 ) -> PushOrder:
     """A push's options (as `Publisher.push` takes them), checked against `fleet`'s members.
 
@@ -111,6 +115,7 @@ def push_options(
         probe=probe,
         two_phase=use_two_phase,
         keep_draft=keep_draft,
+        allow_nonfinite=allow_nonfinite,
     )
 
 
@@ -265,7 +270,10 @@ class PushRun:
     def _stream(self) -> None:
         sink = self._fleet.sink
         try:
-            sink.stream(self.session, self._request.tensors, self._fleet.timeout_s, self._advance)
+            with no_collection():
+                sink.stream(
+                    self.session, self._request.tensors, self._fleet.timeout_s, self._advance
+                )
         except (TimeoutError, OSError, ValueError) as exc:
             self._stream_error = f"transport {sink.name}: {exc}"
         finally:
@@ -313,6 +321,30 @@ class PushRun:
             gone=self._gone,
             sent_bytes=self.session.sent_bytes,
         )
+
+
+_streams_lock = threading.Lock()
+_streams_running = [0, False]  # streams now, and whether the collector was on before the first
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """No automatic garbage collection while a stream runs: the copy threads take the GIL
+    between chunks, so a full collection of a trainer's heap (~0.1 s measured) would stall every
+    one of them. A stream allocates little; the collector is back on once the last concurrent
+    stream (routes stream on several threads) ended, if it was on before."""
+    with _streams_lock:
+        if _streams_running[0] == 0:
+            _streams_running[1] = gc.isenabled()
+            gc.disable()
+        _streams_running[0] += 1
+    try:
+        yield
+    finally:
+        with _streams_lock:
+            _streams_running[0] -= 1
+            if _streams_running[0] == 0 and _streams_running[1]:
+                gc.enable()
 
 
 def push_version(

@@ -6,9 +6,12 @@ from typing import Any
 
 import torch
 
-from weightbus.core.meta import is_draft_name, metas_of
+from weightbus.core.meta import DRAFT_PREFIX, is_draft_name, metas_of
 from weightbus.core.plan import Plan, plan_buckets
 from weightbus.core.transport import PushSession
+
+# (head, embeddings) a checkpoint may tie (Hugging Face `tie_word_embeddings`)
+TIED_HEADS = (("lm_head.weight", "model.embed_tokens.weight"),)
 
 NameMap = Mapping[str, str | None] | Callable[[str], str | None]
 Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -40,11 +43,13 @@ def normalize_weights(weights: Weights, name_map: NameMap | None = None) -> list
         Detached tensors under their final names. A tensor that is the very same memory as an
         earlier one of the same model (tied embeddings in a state dict) is sent once, under its
         first name; a draft model's tensors (`draft.` names) are counted apart from the main
-        model's.
+        model's. A tied LM head is recognised by its values too (`drop_tied_heads`), so a
+        model, its state dict, a deepcopy and a tensor-by-tensor clone push the same tensors.
 
     Raises:
         TypeError: a value is not a tensor.
-        ValueError: two tensors end up with the same name.
+        ValueError: two tensors end up with the same name; a module whose config ties its
+            embeddings holds a head that differs from them.
     """
     if isinstance(weights, torch.nn.Module):
         pairs = weights.state_dict().items()
@@ -69,7 +74,52 @@ def normalize_weights(weights: Weights, name_map: NameMap | None = None) -> list
         seen_memory.add(key)
         result.append((new_name, tensor))
     metas_of(result)  # raises ValueError naming a duplicate name
-    return result
+    return drop_tied_heads(result, declared_tied=_declares_tie(weights))
+
+
+def _declares_tie(weights: Weights) -> bool:
+    config = getattr(weights, "config", None) if isinstance(weights, torch.nn.Module) else None
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def drop_tied_heads(
+    pairs: list[tuple[str, torch.Tensor]], *, declared_tied: bool = False
+) -> list[tuple[str, torch.Tensor]]:
+    """`pairs` without a head that is tied to its embeddings (`TIED_HEADS`): one whose values
+    equal the embeddings' (same dtype, shape and bits), as a clone of a tied model's state dict
+    holds. An engine serving a tied checkpoint expects the embeddings alone (vLLM refuses the
+    head); an untied model's head differs from its embeddings after any training.
+
+    Raises:
+        ValueError: `declared_tied` (the module's config ties them) and a head differs from its
+            embeddings, naming both.
+    """
+    tensors = dict(pairs)
+    dropped = set()
+    for head, embeddings in TIED_HEADS:
+        for prefix in ("", DRAFT_PREFIX):
+            head_tensor = tensors.get(prefix + head)
+            source = tensors.get(prefix + embeddings)
+            if head_tensor is None or source is None:
+                continue
+            if _same_values(head_tensor, source):
+                dropped.add(prefix + head)
+            elif declared_tied:
+                raise ValueError(
+                    f"{prefix + head!r} differs from {prefix + embeddings!r}, but the model's "
+                    "config ties them (tie_word_embeddings): untie the config or the tensors"
+                )
+    return [(name, tensor) for name, tensor in pairs if name not in dropped]
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
+        return False
+    if _memory_key(a) == _memory_key(b):
+        return True
+    if a.is_contiguous() and b.is_contiguous():  # bits: -0.0 and 0.0 differ
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return torch.equal(a, b)
 
 
 class SessionFactory:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightbus.core.digest import fingerprint_of_digests, tensor_digest
+from weightbus.core.finite import describe_nonfinite
 from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.plan import plan_buckets
 from weightbus.core.receiver.delta import DeltaReceive, SliceWriter
@@ -203,6 +204,8 @@ class Receiver:
                     if result.ok and order.verify == "full":
                         tick = time.perf_counter()
                         self._verify(batch, session, result)
+                        if not order.allow_nonfinite and session.delta is None:
+                            self._refuse_nonfinite(batch, session, result)
                         timings["verify_s"] += time.perf_counter() - tick
                     if result.ok and batch.tensors:
                         tick = time.perf_counter()
@@ -255,6 +258,25 @@ class Receiver:
                     "parameters is corrupted",
                     [name],
                 )
+
+    def _refuse_nonfinite(
+        self, batch: ReceivedBatch, session: _Session, result: RankResult
+    ) -> None:
+        """Fail on NaN or inf in what this rank verifies (its share of the whole tensors, as
+        for digests, and the slices written into its parameters). Delta streams carry changes,
+        not values: the Publisher checked their whole tensors."""
+        mine = [
+            (name, tensor)
+            for name, tensor in batch.tensors
+            if session.order[name] % self.tp_size == self.rank
+        ]
+        mine += [(name, region) for name, region in batch.placed if region is not None]
+        found = describe_nonfinite(mine)
+        if found:
+            result.fail(
+                f"non-finite values in {', '.join(found)} (the push did not allow them)",
+                [entry.split(" ", 1)[0] for entry in found],
+            )
 
     def _load(self, batch: ReceivedBatch, session: _Session, result: RankResult) -> None:
         tensors = batch.tensors

@@ -34,6 +34,13 @@ KeepDraft = Annotated[
         "is (an engine with a draft refuses a push without them otherwise)"
     ),
 ]
+AllowNonfinite = Annotated[
+    bool,
+    msgspec.Meta(
+        description="the engine takes NaN and infinite values (else verify `full` refuses a "
+        "tensor holding any, naming it)"
+    ),
+]
 
 
 class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -55,6 +62,8 @@ class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         delta: the stream carries changes to the version the engine serves.
         keep_draft: the push carries no draft model (`draft.` tensors): an engine serving one
             keeps it (else it refuses such a push).
+        allow_nonfinite: the engine takes NaN and infinite values (else its verify pass
+            refuses a tensor holding any, naming it).
     """
 
     version: OrderVersion
@@ -70,6 +79,7 @@ class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     two_phase: bool = False
     delta: DeltaSpec | None = None
     keep_draft: KeepDraft = False
+    allow_nonfinite: AllowNonfinite = False
 
     def engine_fields(self) -> dict[str, Any]:
         """The order as an engine receives it, in JSON/msgpack values: this struct's fields

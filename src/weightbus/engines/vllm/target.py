@@ -228,13 +228,23 @@ class VllmEngineTarget(EngineTarget):
             raise EngineRequestError(f"{exc} (vLLM stays paused until a good push)") from None
 
     def _check_probe(self, probe: LogprobProbe, version: str) -> None:
-        gap = probe.gap(self.score(probe.token_ids))
-        if gap > probe.tolerance:
+        """Fail closed: a gap above the tolerance, a non-finite logprob on either side, or a
+        scoring call that fails each pause vLLM (it stays paused until a good push)."""
+        try:
+            gap = probe.gap(self.score(probe.token_ids))
+        except (EngineRequestError, KeyError, IndexError, TypeError, ValueError) as exc:
+            self._pause("abort", _CONTROL_TIMEOUT_S)
+            raise EngineRequestError(
+                f"logprob probe failed after loading {version!r}: the engine could not score "
+                f"the probe ({exc}) (vLLM stays paused until a good push)"
+            ) from None
+        if not gap <= probe.tolerance:
             self._pause("abort", _CONTROL_TIMEOUT_S)
             raise EngineRequestError(
                 f"logprob probe failed after loading {version!r}: engine and trainer differ by "
-                f"{gap:.3g} > tolerance {probe.tolerance:g}, so the engine does not serve the "
-                "pushed weights (vLLM stays paused until a good push)"
+                f"{gap:.3g} > tolerance {probe.tolerance:g} (inf: a logprob is NaN or "
+                "infinite), so the engine does not serve the pushed weights (vLLM stays paused "
+                "until a good push)"
             )
 
     def score(self, token_ids: tuple[int, ...] | list[int]) -> list[float]:

@@ -163,8 +163,12 @@ class NixlSink(BucketSink):
     ) -> None:
         deadline = time.monotonic() + timeout_s
         ranks = _Ranks(session)
-        while not ranks.complete():
-            self._receive(ranks, deadline, "every engine rank to join")
+        try:
+            ranks.wait_until_complete(lambda what: self._receive(ranks, deadline, what))
+        except TimeoutError as exc:  # the ranks that joined hear of it at once
+            abort = UpdateAbort(session_id=session.session_id, reason=f"publisher failed: {exc}")
+            self._send([identity for identity, _ in ranks.ordered()], abort)
+            raise
         joined = ranks.ordered()
         identities = [identity for identity, _ in joined]
         try:

@@ -106,3 +106,34 @@ class JoiningRanks:
         return len(self.tp_sizes) == self.session.receivers and all(
             joined[group] == size for group, size in self.tp_sizes.items()
         )
+
+    def engine_name(self, group: int) -> str:
+        """The engine of `group` by URL when the publisher named them, else by its index."""
+        engines = self.session.engines
+        return engines[group] if group < len(engines) else f"engine {group}"
+
+    def missing(self) -> str:
+        """The engines that have not joined with every rank, by URL, and how many did."""
+        joined = dict.fromkeys(range(self.session.receivers), 0)
+        for group in self.joined_groups():
+            joined[group] += 1
+        absent = []
+        for group, count in joined.items():
+            size = self.tp_sizes.get(group)
+            if size is None:
+                absent.append(f"{self.engine_name(group)} (no rank joined)")
+            elif count < size:
+                absent.append(f"{self.engine_name(group)} ({count} of {size} ranks joined)")
+        return ", ".join(absent)
+
+    def wait_until_complete(self, receive: Callable[[str], None]) -> None:
+        """`receive(what)` until every rank joined.
+
+        Raises:
+            TimeoutError: naming the engines (URLs) that did not join with every rank.
+        """
+        while not self.complete():
+            try:
+                receive("every engine rank to join")
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}; not joined: {self.missing()}") from None

@@ -56,6 +56,13 @@ class _Receivers(JoiningRanks):
     def joined_groups(self) -> Iterator[int]:
         return (group for group, _ in self.identities.values())
 
+    def holders(self, slot: int) -> str:
+        """The ranks still holding `slot`, by engine URL and rank."""
+        return ", ".join(
+            f"{self.engine_name(group)} rank {rank}"
+            for group, rank in sorted(self.unacked.get(slot, ()))
+        )
+
     def on_message(self, identity: bytes, message: Message) -> None:
         if getattr(message, "session_id", None) != self.session_id:
             return  # a late message of an earlier session
@@ -157,11 +164,11 @@ class ShmSink(BucketSink):
     ) -> None:
         deadline = time.monotonic() + timeout_s
         receivers = _Receivers(session)
-        while not receivers.complete():
-            self._receive(receivers, deadline, "every engine rank to join")
-        targets = self._direct_targets(receivers, session)
-        self._direct_session = targets is not None
         try:
+            # the ranks that joined hear of a failure at once, not at their own timeout
+            receivers.wait_until_complete(lambda what: self._receive(receivers, deadline, what))
+            targets = self._direct_targets(receivers, session)
+            self._direct_session = targets is not None
             if targets is None:
                 self._create_slots()  # before the ranks map them, at their begin
                 self._send_all(receivers, session.begin_message())
@@ -191,7 +198,8 @@ class ShmSink(BucketSink):
         for bucket in session.plan.buckets:
             slot = bucket.index % self.num_slots
             while receivers.unacked.get(slot):
-                self._receive(receivers, deadline, f"receivers to release slot {slot}")
+                holders = receivers.holders(slot)
+                self._receive(receivers, deadline, f"{holders} to release slot {slot}")
             digests = self._writer.pack(self.slots[slot].tensor, bucket, tensors, hashers)
             session.digests.update(digests)
             receivers.unacked[slot] = set(receivers.identities.values())
@@ -199,7 +207,8 @@ class ShmSink(BucketSink):
             session.count_sent(bucket.payload_bytes)  # once, whatever the number of ranks
             progress(bucket.payload_bytes)
         while any(receivers.unacked.values()):
-            self._receive(receivers, deadline, "receivers to release the last slots")
+            holders = ", ".join(receivers.holders(slot) for slot in receivers.unacked)
+            self._receive(receivers, deadline, f"{holders} to release the last slots")
 
     def _direct_targets(
         self, receivers: _Receivers, session: PushSession
