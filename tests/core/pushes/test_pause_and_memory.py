@@ -12,6 +12,9 @@ from weightbus.engines.reference.models.config import tiny_config
 from weightbus.engines.reference.models.loader import random_hf_weights
 
 PROMPT = [5, 6, 7, 8]
+# Long enough that the sequences are still running when the push lands, with a wide margin on a
+# loaded machine (at 120 tokens a loaded CI run lost the race; max_model_len is 1024).
+RUNNING_TOKENS = 400
 
 
 def _tiny_weights(seed: int) -> list:
@@ -47,7 +50,7 @@ def test_in_place_update_continues_sequences_and_reports_version_spans(engine, t
     _push(engine, tmp_path, 0, f"before-{atomic}", force=True)
     after = _tiny_weights(1)  # made, and the publisher opened, before the sequences start
     with Publisher([engine.url], timeout_s=60, transport_options={"root": tmp_path}) as pub:
-        threads, results = _start_completions(engine, count=4, max_tokens=120)
+        threads, results = _start_completions(engine, count=4, max_tokens=RUNNING_TOKENS)
         pub.push(after, version=f"after-{atomic}", pause_mode="in_place", atomic=atomic)
     for thread in threads:
         thread.join(60)
@@ -55,12 +58,12 @@ def test_in_place_update_continues_sequences_and_reports_version_spans(engine, t
     for result in results:
         choice = result["choices"][0]
         assert choice["finish_reason"] == "length"
-        assert len(choice["token_ids"]) == 120
+        assert len(choice["token_ids"]) == RUNNING_TOKENS
         spans = choice["weight_versions"]
         assert [s["version"] for s in spans] == [f"before-{atomic}", f"after-{atomic}"]
         assert spans[0]["start"] == 0
         assert spans[0]["end"] == spans[1]["start"]
-        assert spans[1]["end"] == 120
+        assert spans[1]["end"] == RUNNING_TOKENS
         assert choice["weight_version"] == f"after-{atomic}"
 
 
@@ -68,7 +71,7 @@ def test_abort_mode_ends_running_requests_with_a_reason(engine, tmp_path):
     _push(engine, tmp_path, 0, "abort-before", force=True)
     after = _tiny_weights(2)  # made, and the publisher opened, before the sequences start
     with Publisher([engine.url], timeout_s=60, transport_options={"root": tmp_path}) as pub:
-        threads, results = _start_completions(engine, count=3, max_tokens=120)
+        threads, results = _start_completions(engine, count=3, max_tokens=RUNNING_TOKENS)
         pub.push(after, version="abort-after", pause_mode="abort")
     for thread in threads:
         thread.join(60)
@@ -77,7 +80,7 @@ def test_abort_mode_ends_running_requests_with_a_reason(engine, tmp_path):
         choice = result["choices"][0]
         assert choice["finish_reason"] == "abort"
         assert choice["abort_reason"] == "weights update to 'abort-after' (pause_mode abort)"
-        assert len(choice["token_ids"]) < 120
+        assert len(choice["token_ids"]) < RUNNING_TOKENS
         assert {s["version"] for s in choice["weight_versions"]} == {"abort-before"}
     after = engine.complete(prompt=PROMPT, max_tokens=3, temperature=0.0).json()
     assert after["choices"][0]["weight_version"] == "abort-after"

@@ -154,6 +154,7 @@ class PushSession:
     # filled (by the Publisher) once an engine has answered mid-stream: it will read no more,
     # so a sink waiting on its ranks stops at once instead of at its timeout
     abandon_reasons: list[str] = field(default_factory=list)
+    answered: set[str] = field(default_factory=set)  # the URLs of the engines that answered
     sent: ByteCounter = field(default_factory=ByteCounter, compare=False, repr=False)
 
     def count_sent(self, nbytes: int) -> None:
@@ -165,8 +166,11 @@ class PushSession:
         """Tensor bytes handed to the transport so far in this push."""
         return self.sent.total
 
-    def abandon(self, reason: str) -> None:
-        """Record why the stream cannot complete (any thread)."""
+    def abandon(self, reason: str, url: str | None = None) -> None:
+        """Record why the stream cannot complete (any thread); `url`: the engine that answered
+        (its ranks will not join any more)."""
+        if url is not None:
+            self.answered.add(url)
         self.abandon_reasons.append(reason)
 
     @property
@@ -318,7 +322,7 @@ class BucketSink(ABC):
     def engine_answered(self, session: PushSession, url: str, reason: str) -> None:
         """Engine `url` answered while the session streamed (a refusal, a failure, a commit):
         it reads no more of it. By default the whole stream stops waiting."""
-        session.abandon(reason)
+        session.abandon(reason, url)
 
     @abstractmethod
     def stream(

@@ -164,8 +164,10 @@ class NixlSink(BucketSink):
         deadline = time.monotonic() + timeout_s
         ranks = _Ranks(session)
         try:
-            ranks.wait_until_complete(lambda what: self._receive(ranks, deadline, what))
-        except TimeoutError as exc:  # the ranks that joined hear of it at once
+            ranks.wait_until_complete(
+                lambda what, anyway: self._receive(ranks, deadline, what, anyway)
+            )
+        except (TimeoutError, ValueError) as exc:  # the ranks that joined hear of it at once
             abort = UpdateAbort(session_id=session.session_id, reason=f"publisher failed: {exc}")
             self._send([identity for identity, _ in ranks.ordered()], abort)
             raise
@@ -326,8 +328,10 @@ class NixlSink(BucketSink):
             self._agent.forget(f"{self._key}-send-{index}")
         self._buffers = []
 
-    def _receive(self, ranks: _Ranks, deadline: float, what: str) -> None:
-        receive_one(self._socket, ranks.session, ranks.on_message, deadline, what)
+    def _receive(self, ranks: _Ranks, deadline: float, what: str, anyway: bool = False) -> None:
+        receive_one(
+            self._socket, ranks.session, ranks.on_message, deadline, what, even_if_abandoned=anyway
+        )
 
     def _listen(self, ranks: _Ranks) -> bool:
         """Take every rank message already here (never waits); True when any came."""

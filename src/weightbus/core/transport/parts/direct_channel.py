@@ -26,14 +26,17 @@ def receive_one(
     on_message: Callable[[bytes, Message], None],
     deadline: float,
     what: str,
+    *,
+    even_if_abandoned: bool = False,
 ) -> None:
-    """Publisher side: hand at most one rank message to `on_message(identity, message)`.
+    """Publisher side: hand at most one rank message to `on_message(identity, message)`
+    (`even_if_abandoned`: also once an engine answered, to reach the ranks still joining).
 
     Raises:
         ValueError: the push was abandoned (an engine answered before the stream ended).
         TimeoutError: `deadline` passed (the message says what was awaited).
     """
-    if session.abandoned is not None:
+    if session.abandoned is not None and not even_if_abandoned:
         raise ValueError(f"stopped waiting for {what}: {session.abandoned}")
     if not socket.poll(min(remaining_ms(deadline, what), ABANDON_CHECK_MS)):
         return

@@ -2,6 +2,7 @@
 rank's source (its sockets, acks, `end`, `close`) and the publisher's count of the ranks that
 joined. Written once here so the two transports cannot drift apart in what a session is."""
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -126,14 +127,38 @@ class JoiningRanks:
                 absent.append(f"{self.engine_name(group)} ({count} of {size} ranks joined)")
         return ", ".join(absent)
 
-    def wait_until_complete(self, receive: Callable[[str], None]) -> None:
-        """`receive(what)` until every rank joined.
+    def wait_until_complete(self, receive: Callable[[str, bool], None]) -> None:
+        """`receive(what, even_if_abandoned)` until every rank joined.
+
+        An engine that answered meanwhile (a refusal) joins no more: the stream is abandoned,
+        but first the ranks of the other engines are let in (until the deadline), so that the
+        caller's abort reaches them at once instead of at their own timeout.
 
         Raises:
             TimeoutError: naming the engines (URLs) that did not join with every rank.
+            ValueError: an engine answered before the stream ended (its reason).
         """
-        while not self.complete():
-            try:
-                receive("every engine rank to join")
-            except TimeoutError as exc:
-                raise TimeoutError(f"{exc}; not joined: {self.missing()}") from None
+        try:
+            while not self.complete():
+                receive("every engine rank to join", False)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; not joined: {self.missing()}") from None
+        except ValueError:
+            with contextlib.suppress(TimeoutError):
+                while not self._others_joined():
+                    receive("the other engines' ranks to join", True)
+            raise
+
+    def _others_joined(self) -> bool:
+        """Every engine that did not answer joined with all its ranks (unknown URLs: no wait)."""
+        if not self.session.engines:
+            return True
+        joined = dict.fromkeys(range(self.session.receivers), 0)
+        for group in self.joined_groups():
+            joined[group] += 1
+        waiting = [
+            g for g, url in enumerate(self.session.engines) if url not in self.session.answered
+        ]
+        return all(
+            group in self.tp_sizes and joined[group] == self.tp_sizes[group] for group in waiting
+        )

@@ -166,7 +166,9 @@ class ShmSink(BucketSink):
         receivers = _Receivers(session)
         try:
             # the ranks that joined hear of a failure at once, not at their own timeout
-            receivers.wait_until_complete(lambda what: self._receive(receivers, deadline, what))
+            receivers.wait_until_complete(
+                lambda what, anyway: self._receive(receivers, deadline, what, anyway)
+            )
             targets = self._direct_targets(receivers, session)
             self._direct_session = targets is not None
             if targets is None:
@@ -283,8 +285,17 @@ class ShmSink(BucketSink):
                 self._socket.send_multipart([identity, message.encode()])
             progress(nbytes[bucket_index])
 
-    def _receive(self, receivers: _Receivers, deadline: float, what: str) -> None:
-        receive_one(self._socket, receivers.session, receivers.on_message, deadline, what)
+    def _receive(
+        self, receivers: _Receivers, deadline: float, what: str, anyway: bool = False
+    ) -> None:
+        receive_one(
+            self._socket,
+            receivers.session,
+            receivers.on_message,
+            deadline,
+            what,
+            even_if_abandoned=anyway,
+        )
 
     def _send_all(self, receivers: _Receivers, message: Message) -> None:
         frame = message.encode()
