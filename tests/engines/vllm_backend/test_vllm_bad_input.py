@@ -45,6 +45,14 @@ def _recover(served, seed: int) -> None:
     served.model = model
 
 
+def _assert_paused_by_the_probe(served, weights, probe, message: str, **push) -> None:
+    """The push fails with `message` and vLLM stays paused on the version it loaded."""
+    with _publisher(served) as publisher, pytest.raises(PushError) as raised:
+        publisher.push(weights, probe=probe, **push)
+    assert message in str(raised.value)
+    assert _state(served) == (push["version"], True)
+
+
 def test_a_nan_push_is_refused_before_vllm_pauses(tied_tp1):
     before = _state(tied_tp1)
     assert not before[1]
@@ -57,12 +65,14 @@ def test_a_nan_push_is_refused_before_vllm_pauses(tied_tp1):
 def test_a_probe_vllm_cannot_score_fails_the_push_and_leaves_vllm_paused(tied_tp1):
     weights = _with_nan(tied_tp1.model)  # allowed through: vLLM then cannot score the probe
     probe = LogprobProbe.of_model(tied_tp1.model.float(), PROBE_IDS, PROBE_TOLERANCE)
-    with _publisher(tied_tp1) as publisher, pytest.raises(PushError) as raised:
-        publisher.push(weights, version="nan-allowed", probe=probe, allow_nonfinite=True)
-    assert "logprob probe failed after loading 'nan-allowed': the engine could not score" in str(
-        raised.value
+    _assert_paused_by_the_probe(
+        tied_tp1,
+        weights,
+        probe,
+        "logprob probe failed after loading 'nan-allowed': the engine could not score",
+        version="nan-allowed",
+        allow_nonfinite=True,
     )
-    assert _state(tied_tp1) == ("nan-allowed", True)
     _recover(tied_tp1, seed=71)
 
 
@@ -75,12 +85,13 @@ def test_nan_logprobs_fail_the_probe_and_leave_vllm_paused(tied_tp1):
         logprobs=(*good.logprobs[:-1], math.nan),
         tolerance=PROBE_TOLERANCE,
     )
-    with _publisher(tied_tp1) as publisher, pytest.raises(PushError) as raised:
-        publisher.push(model, version="nan-probe", probe=probe)
-    assert "differ by inf > tolerance 0.001 (inf: a logprob is NaN or infinite)" in str(
-        raised.value
+    _assert_paused_by_the_probe(
+        tied_tp1,
+        model,
+        probe,
+        "differ by inf > tolerance 0.001 (inf: a logprob is NaN or infinite)",
+        version="nan-probe",
     )
-    assert _state(tied_tp1) == ("nan-probe", True)
     _recover(tied_tp1, seed=73)
 
 

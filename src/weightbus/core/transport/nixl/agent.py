@@ -57,6 +57,41 @@ def _ucx_environment(settings: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+# NIXL's progress thread with a delay of 0 (what its Python wrapper hard-codes) polls without
+# blocking: ~20% of a core per agent, forever, in every engine rank and trainer that pushed over
+# nixl (measured on this 2-core machine, where it slowed the whole test suite ~2x). With any
+# delay the thread blocks in poll() until its sockets have work, so transfers are progressed
+# as soon as bytes arrive; idle it costs ~0.5% of a core.
+PROGRESS_THREAD_DELAY_US = 1000
+_CONFIG_SWAP = threading.Lock()
+
+
+def _agent_with_a_waiting_progress_thread(api: Any, name: str, config: Any) -> Any:
+    """`api.nixl_agent(name, config)`, its progress thread given `PROGRESS_THREAD_DELAY_US`
+    (the wrapper sets the C++ config's `pthrDelay` to 0; a NIXL without that field: as is)."""
+    bindings = getattr(api, "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    delay = getattr(base, "pthrDelay", None) if base is not None else None
+    if not isinstance(delay, property):
+        return api.nixl_agent(name, config)
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's field name
+            return delay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            delay.__set__(self, max(value, PROGRESS_THREAD_DELAY_US))
+
+    with _CONFIG_SWAP:  # agents made on other threads meanwhile see NIXL's own class again
+        bindings.nixlAgentConfig = _Config
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bindings.nixlAgentConfig = base
+
+
 # UCX transports unless told otherwise: all but the shared-memory (mm) ones, which open
 # abstract unix sockets any local process can reach. On one host CMA then copies each WRITE
 # once, process to process; across hosts RDMA or TCP carry it as before.
@@ -112,7 +147,7 @@ class Agent:
         config = api.nixl_agent_config(
             backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
-        self._agent = api.nixl_agent(self.name, config)
+        self._agent = _agent_with_a_waiting_progress_thread(api, self.name, config)
         if "UCX" not in self._agent.get_plugin_list():
             raise ValueError("transport nixl: this NIXL build has no UCX backend")
         with _ucx_environment({"UCX_TLS": ucx_tls, "UCX_NET_DEVICES": ucx_devices}):
