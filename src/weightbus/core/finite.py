@@ -35,13 +35,13 @@ def nonfinite_counts(tensor: torch.Tensor) -> tuple[int, int] | None:
     return (nan, inf) if nan or inf else None
 
 
-def describe_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """`"name (N NaN, M inf)"` for each tensor that holds non-finite values, in order."""
-    found = []
+def describe_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """`{name: "name (N NaN, M inf)"}` for each tensor that holds non-finite values, in order."""
+    found = {}
     for name, tensor in named:
         counts = nonfinite_counts(tensor)
         if counts is not None:
-            found.append(f"{name} ({counts[0]} NaN, {counts[1]} inf)")
+            found[name] = f"{name} ({counts[0]} NaN, {counts[1]} inf)"
     return found
 
 
@@ -54,6 +54,7 @@ def refuse_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
     found = describe_nonfinite(named)
     if found:
         raise NonFiniteWeightsError(
-            f"the weights hold non-finite values in {len(found)} tensor(s): {', '.join(found)}; "
+            f"the weights hold non-finite values in {len(found)} tensor(s): "
+            f"{', '.join(found.values())}; "
             "nothing was sent (push with allow_nonfinite=True to send them anyway)"
         )

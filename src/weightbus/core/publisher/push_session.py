@@ -183,6 +183,7 @@ class PushRun:
         self._advance: Progress = no_progress
         self._description: SourceDescription | None = None
         self._futures: dict[str, Future] = {}
+        self._orders_sent_at = time.monotonic()
         self._stream_error: str | None = None
         self._fingerprint = "(stream failed)"
         self._engines: list[EngineResult] = []
@@ -263,6 +264,8 @@ class PushRun:
                 delta=specs.get(target.url),
                 carries_draft=carries_draft,
             )
+        # the engines' bound starts when their order arrives: the stream's, before it
+        self._orders_sent_at = time.monotonic()
         self._futures = self._fleet.update_all(orders)
         for url, future in self._futures.items():
             future.add_done_callback(_abandon_on_answer(sink, session, url))
@@ -270,10 +273,10 @@ class PushRun:
     def _stream(self) -> None:
         sink = self._fleet.sink
         try:
+            # ends before any engine's own wait, so the abort of a failed stream reaches them
+            timeout_s = self._fleet.timeout_s - (time.monotonic() - self._orders_sent_at)
             with no_collection():
-                sink.stream(
-                    self.session, self._request.tensors, self._fleet.timeout_s, self._advance
-                )
+                sink.stream(self.session, self._request.tensors, timeout_s, self._advance)
         except (TimeoutError, OSError, ValueError) as exc:
             self._stream_error = f"transport {sink.name}: {exc}"
         finally:
@@ -323,8 +326,12 @@ class PushRun:
         )
 
 
-_streams_lock = threading.Lock()
-_streams_running = [0, False]  # streams now, and whether the collector was on before the first
+class _Streams:
+    """Streams running now, and whether the collector was on before the first of them."""
+
+    lock = threading.Lock()
+    running = 0
+    collector_was_on = False
 
 
 @contextlib.contextmanager
@@ -333,17 +340,17 @@ def no_collection() -> Iterator[None]:
     between chunks, so a full collection of a trainer's heap (~0.1 s measured) would stall every
     one of them. A stream allocates little; the collector is back on once the last concurrent
     stream (routes stream on several threads) ended, if it was on before."""
-    with _streams_lock:
-        if _streams_running[0] == 0:
-            _streams_running[1] = gc.isenabled()
+    with _Streams.lock:
+        if _Streams.running == 0:
+            _Streams.collector_was_on = gc.isenabled()
             gc.disable()
-        _streams_running[0] += 1
+        _Streams.running += 1
     try:
         yield
     finally:
-        with _streams_lock:
-            _streams_running[0] -= 1
-            if _streams_running[0] == 0 and _streams_running[1]:
+        with _Streams.lock:
+            _Streams.running -= 1
+            if _Streams.running == 0 and _Streams.collector_was_on:
                 gc.enable()
 
 

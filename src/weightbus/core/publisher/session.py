@@ -117,6 +117,12 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if _memory_key(a) == _memory_key(b):
         return True
+    if a.dim() and not _same_bits(a[:1], b[:1]):  # an untied head: no full read per push
+        return False
+    return _same_bits(a, b)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_contiguous() and b.is_contiguous():  # bits: -0.0 and 0.0 differ
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     return torch.equal(a, b)

@@ -274,8 +274,8 @@ class Receiver:
         found = describe_nonfinite(mine)
         if found:
             result.fail(
-                f"non-finite values in {', '.join(found)} (the push did not allow them)",
-                [entry.split(" ", 1)[0] for entry in found],
+                f"non-finite values in {', '.join(found.values())} (the push did not allow them)",
+                list(found),
             )
 
     def _load(self, batch: ReceivedBatch, session: _Session, result: RankResult) -> None:

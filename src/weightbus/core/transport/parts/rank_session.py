@@ -3,6 +3,7 @@ rank's source (its sockets, acks, `end`, `close`) and the publisher's count of t
 joined. Written once here so the two transports cannot drift apart in what a session is."""
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -101,12 +102,14 @@ class JoiningRanks:
 
     def complete(self) -> bool:
         """Whether every engine of the session joined with all of its ranks."""
-        joined = dict.fromkeys(self.tp_sizes, 0)
-        for group in self.joined_groups():
-            joined[group] += 1
+        counts = Counter(self.joined_groups())
         return len(self.tp_sizes) == self.session.receivers and all(
-            joined[group] == size for group, size in self.tp_sizes.items()
+            self._all_ranks_joined(group, counts) for group in self.tp_sizes
         )
+
+    def _all_ranks_joined(self, group: int, counts: Counter) -> bool:
+        size = self.tp_sizes.get(group)
+        return size is not None and counts[group] == size
 
     def engine_name(self, group: int) -> str:
         """The engine of `group` by URL when the publisher named them, else by its index."""
@@ -115,16 +118,14 @@ class JoiningRanks:
 
     def missing(self) -> str:
         """The engines that have not joined with every rank, by URL, and how many did."""
-        joined = dict.fromkeys(range(self.session.receivers), 0)
-        for group in self.joined_groups():
-            joined[group] += 1
+        counts = Counter(self.joined_groups())
         absent = []
-        for group, count in joined.items():
+        for group in range(self.session.receivers):
             size = self.tp_sizes.get(group)
             if size is None:
                 absent.append(f"{self.engine_name(group)} (no rank joined)")
-            elif count < size:
-                absent.append(f"{self.engine_name(group)} ({count} of {size} ranks joined)")
+            elif counts[group] < size:
+                absent.append(f"{self.engine_name(group)} ({counts[group]} of {size} ranks joined)")
         return ", ".join(absent)
 
     def wait_until_complete(self, receive: Callable[[str, bool], None]) -> None:
@@ -151,14 +152,9 @@ class JoiningRanks:
 
     def _others_joined(self) -> bool:
         """Every engine that did not answer joined with all its ranks (unknown URLs: no wait)."""
-        if not self.session.engines:
-            return True
-        joined = dict.fromkeys(range(self.session.receivers), 0)
-        for group in self.joined_groups():
-            joined[group] += 1
-        waiting = [
-            g for g, url in enumerate(self.session.engines) if url not in self.session.answered
-        ]
+        counts = Counter(self.joined_groups())
         return all(
-            group in self.tp_sizes and joined[group] == self.tp_sizes[group] for group in waiting
+            self._all_ranks_joined(group, counts)
+            for group, url in enumerate(self.session.engines)
+            if url not in self.session.answered
         )
