@@ -7,6 +7,9 @@ push's timeout. Then no engine commits: every one serves what it served, token f
 the next push succeeds on the survivors.
 """
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +30,7 @@ from fleet_harness import (
 from update_harness import weights_state
 
 from weightbus import Publisher, PushError
+from weightbus.engines.reference.engine.pending_update import PEER_RESOLUTION_S
 
 # Short, so the SIGSTOP case times out quickly; the tiny model stages in milliseconds.
 TIMEOUT_S = 5.0
@@ -142,6 +146,85 @@ def test_rollback_returns_every_engine_to_the_previous_version(fleet, tmp_path):
         metrics = engine.client.get("/metrics").text
         assert "weightbus_rollbacks_total 1.0" in metrics
         assert "weightbus_rollback_available 0.0" in metrics
+
+
+# A trainer that dies at the commit point of a two-phase push: it commits `commits` engines
+# (0 or 1), says so, and SIGKILLs itself before sending any other commit.
+_DYING_TRAINER = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    from weightbus import Publisher
+    from weightbus.core.publisher import HttpEngineTarget
+    from weightbus.engines.reference.models.loader import random_hf_weights, tiny_config
+
+    urls, commits, version = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
+    lock, sent = threading.Lock(), []
+    commit = HttpEngineTarget.commit
+    def commit_then_die(self, *args):
+        with lock:  # the other commits wait here and die with the process, unsent
+            if len(sent) < commits:
+                commit(self, *args)
+                sent.append(self.url)
+            print("killed", *sent, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    HttpEngineTarget.commit = commit_then_die
+
+    with Publisher(urls, transport="shm", timeout_s=TIMEOUT_S) as publisher:
+        publisher.push(list(random_hf_weights(tiny_config(), 40 + commits)), version=version)
+    """
+).replace("TIMEOUT_S", str(TIMEOUT_S))
+
+
+def _trainer_dies_at_commit(engines: list[ServedEngine], commits: int, version: str) -> list:
+    """Run the dying trainer; the URLs it committed before its SIGKILL."""
+    urls = ",".join(e.url for e in engines)
+    trainer = subprocess.run(
+        [sys.executable, "-c", _DYING_TRAINER, urls, str(commits), version],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert trainer.returncode == -9, trainer
+    killed, *committed = trainer.stdout.split()
+    assert killed == "killed"
+    return committed
+
+
+def _settled(engines: list[ServedEngine], what: str) -> float:
+    """Seconds until no engine holds a staged version any more."""
+    start = time.monotonic()
+    wait_until(lambda: all(weights_state(e)["staged_version"] is None for e in engines), what)
+    return time.monotonic() - start
+
+
+def test_trainer_killed_after_its_first_commit_the_peers_commit_the_rest(fleet):
+    fleet.ensure_alive()
+    engines = list(fleet.engines.values())
+    (committed,) = _trainer_dies_at_commit(engines, commits=1, version="split-guard")
+    waited_s = _settled(engines, "the staged engines settled with their peers")
+    after = {name: serving(engine) for name, engine in fleet.engines.items()}
+    first = next(s for n, s in after.items() if fleet.engines[n].url == committed)
+    assert {(s.version, s.fingerprint) for s in after.values()} == {
+        ("split-guard", first.fingerprint)
+    }
+    assert after["a"].tokens == after["c"].tokens  # the same weights at the same TP size
+    assert waited_s < TIMEOUT_S + PEER_RESOLUTION_S  # the bound docs/fleet.md states
+    for name, engine in fleet.engines.items():
+        if engine.url != committed:
+            assert "as the fleet's peers say" in engine.log_path.read_text(), name
+
+
+def test_trainer_killed_before_any_commit_every_engine_discards(fleet):
+    fleet.ensure_alive()
+    engines = list(fleet.engines.values())
+    before = {name: serving(engine) for name, engine in fleet.engines.items()}
+    aborts = {name: weights_state(e)["two_phase_aborts"] for name, e in fleet.engines.items()}
+    assert _trainer_dies_at_commit(engines, commits=0, version="never-committed") == []
+    _settled(engines, "the staged engines discarded, no peer having committed")
+    for name, engine in fleet.engines.items():
+        assert serving(engine) == before[name], name
+        assert weights_state(engine)["two_phase_aborts"] == aborts[name] + 1, name
 
 
 def test_an_engine_joins_and_one_leaves_while_pushes_go_on(fleet, tmp_path):

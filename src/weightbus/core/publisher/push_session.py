@@ -127,6 +127,7 @@ def engine_order(
     timeout_s: float,
     delta: DeltaSpec | None,
     carries_draft: bool,
+    peers: list[str] | None = None,
 ) -> PushOrder:
     """One engine's order for `session`: every order of a push is made here.
 
@@ -137,6 +138,8 @@ def engine_order(
         timeout_s: bound of the update on the engine.
         delta: the engine's delta spec (None: a whole version).
         carries_draft: the session carries a draft model's tensors.
+        peers: a two-phase push's other engines (asked for the outcome if the trainer goes
+            silent before the engine's decision).
 
     Returns:
         The order the engine's target `update`s with.
@@ -152,6 +155,7 @@ def engine_order(
         timeout_s=timeout_s,
         delta=delta,
         carries_draft=carries_draft,
+        peers=peers or [],
     )
 
 
@@ -255,6 +259,7 @@ class PushRun:
         specs = {} if self._delta is None else self._delta.specs
         carries_draft = any(is_draft_name(meta.name) for meta in session.plan.metas)
         orders = {}
+        urls = self._fleet.urls if options.two_phase else []
         for index, target in enumerate(self._fleet.targets):
             orders[target.url] = engine_order(
                 session,
@@ -263,6 +268,7 @@ class PushRun:
                 timeout_s=self._fleet.timeout_s,
                 delta=specs.get(target.url),
                 carries_draft=carries_draft,
+                peers=[url for url in urls if url != target.url],
             )
         # the engines' bound starts when their order arrives: the stream's, before it
         self._orders_sent_at = time.monotonic()

@@ -42,6 +42,17 @@ AllowNonfinite = Annotated[
     ),
 ]
 
+MAX_PEERS = 1024
+PeerUrl = Annotated[str, msgspec.Meta(max_length=2048, pattern=r"^https?://\S+$")]
+Peers = Annotated[
+    list[PeerUrl],
+    msgspec.Meta(
+        max_length=MAX_PEERS,
+        description="two-phase: the fleet's other engines, asked whether one of them committed "
+        "the version when no decision comes within `timeout_s`",
+    ),
+]
+
 
 class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Receive `version` from the transport session `source`, and how to apply it.
@@ -64,6 +75,9 @@ class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             keeps it (else it refuses such a push).
         allow_nonfinite: the engine takes NaN and infinite values (else its verify pass
             refuses a tensor holding any, naming it).
+        peers: two-phase: the base URLs of the fleet's other engines. An engine that staged
+            and hears no decision within `timeout_s` asks them before it discards: if one
+            committed the version, it commits too (docs/fleet.md).
     """
 
     version: OrderVersion
@@ -80,6 +94,7 @@ class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     delta: DeltaSpec | None = None
     keep_draft: KeepDraft = False
     allow_nonfinite: AllowNonfinite = False
+    peers: Peers = msgspec.field(default_factory=list)
 
     def engine_fields(self) -> dict[str, Any]:
         """The order as an engine receives it, in JSON/msgpack values: this struct's fields

@@ -13,6 +13,7 @@ import pytest
 from weightbus.core.wire import RankVerdict
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.actions import Action
+from weightbus.engines.reference.engine.pending_update import PEER_RESOLUTION_S
 from weightbus.engines.reference.engine.update_control import UpdateController
 
 FINGERPRINTS = {"v0": "00" * 16, "v1": "11" * 16, "v2": "22" * 16}
@@ -28,7 +29,14 @@ def _controller(sent: list, *, wait: bool = False) -> UpdateController:
     )
 
 
-def _update(version: str, *, two_phase: bool = True, timeout_s: float = 60.0, pause="drain"):
+def _update(
+    version: str,
+    *,
+    two_phase: bool = True,
+    timeout_s: float = 60.0,
+    pause="drain",
+    peers: tuple[str, ...] = (),
+):
     return messages.UpdateWeights(
         update_id=f"u-{version}",
         version=version,
@@ -37,6 +45,7 @@ def _update(version: str, *, two_phase: bool = True, timeout_s: float = 60.0, pa
         two_phase=two_phase,
         pause_mode=pause,
         timeout_s=timeout_s,
+        peers=list(peers),
     )
 
 
@@ -266,3 +275,71 @@ def test_waiting_engine_serves_nothing_until_its_first_push():
     assert control.next_action(num_running=0).action == Action.LOAD  # nothing to protect
     control.on_loaded([_verdict("v1")], nbytes=8, phases={})
     assert (control.state().status, control.may_run()) == ("NORMAL", True)
+
+
+PEERS = ("http://peer-b:8000", "http://peer-c:8000")
+
+
+def _ask(control: UpdateController, sent: list, version: str, request_id: str) -> str | None:
+    control.on_ask_outcome(
+        messages.AskOutcome(
+            request_id=request_id, version=version, fingerprint=FINGERPRINTS[version]
+        )
+    )
+    return _results(sent)[request_id].outcome
+
+
+def _later(monkeypatch, seconds: float) -> None:
+    clock = time.perf_counter() + seconds
+    monkeypatch.setattr(
+        "weightbus.engines.reference.engine.update_control.time.perf_counter", lambda: clock
+    )
+
+
+def test_outcome_answers_follow_the_update_and_asking_fences_it():
+    sent: list = []
+    control = _controller(sent)
+    assert _ask(control, sent, "v1", "q0") == "absent"
+    control.on_update(_update("v1", peers=PEERS))
+    control.next_action(num_running=0)
+    assert _ask(control, sent, "v1", "q1") == "receiving"
+    control.on_staged([_verdict("v1")], nbytes=8, phases={})
+    control.next_action(num_running=0)  # answers "staged"
+    assert _ask(control, sent, "v1", "q2") == "staged"
+    _decide(control, "v1", "commit", "late")  # the trainer's commit, after a peer asked
+    late = _results(sent)["late"]
+    assert (late.status_code, late.error) == (
+        409,
+        (
+            "version 'v1' is being resolved with the fleet's peers (no decision came within "
+            "60.0 s): its outcome is theirs now"
+        ),
+    )
+    control.on_decide(
+        messages.Decide(request_id="peers", version="v1", decision="commit", by_peers=True)
+    )
+    assert _ask(control, sent, "v1", "q3") == "committed"  # its commit waits for the pause mode
+    assert control.next_action(num_running=0).action == Action.COMMIT
+    control.on_committed()
+    assert _ask(control, sent, "v1", "q4") == "committed"
+    assert _results(sent)["peers"].status_code == 200
+
+
+def test_no_decision_with_peers_asks_the_server_to_settle_then_discards_alone(monkeypatch):
+    sent: list = []
+    control = _controller(sent)
+    _stage(control, "v1", timeout_s=5.0, peers=PEERS)
+    control.next_action(num_running=0)
+    _later(monkeypatch, 6.0)
+    assert control.next_action(num_running=0).action == Action.NONE  # still staged
+    (settle,) = [m for m in sent if isinstance(m, messages.SettleWithPeers)]
+    assert (settle.version, settle.fingerprint, settle.peers) == (
+        "v1",
+        FINGERPRINTS["v1"],
+        list(PEERS),
+    )
+    _decide(control, "v1", "commit", "late")  # fenced: the trainer's word no longer counts
+    assert _results(sent)["late"].status_code == 409
+    _later(monkeypatch, 6.0 + PEER_RESOLUTION_S + 1.0)  # the server never answered
+    assert control.next_action(num_running=0).action == Action.ABORT
+    assert (control.version, control.state().two_phase_aborts) == ("v0", 1)

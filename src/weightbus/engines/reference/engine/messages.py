@@ -1,7 +1,8 @@
 """Messages between the API server and rank 0, as msgspec structs over msgpack (never pickle).
 
 API server -> rank 0: `AddRequest`, `AbortRequest`, `Shutdown`, `UpdateWeights`, `Control`,
-`TransportSetup`, `Decide` (commit or abort a two-phase update), `Rollback`.
+`TransportSetup`, `Decide` (commit or abort a two-phase update), `Rollback`, `AskOutcome`
+(what became of a two-phase version: the fleet's peers resolving it without the trainer).
 Rank 0 -> API server: `Ready` once, then `StepOutputs` after every step, `RequestError` when a
 request cannot run, `Aborted` when the engine ends requests itself (pause mode `abort`, memory
 release), `UpdateResult` answering `UpdateWeights`, `Decide` and `Rollback`, `ControlResult`
@@ -107,6 +108,25 @@ class Decide(msgspec.Struct, tag="decide", frozen=True, kw_only=True):
     fingerprint: str | None = None
     reason: str = ""
     timeout_s: float = 60.0
+    by_peers: bool = False  # decided by the fleet's peers: passes the fence of `AskOutcome`
+
+
+Outcome = Literal["committed", "staged", "receiving", "absent"]
+
+
+class AskOutcome(msgspec.Struct, tag="ask_outcome", frozen=True, kw_only=True):
+    """What became of the two-phase update of `version` here: answered with an `UpdateResult`
+    (`update_id` = this `request_id`) whose `outcome` is `committed` (served, in the history, or
+    its commit under way), `staged` (waiting for its decision), `receiving` or `absent`.
+
+    Asking fences a staged update: from then on only a `Decide` with `by_peers` commits it (a
+    late commit from the trainer is refused), so the peers' answers stay true while they
+    decide.
+    """
+
+    request_id: str
+    version: str
+    fingerprint: str | None = None
 
 
 class Rollback(msgspec.Struct, tag="rollback", frozen=True, kw_only=True):
@@ -180,6 +200,7 @@ class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=Tru
     names: list[str] = msgspec.field(default_factory=list)
     staged: bool = False
     draft: DraftInfo | None = None  # the draft served once this update commits
+    outcome: Outcome | None = None  # the answer to an `AskOutcome`
 
 
 class ControlResult(msgspec.Struct, tag="control_result", frozen=True, kw_only=True):
@@ -216,6 +237,17 @@ class WeightsState(msgspec.Struct, tag="weights", frozen=True, kw_only=True):
     draft: DraftInfo | None = None  # with speculative decoding: the draft model served
 
 
+class SettleWithPeers(msgspec.Struct, tag="settle_with_peers", frozen=True, kw_only=True):
+    """Rank 0 heard no decision on its staged two-phase `version` within `timeout_s`: the API
+    server asks `peers` what became of it and answers with a `Decide` (`by_peers`) within
+    `PEER_RESOLUTION_S`, else rank 0 discards it."""
+
+    version: str
+    fingerprint: str | None
+    peers: list[str]
+    timeout_s: float
+
+
 class Aborted(msgspec.Struct, tag="aborted", frozen=True):
     """The engine ended these requests itself (finish_reason "abort", with `reason`)."""
 
@@ -232,9 +264,17 @@ ToEngine = (
     | TransportSetup
     | Decide
     | Rollback
+    | AskOutcome
 )
 FromEngine = (
-    Ready | StepOutputs | RequestError | UpdateResult | ControlResult | WeightsState | Aborted
+    Ready
+    | StepOutputs
+    | RequestError
+    | UpdateResult
+    | ControlResult
+    | WeightsState
+    | Aborted
+    | SettleWithPeers
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -4,7 +4,9 @@ A push and a rollback follow one life: accepted, staged (a push receives into th
 memory; a rollback finds it there already), then swapped in at a step boundary the pause mode
 allows. A two-phase one stops after staging: rank 0 answers "staged" and swaps only on the
 caller's commit (`Decide`), or discards on its abort or when the decision does not come within
-the update's `timeout_s`.
+the update's `timeout_s`. A push that names the fleet's `peers` then asks the API server to learn
+the outcome from them (`server/peers.py`) and waits `PEER_RESOLUTION_S` more for its word
+before it discards alone.
 """
 
 import time
@@ -12,6 +14,11 @@ from dataclasses import dataclass, field
 
 from weightbus.core.wire import PauseMode, RankVerdict
 from weightbus.engines.reference.engine import messages
+
+# How long a staged update with peers waits, after its own `timeout_s`, for the API server to
+# learn the outcome from the fleet's peers and decide (the server asks them for less:
+# `server.peers.RESOLUTION_S`).
+PEER_RESOLUTION_S = 20.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -26,6 +33,10 @@ class PendingUpdate:
         prepared_at: when a two-phase update answered "staged".
         commit_id: the request id of the commit order, once it came.
         abort_reason: why the caller aborted it before it was staged.
+        peers: the fleet's other engines (a two-phase push): asked before it discards.
+        fenced: a peer (or this engine's server) asked for its outcome while it waited for
+            the decision: only a decision of the peers commits it from then on.
+        settling_at: when rank 0 asked its server to settle it with the peers.
     """
 
     update_id: str
@@ -45,6 +56,9 @@ class PendingUpdate:
     commit_id: str | None = None
     decided_at: float = 0.0
     abort_reason: str | None = None
+    peers: list[str] = field(default_factory=list)
+    fenced: bool = False
+    settling_at: float | None = None
     nbytes: int = 0
     rank_nbytes: list[int] = field(default_factory=list)  # by rank, from the verdicts
     phases: dict[str, float] = field(default_factory=dict)
@@ -60,6 +74,7 @@ class PendingUpdate:
             atomic=request.atomic,
             two_phase=request.two_phase and request.atomic,
             request=request,
+            peers=list(request.peers) if request.two_phase and request.atomic else [],
         )
 
     @classmethod

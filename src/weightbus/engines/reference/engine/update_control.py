@@ -8,8 +8,9 @@ reports back what happened (`on_staged`, `on_loaded`, `on_committed`, `on_releas
 the controller answers the API server (`UpdateResult`, `ControlResult`, `WeightsState`).
 
 Two-phase updates (`UpdateWeights.two_phase`) and rollbacks follow `pending_update`: staged,
-answered "staged", swapped on the caller's `Decide`. `rollback.RollbackSlot` tracks the version
-the staging memory still holds after a swap.
+answered "staged", swapped on the caller's `Decide` (or on the fleet's peers' word when the
+caller went silent: `peer_outcome`). `rollback.RollbackSlot` tracks the version the staging
+memory still holds after a swap.
 """
 
 import logging
@@ -22,7 +23,13 @@ from weightbus.core.wire.delta import DELTA_BASE_REFUSAL, DeltaSpec
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.actions import Action, StepAction, tags_to_mask
 from weightbus.engines.reference.engine.control_requests import ControlRequests
-from weightbus.engines.reference.engine.pending_update import PendingUpdate, failure, rank_nbytes
+from weightbus.engines.reference.engine.peer_outcome import PeerOutcome
+from weightbus.engines.reference.engine.pending_update import (
+    PEER_RESOLUTION_S,
+    PendingUpdate,
+    failure,
+    rank_nbytes,
+)
 from weightbus.engines.reference.engine.rollback import RollbackSlot
 from weightbus.engines.reference.engine.transport_setup import SetupOrder
 
@@ -39,7 +46,7 @@ _WAITING = (
 )
 
 
-class UpdateController(ControlRequests):
+class UpdateController(ControlRequests, PeerOutcome):
     """Rank 0's view of the weights and of pending update/control requests.
 
     Args:
@@ -264,8 +271,16 @@ class UpdateController(ControlRequests):
         return StepAction()
 
     def _awaiting_action(self, update: PendingUpdate, now: float) -> StepAction:
-        if update.expired(now):
-            return self._discard_two_phase(update, f"no decision within {update.timeout_s} s")
+        if not update.expired(now):
+            return StepAction()
+        silent = f"no decision within {update.timeout_s} s"
+        if update.settling_at is None:
+            if not update.peers:
+                return self._discard_two_phase(update, silent)
+            self.settle_with_peers(update, now)
+        elif now - update.settling_at > PEER_RESOLUTION_S:
+            peers = f", nor from the fleet's peers within {PEER_RESOLUTION_S} s"
+            return self._discard_two_phase(update, silent + peers)
         return StepAction()
 
     def _receiving_action(self, update: PendingUpdate, now: float) -> StepAction:
@@ -317,6 +332,11 @@ class UpdateController(ControlRequests):
                 f"version {update.version!r} is not staged yet"
                 if update.commit_id is None
                 else (f"a commit of version {update.version!r} is already running")
+            )
+        elif update.fenced and not decision.by_peers:
+            error = (
+                f"version {update.version!r} is being resolved with the fleet's peers (no "
+                f"decision came within {update.timeout_s} s): its outcome is theirs now"
             )
         elif decision.fingerprint not in (None, self._staged_fingerprint(update)):
             error = (

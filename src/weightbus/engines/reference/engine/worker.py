@@ -310,6 +310,8 @@ class Worker:
             self.control.on_decide(message)
         elif isinstance(message, messages.Rollback):
             self.control.on_rollback(message)
+        elif isinstance(message, messages.AskOutcome):
+            self.control.on_ask_outcome(message)
         elif isinstance(message, messages.AbortRequest):
             self.scheduler.abort(message.request_id)
         else:

@@ -24,6 +24,7 @@ from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.server.engine_client import EngineClient, EngineDeadError
 from weightbus.engines.reference.server.errors import APIError
 from weightbus.engines.reference.server.metrics import Metrics
+from weightbus.engines.reference.server.peers import add_outcome_route
 from weightbus.engines.reference.server.protocol import (
     AbortWeightsRequest,
     CommitWeightsRequest,
@@ -362,6 +363,7 @@ def admin_router(config: AdminConfig) -> APIRouter:
     """
     router = APIRouter(responses=error_responses(401, 403))  # with a token set
     _add_update_route(router, config)
+    add_outcome_route(router)
     _add_state_routes(router)
     _add_transport_setup_routes(router, config)
     _add_weights_group_routes(router, config)

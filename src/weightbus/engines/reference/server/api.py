@@ -30,6 +30,7 @@ from weightbus.engines.reference.server.completions import run_completion
 from weightbus.engines.reference.server.engine_client import EngineClient
 from weightbus.engines.reference.server.errors import APIError, error_response, validation_detail
 from weightbus.engines.reference.server.metrics import CONTENT_TYPE, Metrics
+from weightbus.engines.reference.server.peers import PeerResolver
 from weightbus.engines.reference.server.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -174,12 +175,15 @@ def create_app(config: AppConfig, hooks: EngineHooks) -> FastAPI:
             app.state.tokenizer = load_tokenizer(config.model, config.bos_token_id)
             app.state.created = int(time.time())
             app.state.served_model_name = config.served_model_name
+            app.state.peers = PeerResolver(client, config.api_token)
             watcher = asyncio.create_task(_watch_engine(client, hooks))
             hooks.on_ready()
             yield
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if hasattr(app.state, "peers"):
+                await app.state.peers.close()
             await client.close()
 
     app = FastAPI(title="weightbus engine", lifespan=lifespan)

@@ -81,6 +81,8 @@ class EngineClient:
         self.ready: messages.Ready | None = None
         self.weights: messages.WeightsState | None = None
         self.failure: str | None = None
+        # called with rank 0's `SettleWithPeers` (the server's `PeerResolver.settle`)
+        self.on_settle: Callable[[messages.SettleWithPeers], None] | None = None
         # speculative decoding: draft tokens proposed and accepted since Ready
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -151,6 +153,8 @@ class EngineClient:
                 _resolve(self._controls, message.request_id, message)
             case messages.WeightsState():
                 self._set_weights(message)
+            case messages.SettleWithPeers() if self.on_settle is not None:
+                self.on_settle(message)
             case _:
                 logger.warning("ignoring %s after Ready", type(message).__name__)
 
@@ -187,12 +191,13 @@ class EngineClient:
 
     async def update(
         self,
-        message: messages.UpdateWeights | messages.Rollback | messages.Decide,
+        message: messages.UpdateWeights | messages.Rollback | messages.Decide | messages.AskOutcome,
         *,
         timeout_s: float,
     ) -> messages.UpdateResult:
-        """Send an update, rollback or two-phase decision to rank 0 and wait for the
-        `UpdateResult` of its id (`update_id`; a `Decide`'s `request_id`).
+        """Send an update, rollback, two-phase decision or outcome question to rank 0 and wait
+        for the `UpdateResult` of its id (`update_id`; a `Decide`'s or `AskOutcome`'s
+        `request_id`).
 
         Args:
             message: the request, with a fresh id.
@@ -205,7 +210,8 @@ class EngineClient:
             EngineDeadError: the engine is gone, or died while the update ran.
             TimeoutError: no answer within `timeout_s`.
         """
-        key = message.request_id if isinstance(message, messages.Decide) else message.update_id
+        by_request = isinstance(message, messages.Decide | messages.AskOutcome)
+        key = message.request_id if by_request else message.update_id
         return await self._call(self._updates, key, message, timeout_s)
 
     async def control(

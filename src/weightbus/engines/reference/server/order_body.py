@@ -35,6 +35,9 @@ def pydantic_type(hint: Any) -> Any:
         return Annotated[(pydantic_type(inner), *fields)] if fields else pydantic_type(inner)
     if origin in (Union, types.UnionType):
         return Union[tuple(pydantic_type(arg) for arg in get_args(hint))]  # noqa: UP007 - built from a tuple
+    if origin is list:
+        (item,) = get_args(hint)
+        return list[pydantic_type(item)]
     if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
         return dict[str, Any]
     return hint
@@ -79,7 +82,10 @@ def order_body_model(
     fields: dict[str, Any] = {}
     validators: dict[str, Any] = {}
     for field in msgspec.structs.fields(struct):
-        default = ... if field.required else field.default
+        if field.default_factory is not msgspec.NODEFAULT:
+            default = Field(default_factory=field.default_factory)
+        else:
+            default = ... if field.required else field.default
         fields[field.name] = (pydantic_type(hints[field.name]), default)
         nested = _struct_fields(hints[field.name])
         if nested is not None:

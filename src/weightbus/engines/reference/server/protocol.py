@@ -306,6 +306,23 @@ class RollbackWeightsRequest(AdminRequest):
     timeout_s: float = _timeout()
 
 
+class OutcomeRequest(AdminRequest):
+    """`POST /v1/weights/outcome` body: what became here of the two-phase `version`."""
+
+    version: str = _version()
+    fingerprint: str | None = Field(None, pattern=_FINGERPRINT_PATTERN)
+
+
+class OutcomeResponse(BaseModel):
+    """`committed` (served or being committed), `staged` (waiting for its decision: now only
+    the fleet's peers decide it), `receiving`, or `absent` (nothing of it here)."""
+
+    version: str
+    outcome: Literal["committed", "staged", "receiving", "absent"] = Field(
+        description="what became of the version on this engine"
+    )
+
+
 class PauseRequest(AdminRequest):
     """`POST /v1/pause_generation` body."""
 
