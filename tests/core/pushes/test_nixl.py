@@ -11,6 +11,7 @@ from update_harness import KiB, engine_greedy, hf_greedy, trained_copy, weights_
 
 from weightbus import Publisher, PushError
 from weightbus.core.transport.nixl.source import NO_MEMORY
+from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX
 from weightbus.engines.reference.models.config import tiny_config
 from weightbus.engines.reference.models.loader import random_hf_weights
 
@@ -160,6 +161,16 @@ def _rss_bytes(pids: list[int]) -> int:
     )
 
 
+def _mapped_arenas(pids: list[int]) -> set[str]:
+    """The parameter arenas the processes still map (deleted files included)."""
+    return {
+        line.split(maxsplit=5)[5]
+        for pid in pids
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+        if ARENA_PREFIX in line
+    }
+
+
 def test_released_weights_memory_is_freed_though_it_was_registered(tmp_path):
     engine = ServedEngine(log_path=tmp_path / "engine.log")
     try:
@@ -171,11 +182,14 @@ def test_released_weights_memory_is_freed_though_it_was_registered(tmp_path):
             pub.push(_weights(1), version="v1")  # registers the staging arena too
             pub.push(_weights(2), version="v2")
             before = _rss_bytes(engine.worker_pids)
+            assert len(_mapped_arenas(engine.worker_pids)) == 2  # live and staging
             released = engine.client.post("/v1/release_memory", json={"tags": ["weights"]})
             assert released.status_code == 200, released.text
-            # the tiny model is ~12 MiB in float32: ~15 MiB come back; with the arenas'
-            # NIXL registrations kept alive, ~2.5 MiB did
-            assert before - _rss_bytes(engine.worker_pids) > 10 * 2**20
+            # both arenas (~12 MiB each, the tiny model in float32) are unmapped: with their
+            # NIXL registrations kept alive ~2.5 MiB came back; with the staging model kept
+            # alive by the last receive's loader, one arena stayed mapped (~15 MiB came back)
+            assert _mapped_arenas(engine.worker_pids) == set()
+            assert before - _rss_bytes(engine.worker_pids) > 20 * 2**20
             resumed = engine.client.post("/v1/resume_memory", json={"tags": ["weights"]})
             assert resumed.status_code == 200, resumed.text
             result = pub.push(_weights(3), version="v3")

@@ -268,8 +268,11 @@ class WeightsManager:
     def release(self, tags: list[str]) -> None:
         """Free the weights (live and staging) and/or the KV cache."""
         if "weights" in tags and not self.weights_released:
-            for param in self.served.parameters():
-                param.data = torch.empty(0, dtype=param.dtype)
+            # both models: the staging one may outlive this manager's reference (the last
+            # receive's loader holds it), and its parameters would keep an arena mapped
+            for model in (self.served, self._staging):
+                for param in () if model is None else model.parameters():
+                    param.data = torch.empty(0, dtype=param.dtype)
             self._staging = None
             self._close_arenas()
             self.weights_released = True
