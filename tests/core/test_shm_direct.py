@@ -15,6 +15,7 @@ import torch
 
 from helpers import all_dtype_tensors, assert_bit_identical, random_tensor, receive_order
 from weightbus.core.digest import tensor_digest
+from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.meta import TensorMeta, metas_of
 from weightbus.core.plan import plan_buckets
 from weightbus.core.plan.shard import ShardCopy
@@ -89,8 +90,9 @@ def _metas(model: LlamaForCausalLM):
     return [TensorMeta(n, dtype, s) for n, s in hf_weight_shapes(model.config).items()]
 
 
-def _push(sink, ranks: list[_Rank], weights: dict, version: str, verify: str = "full"):
-    """Push to rank threads; returns the session and the ranks' results.
+def _push(sink, ranks: list[_Rank], weights: dict, version: str, verify: str = "full", **stream):
+    """Push to rank threads (`stream`: keyword arguments of `sink.stream`); returns the session
+    and the ranks' results.
 
     Raises:
         _StreamFailedError: the sink's stream raised (it carries the ranks' results).
@@ -108,7 +110,7 @@ def _push(sink, ranks: list[_Rank], weights: dict, version: str, verify: str = "
     for thread in threads:
         thread.start()
     try:
-        sink.stream(session, weights, TIMEOUT_S)
+        sink.stream(session, weights, TIMEOUT_S, **stream)
     except ValueError as exc:
         for thread in threads:
             thread.join(TIMEOUT_S)
@@ -214,8 +216,8 @@ def test_a_corrupted_slice_is_caught_by_the_rank(config, monkeypatch):
 def test_a_corrupted_byte_in_a_slot_is_caught_by_the_rank(config, monkeypatch):
     original = DirectWriter.pack
 
-    def corrupting(writer, buffer, bucket, tensors, hashers):
-        digests = original(writer, buffer, bucket, tensors, hashers)
+    def corrupting(writer, buffer, bucket, tensors, hashers, **options):
+        digests = original(writer, buffer, bucket, tensors, hashers, **options)
         if bucket.index == 3:  # after packing and digesting: a byte flips in shared memory
             entry = bucket.entries[0]
             buffer[entry.offset + entry.nbytes - 1] ^= 0x01
@@ -288,6 +290,68 @@ def test_a_failing_publisher_aborts_the_ranks_at_once(config, monkeypatch):
             assert result.touched  # direct mode: the parameters may be half-written
             aborted = "the publisher aborted the session: publisher failed: ValueError"
             assert f"{aborted}: disk on fire" in result.errors[0]
+    finally:
+        sink.close()
+        for rank in ranks:
+            rank.close()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "slots"])
+def test_nonfinite_values_stop_the_copies_and_abort_every_rank(config, direct):
+    weights = dict(random_hf_weights(config, seed=9))
+    last = min(weights, key=lambda name: weights[name].nbytes)
+    weights[last] = weights.pop(last).clone()  # last in the plan, and the last copy to start
+    weights[last].view(-1)[-1] = float("inf")
+    ranks = _ranks(config, [(0, 2)], arena=direct)
+    sink = make_sink("shm")
+    try:
+        with pytest.raises(_StreamFailedError) as failed:
+            _push(sink, ranks, weights, "v9", refuse_nonfinite=True)
+        assert sink.mode == ("shm direct" if direct else "shm slots")
+        refused = failed.value.__cause__
+        assert isinstance(refused, NonFiniteWeightsError)
+        assert str(refused) == f"tensor {last!r} holds NaN or infinite values"
+        for result in failed.value.results:
+            assert not result.ok
+            assert "publisher failed: NonFiniteWeightsError" in result.errors[0]
+        # not asked to refuse them, the sink streams the same weights through
+        session, _ = _push(sink, ranks, weights, "v9-allowed")
+        assert set(session.digests) == set(weights)
+    finally:
+        sink.close()
+        for rank in ranks:
+            rank.close()
+
+
+def test_a_failed_write_stops_every_copy_before_the_ranks_hear_of_it(config, monkeypatch):
+    started, ended, done = [], [], []
+    original = shm_direct._write_tensor
+
+    def slow(full, dests, *options):
+        started.append(full.shape)
+        try:
+            time.sleep(0.01)  # the failure lands while other copies wait to start
+            result = original(full, dests, *options)
+            done.append(full.shape)
+            return result
+        finally:
+            ended.append(full.shape)
+
+    monkeypatch.setattr(shm_direct, "_write_tensor", slow)
+    weights = dict(random_hf_weights(config, seed=10))
+    first = max(weights, key=lambda name: weights[name].nbytes)  # the first copy to start
+    weights[first] = weights[first].clone()
+    weights[first].view(-1)[0] = float("nan")
+    ranks = _ranks(config, [(0, 1)])
+    sink = make_sink("shm")
+    try:
+        with pytest.raises(_StreamFailedError) as failed:
+            _push(sink, ranks, weights, "v10", refuse_nonfinite=True)
+        assert isinstance(failed.value.__cause__, NonFiniteWeightsError)
+        assert len(ended) == len(started)  # no copy was still running when the stream failed
+        time.sleep(0.05)
+        assert len(started) == len(ended) < len(weights)  # and none started since
+        assert len(done) < len(weights) - 1  # the others stopped instead of finishing
     finally:
         sink.close()
         for rank in ranks:

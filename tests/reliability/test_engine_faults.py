@@ -128,8 +128,9 @@ def test_a_frozen_engine_fails_the_fleet_push_naming_it_and_frees_the_healthy_on
             "timed out waiting for every engine rank to join; "
             f"not joined: {frozen.url} (no rank joined)"
         ) in reason
-        # the healthy engine heard of it at once and serves what it served
+        # the healthy engine heard of it at once, is named as aborted, and serves what it served
         assert "publisher failed" in raised.value.failures[engine.url]
+        assert raised.value.aborted == [engine.url]
         state = weights_state(engine)
         assert (state["status"], state["fingerprint"]) == ("NORMAL", healthy_before["fingerprint"])
         # the thawed engine gets the abandoned request, finds no publisher, keeps the old weights

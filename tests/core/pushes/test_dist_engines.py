@@ -1,6 +1,7 @@
 """`dist` into real engines: one gloo weights group, TP 1 and 2, both modes, bit-exact; a push
 one engine refuses, cancelled at once by the hand-shake, the group serving the next push; a data
-link cut mid-push between network namespaces; the group re-initialised without a restart."""
+link cut and an engine SIGKILLed mid-push; the next push re-forms the group by itself, without
+a restart."""
 
 import contextlib
 import secrets
@@ -13,6 +14,7 @@ from datetime import timedelta
 
 import pytest
 from engine_harness import ServedEngine
+from fleet_harness import kill_midway
 from netns_harness import CutLinkAfterFirstBucket, link_up
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 from update_harness import weights_state
@@ -26,6 +28,7 @@ from weightbus.core.transport.distributed.handshake import (
     refuse_stream,
     start_stream,
 )
+from weightbus.core.transport.distributed.messages import WeightsGroupError
 from weightbus.engines.reference.models.config import tiny_config
 from weightbus.engines.reference.models.loader import random_hf_weights
 
@@ -196,6 +199,41 @@ def _start(publisher: WeightsGroup, session_id: str, timeout_s: float = STEP_TIM
 
 
 @pytest.mark.e2e  # the group's store serves on a TCP port
+def test_an_engine_killed_mid_stream_fails_the_push_and_the_group_reforms_without_it(
+    engines, tmp_path
+):
+    survivor = engines["tp1"]
+    victim = ServedEngine("--tp", "1", log_path=tmp_path / "victim.log")
+    try:
+        with Publisher(
+            [survivor.url, victim.url], transport="dist", bucket_bytes=BUCKET_BYTES, timeout_s=5
+        ) as pub:
+            pub.init_weights_group("127.0.0.1", timeout_s=30)
+            base = pub.push(_weights(SEED + 40), version="kill-base")
+            served = _greedy(survivor)
+            started = time.monotonic()
+            with pytest.raises(PushError) as failed:
+                pub.push(_weights(SEED + 41), version="killed", progress=kill_midway(victim, 3))
+            failed_after_s = time.monotonic() - started
+            assert victim.url in failed.value.failures
+            assert failed.value.transport_error.startswith("transport dist: ")
+            state = weights_state(survivor)
+            assert (state["status"], state["fingerprint"]) == ("NORMAL", base.fingerprint)
+            assert _greedy(survivor)["logprobs"] == served["logprobs"]
+            # the next push re-forms the group first: the dead engine is named
+            with pytest.raises(WeightsGroupError) as reform:
+                pub.push(_weights(SEED + 41), version="with-the-dead")
+            assert list(reform.value.failures) == [victim.url]
+            assert str(reform.value).startswith("initialisation of weights group 'weightbus'")
+            pub.remove_engine(victim.url)  # the group re-forms over the survivor
+            result = pub.push(_weights(SEED + 41), version="without-the-dead")
+        assert weights_state(survivor)["fingerprint"] == result.fingerprint
+        # within the push's bound: timeout_s + the HTTP margin (docs/fleet.md)
+        assert failed_after_s < 5 + 10
+    finally:
+        victim.stop()
+
+
 def test_the_handshake_cancels_for_a_refusing_or_missing_rank_and_the_group_goes_on():
     cancelled = "push cancelled before anything was sent: by the publisher: "
     with threads_group(3) as (publisher, first, second), ThreadPoolExecutor(2) as pool:
@@ -359,11 +397,11 @@ def test_link_cut_mid_push_fails_both_sides_keeps_old_weights_then_reinit(namesp
             assert (state["status"], state["version"]) == ("NORMAL", "good")
             assert state["fingerprint"] == good.fingerprint
             assert _greedy(engine)["logprobs"] == served["logprobs"]
-            with pytest.raises(ValueError, match="weights group 'weightbus' is broken"):
-                pub.push(_weights(22), version="on-a-broken-group")
+            assert get_group("weightbus").broken is not None
             link_up(namespaces.data_link)
-            pub.init_weights_group(namespaces.data_host, timeout_s=30)
+            # the next push re-forms the broken group by itself
             result = pub.push(_weights(22), version="after-reinit")
+            assert get_group("weightbus").broken is None
         assert weights_state(engine, token)["fingerprint"] == result.fingerprint
         assert _greedy(engine)["logprobs"] != served["logprobs"]
     finally:

@@ -1,4 +1,5 @@
-"""Live updates through a real engine (TP 2, HF checkpoint) over HTTP with the disk transport."""
+"""Live updates through a real engine (TP 2, HF checkpoint) over HTTP with the disk transport
+(and `shm`, for the NaN/inf check its copies run)."""
 
 import math
 import threading
@@ -11,7 +12,12 @@ from engine_harness import PROMPT, ServedEngine
 from update_harness import KiB, engine_greedy, hf_greedy, trained_copy, weights_state
 
 from weightbus import Publisher, PushError
-from weightbus.core.finite import NonFiniteWeightsError, nonfinite_counts
+from weightbus.core.finite import (
+    NOTHING_SENT,
+    NOTHING_SERVED,
+    NonFiniteWeightsError,
+    nonfinite_counts,
+)
 from weightbus.core.publisher import SessionFactory, normalize_weights
 from weightbus.core.transport import encode_description, make_sink
 from weightbus.core.transport.disk import MANIFEST_NAME
@@ -28,6 +34,12 @@ def publisher(engine: ServedEngine, tmp_path: Path):
     with Publisher(
         [engine.url], bucket_bytes=64 * KiB, timeout_s=30, transport_options={"root": tmp_path}
     ) as pub:
+        yield pub
+
+
+@pytest.fixture
+def shm_publisher(engine: ServedEngine):
+    with Publisher([engine.url], transport="shm", bucket_bytes=64 * KiB, timeout_s=30) as pub:
         yield pub
 
 
@@ -268,7 +280,8 @@ def test_concurrent_push_is_409_and_drain_finishes_running_requests_on_the_old_v
     assert [span["version"] for span in choice["weight_versions"]] == [old_version]
 
 
-# NaN and inf weights: refused before a byte is sent, and by the engine's verify pass
+# NaN and inf weights: refused before a byte is sent (or, atomic over shm, by the copies while
+# the engine stages), and by the engine's verify pass
 BAD_TENSOR = "model.norm.weight"
 
 
@@ -297,6 +310,58 @@ def test_a_nonfinite_push_is_refused_before_a_byte_is_sent(
     assert f"non-finite values in 1 tensor(s): {BAD_TENSOR} ({counts}); nothing was sent" in str(
         raised.value
     )
+    assert _served(engine) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=str)
+def test_an_atomic_shm_push_refuses_nonfinite_values_as_it_copies_and_nothing_is_served(
+    engine, hf_model, shm_publisher, dtype, value
+):
+    _, model = hf_model
+    before = _served(engine)
+    bad = _with_bad_value(model, value, dtype)
+    counts = "1 NaN, 0 inf" if math.isnan(value) else "0 NaN, 1 inf"
+    with pytest.raises(NonFiniteWeightsError) as raised:
+        shm_publisher.push(bad, version=f"bad-shm-{value}-{dtype}")
+    message = f"non-finite values in 1 tensor(s): {BAD_TENSOR} ({counts}); {NOTHING_SERVED}"
+    assert message in str(raised.value)
+    assert _served(engine) == before  # not paused, same version, fingerprint and output
+
+
+def test_a_nan_in_the_last_tensor_copied_leaves_the_engine_unchanged(
+    engine, hf_model, shm_publisher
+):
+    _, model = hf_model
+    before = _served(engine)
+    trained = trained_copy(model, seed=34).state_dict()
+    weights = {name: t.detach().clone() for name, t in trained.items()}
+    last = min(weights, key=lambda name: weights[name].nbytes)
+    weights[last] = weights.pop(last)  # last in the plan, and the last copy to start
+    weights[last].view(-1)[-1] = float("nan")
+    copied = []
+    with pytest.raises(NonFiniteWeightsError) as raised:
+        shm_publisher.push(weights, version="nan-last", progress=copied.append)
+    assert shm_publisher.sink.mode == "shm direct"
+    assert sum(copied) > 0  # the other tensors reached the engine's staging memory first
+    assert f"{last} (1 NaN, 0 inf); {NOTHING_SERVED}" in str(raised.value)
+    assert _served(engine) == before
+
+
+@pytest.mark.parametrize("how", ["in_place", "delta"])
+def test_shm_pushes_that_could_serve_part_of_the_version_are_checked_before_sending(
+    engine, hf_model, shm_publisher, how
+):
+    _, model = hf_model
+    before = _served(engine)
+    bad = _with_bad_value(model, float("nan"), torch.float32)
+    push = {"atomic": False, "pause_mode": "in_place"}
+    if how == "delta":  # a delta streams encoded bits: its copies cannot judge the weights
+        shm_publisher.set_delta_base(model, version=before[1])
+        push = {"delta": "always"}
+    with pytest.raises(NonFiniteWeightsError) as raised:
+        shm_publisher.push(bad, version=f"bad-{how}", **push)
+    assert f"{BAD_TENSOR} (1 NaN, 0 inf); {NOTHING_SENT}" in str(raised.value)
     assert _served(engine) == before
 
 

@@ -3,10 +3,12 @@
 For each size: write a Hugging Face checkpoint of Llama-shaped bf16 weights, start
 `weightbus serve --model DIR --tp N --dtype bfloat16` engine(s), then time on the same weights:
 the floor (one memcpy of the model's bytes into a preallocated buffer, all cores) and a push
-over each transport with verification on and off, the first transport also without the
-non-finite check (`allow_nonfinite=True`), and that check alone. Reports median push seconds,
-GB/s, the ratio to the floor, the speed-up of `shm` over `disk`, and the engines' extra peak
-RSS.
+over each transport with verification on and off, loaded in place. Where the NaN/inf check
+runs is a column: in place, it is the Publisher's pre-pass over every byte (timed alone too).
+An `shm` first transport is also pushed atomically (staged, then swapped), where the check runs
+in the copy pass: verify none and full, and verify none without the check
+(`allow_nonfinite=True`). Reports median push seconds, GB/s, the ratio to the floor, the
+speed-up of `shm` over `disk` (in place), and the engines' extra peak RSS.
 """
 
 import argparse
@@ -47,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the results to this file")
 
 
+# the Publisher's pre-pass over every byte, timed alone
+_CHECK_ALONE = "non-finite check alone"
+
 # --transports names: a transport, or shm forced into one of its modes
 _PATHS = {
     "shm": ("shm", {}),  # direct when every rank offers its parameters
@@ -56,10 +61,22 @@ _PATHS = {
 
 
 class _Pusher:
-    """Pushes one configuration repeatedly, each push a new version."""
+    """Pushes one configuration repeatedly, each push a new version.
+
+    Args:
+        atomic: stage, then swap (the Publisher's default); else load in place.
+        checked: the Publisher's NaN/inf check is on (False: `allow_nonfinite=True`).
+    """
 
     def __init__(
-        self, urls: list[str], path: str, verify: str, bucket_bytes: int, *, checked: bool = True
+        self,
+        urls: list[str],
+        path: str,
+        verify: str,
+        bucket_bytes: int,
+        *,
+        atomic: bool = False,
+        checked: bool = True,
     ) -> None:
         transport, options = _PATHS[path]
         self.publisher = Publisher(
@@ -70,7 +87,8 @@ class _Pusher:
             transport_options=options,
         )
         self.verify = verify
-        self.checked = checked  # the Publisher's non-finite check
+        self.atomic = atomic
+        self.checked = checked
         self.count = 0
         self.mode = transport
 
@@ -80,7 +98,7 @@ class _Pusher:
         result = self.publisher.push(
             weights,
             version=version,
-            atomic=False,
+            atomic=self.atomic,
             pause_mode="in_place",
             verify=self.verify,
             allow_nonfinite=not self.checked,
@@ -89,7 +107,33 @@ class _Pusher:
 
     @property
     def name(self) -> str:
-        return f"{self.mode} verify={self.verify}" + ("" if self.checked else " unchecked")
+        loads = " atomic" if self.atomic else ""
+        return f"{self.mode}{loads} verify={self.verify}" + ("" if self.checked else " unchecked")
+
+    @property
+    def nan_check(self) -> str:
+        """Where the push's NaN/inf check runs: an atomic whole `shm` push checks in its copy
+        pass (`stream_refuses_nonfinite`), every other push before sending."""
+        if not self.checked:
+            return "off"
+        return "in copy" if self.atomic and self.mode.startswith("shm") else "pre-pass"
+
+
+def _pushers(urls: list[str], args: argparse.Namespace) -> list[_Pusher]:
+    """In place: each transport, verify full and none. Atomic, for an `shm` first transport:
+    verify full and none with the check in the copy, and verify none unchecked."""
+    pushers = [
+        _Pusher(urls, path, verify, args.bucket_bytes)
+        for path in args.transports
+        for verify in ("full", "none")
+    ]
+    first = args.transports[0]
+    if _PATHS[first][0] == "shm":
+        pushers += [
+            _Pusher(urls, first, verify, args.bucket_bytes, atomic=True, checked=checked)
+            for verify, checked in (("full", True), ("none", True), ("none", False))
+        ]
+    return pushers
 
 
 def _reset_peak_rss(pids: list[int]) -> dict[int, int]:
@@ -125,49 +169,53 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
         source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
         floor_buffer = torch.empty(model_bytes, dtype=torch.uint8)
         urls = [url for _, url in engines]
-        pushers = [
-            _Pusher(urls, path, verify, args.bucket_bytes)
-            for path in args.transports
-            for verify in ("full", "none")
-        ]
-        pushers.append(_Pusher(urls, args.transports[0], "none", args.bucket_bytes, checked=False))
+        pushers = _pushers(urls, args)
         # The first push of each path makes its slots and mappings: the rank memory it adds
-        # is measured there (shared pages count in every rank that touches them).
+        # is measured there (shared pages count in every rank that touches them). The first
+        # atomic push also allocates the engines' staging copy.
         peak_extra = {}
         for p in pushers:
             extra = _extra_peak_rss(pids, p, weights)
             peak_extra[p.name] = extra
         operations = [
             ("floor: memcpy into preallocated", model_bytes, lambda: floor_buffer.copy_(source)),
-            ("non-finite check alone", model_bytes, lambda: refuse_nonfinite(weights)),
+            (_CHECK_ALONE, model_bytes, lambda: refuse_nonfinite(weights)),
         ]
         operations += [(p.name, model_bytes, lambda p=p: p(weights)) for p in pushers]
         rows = measure_interleaved(operations, args.repeat)
+        nan_check = {p.name: p.nan_check for p in pushers}
         for pusher in pushers:
             pusher.publisher.close()
     finally:
         for proc, _ in engines:
             stop_engine(proc)
-    return {"size": model_bytes, "engines": num_engines, "rows": rows, "peak_extra_rss": peak_extra}
+    return {
+        "size": model_bytes,
+        "engines": num_engines,
+        "rows": rows,
+        "peak_extra_rss": peak_extra,
+        "nan_check": nan_check,
+    }
 
 
 def _print(result: dict, args: argparse.Namespace) -> None:
     rows: list[Measurement] = result["rows"]
     floor = rows[0]
+    # in-place disk rows, by their verify level: the baseline of the other in-place rows
     disk = {m.name.rsplit(" ", 1)[-1]: m for m in rows if m.name.startswith("disk")}
     print(
         f"\n{format_bytes(result['size'])} Llama-shaped bf16, {result['engines']} engine(s) of "
-        f"TP {args.tp}, median of {args.repeat}, in-place loads"
+        f"TP {args.tp}, median of {args.repeat}, in-place loads unless atomic"
     )
     table = []
     for m in rows:
-        verify = m.name.rsplit(" ", 1)[-1]
-        baseline = disk.get(verify)
+        baseline = None if " atomic " in m.name else disk.get(m.name.rsplit(" ", 1)[-1])
         vs_disk = f"{baseline.median_s / m.median_s:.1f}x" if baseline and baseline is not m else ""
         rss = result["peak_extra_rss"].get(m.name)
         table.append(
             [
                 m.name,
+                result["nan_check"].get(m.name, "alone" if m.name == _CHECK_ALONE else ""),
                 f"{m.median_s:.3f}",
                 f"{m.gb_per_s:.2f}",
                 f"{m.median_s / floor.median_s:.2f}",
@@ -175,7 +223,15 @@ def _print(result: dict, args: argparse.Namespace) -> None:
                 "" if rss is None else format_bytes(rss),
             ]
         )
-    headers = ["path", "median s", "GB/s", "x floor", "vs disk", "rank extra peak RSS"]
+    headers = [
+        "path",
+        "NaN check",
+        "median s",
+        "GB/s",
+        "x floor",
+        "vs disk",
+        "rank extra peak RSS",
+    ]
     print_table(headers, table)
 
 

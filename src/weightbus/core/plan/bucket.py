@@ -6,6 +6,8 @@ for vectorised copies.
 
 `pack_entry` is the one pack routine of every sink (a bucket, an `shm` slot, a `nixl` send
 buffer): it lives here, below the transports, so the plan's own `pack_entries` uses it too.
+`pack_rows`, its copy loop, can also refuse NaN/inf chunk by chunk (`weightbus.core.finite`),
+reading each chunk while it is still in cache instead of in a separate pass.
 """
 
 from collections import Counter
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from weightbus.core.finite import refuse_nonfinite_chunk
 from weightbus.core.meta import TensorMeta, dtype_from_name, dtype_name
 
 ALIGN_BYTES = 256
@@ -29,6 +32,8 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # the hasher of what it copies (or None).
 RowViews = Callable[[int, int], "tuple[torch.Tensor | None, torch.Tensor] | None"]
 RowPart = tuple[RowViews, Any]
+# Called by `pack_rows` with each chunk's rows [low, high) once they are copied; raising stops it.
+RowCheck = Callable[[int, int], None]
 
 
 def align_up(nbytes: int, align_bytes: int = ALIGN_BYTES) -> int:
@@ -158,26 +163,54 @@ def row_major_bytes(tensor: torch.Tensor) -> np.ndarray:
     return byte_view(tensor if tensor.is_contiguous() else tensor.contiguous()).numpy()
 
 
-def pack_rows(first_row: int, end_row: int, row_bytes: int, parts: Sequence[RowPart]) -> None:
+def pack_rows(
+    first_row: int,
+    end_row: int,
+    row_bytes: int,
+    parts: Sequence[RowPart],
+    check_rows: RowCheck | None = None,
+) -> None:
     """Copy and digest rows `[first_row, end_row)` for every part, `CHUNK_BYTES` of rows at a
     time, so each digest reads the rows its copy just wrote while they are still in cache.
 
     A part is `(views, hasher)`: `views(low, high)` gives `(destination, source)` for rows
     `[low, high)` (None: the part has none of them; destination None: digest `source` only);
     `hasher` (anything with `update(bytes)`, or None) digests the destination's bytes.
+    `check_rows(low, high)`, when given, runs after each chunk's parts, while its rows are still
+    in cache (the NaN/inf check: measured cheaper there than before the copy); what it raises
+    stops the loop.
     """
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
     for low in range(first_row, end_row, rows_per_chunk):
         high = min(low + rows_per_chunk, end_row)
-        for views, hasher in parts:
-            pair = views(low, high)
-            if pair is None:
-                continue
-            destination, source = pair
-            if destination is not None:
-                copy_elements(destination, source)
-            if hasher is not None:
-                hasher.update(row_major_bytes(source if destination is None else destination))
+        _pack_chunk(low, high, parts)
+        if check_rows is not None:
+            check_rows(low, high)
+
+
+def _pack_chunk(low: int, high: int, parts: Sequence[RowPart]) -> None:
+    """Copy and digest rows `[low, high)` for every part (one chunk of `pack_rows`)."""
+    for views, hasher in parts:
+        pair = views(low, high)
+        if pair is None:
+            continue
+        destination, source = pair
+        if destination is not None:
+            copy_elements(destination, source)
+        if hasher is not None:
+            hasher.update(row_major_bytes(source if destination is None else destination))
+
+
+def nonfinite_row_check(name: str, rows: torch.Tensor) -> RowCheck | None:
+    """A `pack_rows` check that refuses NaN/inf in `rows[low:high]` of tensor `name` (None for
+    a tensor that holds no floating values, so cannot hold any).
+
+    Raises (when called):
+        NonFiniteWeightsError: those rows hold NaN or inf.
+    """
+    if not rows.is_floating_point():
+        return None
+    return lambda low, high: refuse_nonfinite_chunk(name, rows[low:high] if rows.dim() else rows)
 
 
 def digest_part(full: torch.Tensor, hasher: Any) -> RowPart:
@@ -204,6 +237,7 @@ def pack_entry(
     hasher: Any = None,
     *,
     pooled: bool = True,
+    refuse_nonfinite: bool = False,
 ) -> None:
     """Copy `entry`'s bytes of `tensor` into `destination` (its `entry.nbytes` bytes of a
     buffer), digesting them into `hasher` (when given) chunk by chunk as they land.
@@ -211,10 +245,12 @@ def pack_entry(
     The one pack routine of every sink. `pooled` (the caller packs many entries at once on its
     own pool): CPU copies are single-threaded and GIL-free (`copy_elements`). Not pooled, a copy
     with nothing to digest is one `copy_` on torch's threads (every core, memcpy speed). Other
-    devices get one `copy_` (digested afterwards).
+    devices get one `copy_` (digested afterwards). With `refuse_nonfinite`, each chunk is
+    checked for NaN/inf once copied (the copy stops at the first bad one).
 
     Raises:
         ValueError: the tensor's dtype/shape differ from its entry.
+        NonFiniteWeightsError: `refuse_nonfinite` and the entry holds NaN or inf.
     """
     check_entry_tensor(entry, tensor)
     if entry.nbytes == 0:
@@ -225,10 +261,13 @@ def pack_entry(
         typed.copy_(source)  # copy_ into the typed view packs non-contiguous sources in place
         if hasher is not None:
             hasher.update(row_major_bytes(typed))
+        if refuse_nonfinite:
+            refuse_nonfinite_chunk(entry.name, typed)
         return
     row_bytes = typed[0].nbytes if len(typed) else 1
     part = (lambda low, high: (typed[low:high], source[low:high]), hasher)
-    pack_rows(0, len(typed), row_bytes, [part])
+    check = nonfinite_row_check(entry.name, source) if refuse_nonfinite else None
+    pack_rows(0, len(typed), row_bytes, [part], check)
 
 
 def pack_entries(

@@ -23,7 +23,7 @@ The caller runs pushes, rollbacks and membership changes one at a time (the Publ
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -160,6 +160,20 @@ class Fleet:
         assert self._setup_options is not None
         return self.sink.setup(self.targets, **self._setup_options)
 
+    def repair_setup(self) -> None:
+        """Re-do the transport's set-up when a failed push left it broken (a `dist` group
+        whose members stopped mid-stream), so the next push needs no call from the user.
+
+        Raises:
+            WeightsGroupError: the set-up could not re-form (each member named with its
+                reason: a dead engine is removed with `remove_engine`).
+        """
+        broken = None if self._setup_options is None else self.sink.setup_broken()
+        if broken is None:
+            return
+        logger.warning("re-forming the %s set-up before the push (%s)", self.transport, broken)
+        self._redo_setup()
+
     def _redo_setup_or_log(self) -> None:
         """`_redo_setup` where its failure must not hide the outcome being reported."""
         if self._setup_options is None:
@@ -232,12 +246,17 @@ class Fleet:
         two_phase: bool,
         stream_error: str | None = None,
         action: str | None = None,
+        at_fault: Set[str] = frozenset(),
     ) -> list[EngineResult]:
         """Every engine's result (two-phase: staged), in the order of `futures`.
 
+        `at_fault`: the engines the stream failed because of (the session's `at_fault`); the
+        others that failed were waiting for them and were aborted.
+
         Raises:
             PushError: naming each failure (every engine, with `stream_error`, when the stream
-                failed and no engine did), once the engines that staged were told to discard.
+                failed and no engine did), once the engines that staged were told to discard;
+                `aborted` names those and the engines that waited for one at fault.
         """
         settled = settle(
             self._pool, self.targets, futures, version=version, check=check, two_phase=two_phase
@@ -246,9 +265,9 @@ class Fleet:
         if stream_error and not failures:
             failures = dict.fromkeys(futures, stream_error)
         if failures:
-            aborted = []
-            if two_phase:
-                aborted = abort_staged(self._pool, self.targets, settled, version)
+            staged = abort_staged(self._pool, self.targets, settled, version) if two_phase else []
+            waited = [url for url in failures if at_fault and url not in at_fault]
+            aborted = [url for url in futures if url in staged or url in waited]
             raise PushError(version, failures, stream_error, aborted=aborted, action=action)
         return [settled.results[url] for url in futures]
 

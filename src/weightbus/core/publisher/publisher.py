@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from weightbus.core.delta import version_digests
-from weightbus.core.finite import refuse_nonfinite
+from weightbus.core.finite import NOTHING_SERVED, NonFiniteWeightsError, refuse_nonfinite
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher.delta import (
     DEFAULT_MAX_RATIO,
@@ -33,6 +33,7 @@ from weightbus.core.publisher.push_session import (
     catch_up,
     push_options,
     push_version,
+    stream_refuses_nonfinite,
 )
 from weightbus.core.publisher.results import FleetVersion, PushResult
 from weightbus.core.publisher.session import NameMap, SessionFactory, Weights, normalize_weights
@@ -41,6 +42,7 @@ from weightbus.core.publisher.targets import (
     EngineTarget,
     EngineWeights,
     HttpEngineTarget,
+    PushOrder,
 )
 from weightbus.core.transport import BucketSink, WeightsGroupInfo
 from weightbus.core.transport.base import Progress
@@ -310,7 +312,12 @@ class Publisher:
                 decoding) keep it. Without it they refuse a push lacking the draft's tensors
                 (`draft.` + its names), so a draft never goes stale by accident.
             allow_nonfinite: send NaN and infinite values (a diverged step is refused
-                otherwise, before a byte is sent, and engines refuse one in their verify pass).
+                otherwise, and engines refuse one in their verify pass). The check reads
+                every byte before any is sent; an atomic whole-version push over `shm` into
+                engines that stage while serving (the reference engine; not vLLM) checks in
+                its copy pass instead (cheaper: the bytes it reads are in cache), so engines
+                may have staged part of it when it is refused (and discarded it; the version
+                their staging memory held for `rollback` is gone then).
 
         Returns:
             The committed version, its fingerprint and per-engine results; `gone` names engines
@@ -320,7 +327,8 @@ class Publisher:
             PushError: an engine refused, failed or timed out (each one named with its reason);
                 two-phase: no engine committed.
             NonFiniteWeightsError: a tensor holds NaN or inf (each named with its counts) and
-                `allow_nonfinite` is off; nothing was sent, no engine paused.
+                `allow_nonfinite` is off; no engine serves any of it: nothing was sent, or
+                (checked in the copy pass) every engine discarded what it had staged.
             ValueError: a probe for targets that cannot score one; `two_phase` with an in-place
                 push or targets that cannot stage and commit on a later word.
         """
@@ -339,11 +347,25 @@ class Publisher:
                 allow_nonfinite=allow_nonfinite,
             )
             tensors = dict(normalize_weights(weights, name_map))
-            if not allow_nonfinite:
-                refuse_nonfinite(tensors.items())
             mode = self.delta if delta is None else check_delta_mode(delta)
+            in_stream = self._checks_nonfinite_in_stream(options, mode)
+            if not allow_nonfinite and not in_stream:
+                refuse_nonfinite(tensors.items())
             request = PushRequest(tensors, version, step, options, progress)
-            return push_version(self._fleet, self._sessions, self._delta, request, mode)
+            try:
+                return push_version(self._fleet, self._sessions, self._delta, request, mode)
+            except NonFiniteWeightsError:
+                # the stream named the first bad tensor it met: name them all, with counts
+                refuse_nonfinite(tensors.items(), NOTHING_SERVED)
+                raise
+
+    def _checks_nonfinite_in_stream(self, options: PushOrder, mode: DeltaMode) -> bool:
+        """Whether this push's NaN/inf check runs in the sink's copy pass, so the pre-pass over
+        every byte is skipped (`stream_refuses_nonfinite`). Only for a push that cannot go as a
+        delta (deltas off, or no base yet): a delta streams encoded bits, not weights, and
+        whether one goes is known only once engines are asked."""
+        may_go_as_delta = mode != "never" and self._delta.base is not None
+        return stream_refuses_nonfinite(self._fleet, options, delta=may_go_as_delta)
 
     def rollback(
         self, *, pause_mode: PauseMode = "drain", timeout_s: float | None = None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.meta import is_draft_name
 from weightbus.core.publisher.delta import (
     DeltaMode,
@@ -217,6 +218,8 @@ class PushRun:
                 step()
                 if phase is not None:
                     self._phases[phase] = time.perf_counter() - tick
+        except NonFiniteWeightsError as refused:
+            self._answer_refused_stream(refused)
         finally:
             self._close_progress()
         return self._result(time.perf_counter() - start)
@@ -277,16 +280,41 @@ class PushRun:
             future.add_done_callback(_abandon_on_answer(sink, session, url))
 
     def _stream(self) -> None:
+        """Stream the session; a failure is the stream error every engine is answered with.
+
+        Raises:
+            NonFiniteWeightsError: the sink refused NaN/inf as it copied (`run` answers every
+                engine first, then raises it).
+        """
         sink = self._fleet.sink
+        # a whole version pushed atomically: the sink's copies refuse NaN/inf where they can
+        options = self._request.options
+        fused = stream_refuses_nonfinite(self._fleet, options, delta=self._delta is not None)
+        refuse = {"refuse_nonfinite": True} if fused else {}
         try:
             # ends before any engine's own wait, so the abort of a failed stream reaches them
             timeout_s = self._fleet.timeout_s - (time.monotonic() - self._orders_sent_at)
             with no_collection():
-                sink.stream(self.session, self._request.tensors, timeout_s, self._advance)
+                sink.stream(self.session, self._request.tensors, timeout_s, self._advance, **refuse)
         except (TimeoutError, OSError, ValueError) as exc:
             self._stream_error = f"transport {sink.name}: {exc}"
+            if isinstance(exc, NonFiniteWeightsError):
+                raise
         finally:
             self._close_progress()
+
+    def _answer_refused_stream(self, refused: NonFiniteWeightsError) -> None:
+        """The sink refused NaN/inf mid-stream (its ranks were aborted): every engine is
+        answered (what staged is discarded), then the refusal is raised, not a `PushError`.
+
+        Raises:
+            NonFiniteWeightsError: always (`refused`).
+        """
+        try:
+            self._collect()
+        except PushError as failed:
+            raise refused from failed
+        raise refused
 
     def _collect(self) -> None:
         """Every engine committed (two-phase: staged) the pushed fingerprint."""
@@ -300,6 +328,7 @@ class PushRun:
             check=self._fleet.fingerprint_check(self._fingerprint),
             two_phase=self._request.options.two_phase,
             stream_error=self._stream_error,
+            at_fault=self.session.at_fault,
         )
 
     def _commit(self) -> None:
@@ -330,6 +359,23 @@ class PushRun:
             gone=self._gone,
             sent_bytes=self.session.sent_bytes,
         )
+
+
+def stream_refuses_nonfinite(fleet: Fleet, options: PushOrder, *, delta: bool) -> bool:
+    """Whether a push's NaN/inf check runs in the sink's copies instead of a pre-pass over every
+    byte (`refuse_nonfinite`): the sink checks as it copies (`refuses_nonfinite_in_stream`:
+    `shm`), the push refuses non-finite values, and a failed stream serves nothing of them and
+    disturbs no engine: it is atomic into engines that stage while they serve (bytes land in
+    staging memory they discard on an abort; in place they would land in the live weights, and
+    vLLM pauses to receive) and a whole version (a delta streams XOR-encoded bits, which no
+    check of its bytes can judge)."""
+    return (
+        bool(getattr(fleet.sink, "refuses_nonfinite_in_stream", False))
+        and all(target.stages_while_serving for target in fleet.targets)
+        and options.atomic
+        and not options.allow_nonfinite
+        and not delta
+    )
 
 
 class _Streams:
@@ -376,7 +422,10 @@ def push_version(
 
     Raises:
         PushError: the push failed (a delta's base refusal is followed by a whole push).
+        WeightsGroupError: a `dist` group a failed push left broken could not re-form (each
+            member named).
     """
+    fleet.repair_setup()
     tick = time.perf_counter()
     plan = deltas.plan(mode, request.tensors, fleet.targets, fleet.sink, _DELTA_CHECK_TIMEOUT_S)
     delta_s = time.perf_counter() - tick
@@ -487,6 +536,8 @@ def _abandon_on_answer(
             future.result()
         except EngineRequestError as exc:
             reason = str(exc)
+            if not (session.at_fault or session.abandon_reasons):  # the first cause, no echo
+                session.at_fault.add(url)
         else:
             reason = "it committed"
         sink.engine_answered(

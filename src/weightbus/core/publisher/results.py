@@ -13,8 +13,9 @@ class PushError(RuntimeError):
     Attributes:
         failures: engine URL -> reason.
         transport_error: why the publisher's side of the transport failed, if it did.
-        aborted: engines that had staged the version and were told to discard it (two-phase:
-            no engine commits unless all can).
+        aborted: engines told to discard the version because of another: those that had
+            staged it (two-phase: no engine commits unless all can), and those whose ranks
+            waited in the session for an engine that did not join or answered early.
     """
 
     def __init__(
@@ -34,7 +35,7 @@ class PushError(RuntimeError):
         if transport_error:
             details += f"; publisher: {transport_error}"
         if self.aborted:
-            details += f"; discarded where it was staged: {', '.join(self.aborted)}"
+            details += f"; aborted because of the others: {', '.join(self.aborted)}"
         action = action or f"push of version {version!r}"
         super().__init__(f"{action} failed on {len(failures)} engine(s): {details}")
 

@@ -165,6 +165,10 @@ class RoutedSink(BucketSink):
         for child in self.children.values():
             child.teardown(timeout_s)
 
+    def setup_broken(self) -> str | None:
+        reasons = (child.setup_broken() for child in self.children.values())
+        return next((reason for reason in reasons if reason is not None), None)
+
     def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:
         self.children[self._transport_of(engine.url)].teardown_engine(engine, timeout_s)
 

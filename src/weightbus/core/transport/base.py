@@ -155,6 +155,9 @@ class PushSession:
     # so a sink waiting on its ranks stops at once instead of at its timeout
     abandon_reasons: list[str] = field(default_factory=list)
     answered: set[str] = field(default_factory=set)  # the URLs of the engines that answered
+    # engines the stream failed because of (answered mid-stream, or did not join in time): the
+    # others were waiting, and were told to abort
+    at_fault: set[str] = field(default_factory=set)
     sent: ByteCounter = field(default_factory=ByteCounter, compare=False, repr=False)
 
     def count_sent(self, nbytes: int) -> None:
@@ -279,6 +282,11 @@ class BucketSink(ABC):
 
     def teardown(self, timeout_s: float) -> None:  # noqa: B027 (optional: most need none)
         """Undo `setup` on the engines and here (a no-op when there was none)."""
+
+    def setup_broken(self) -> str | None:
+        """Why the set-up must be done again before the next push (a `dist` group a failed
+        push left broken), or None: it need not (or there is none)."""
+        return None
 
     def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:  # noqa: B027
         """Undo `setup` on one engine that leaves (a no-op when there is no set-up).

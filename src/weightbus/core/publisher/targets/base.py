@@ -100,12 +100,17 @@ class EngineTarget(ABC):
         scores_probes: `update` checks an order's `probe` (`LogprobProbe`).
         supports_two_phase: `update` honours `order.two_phase`, and `commit`, `abort` and
             `rollback` work.
+        stages_while_serving: an atomic update receives into staging memory while the engine
+            serves on, untouched until the swap; a stream that fails midway then changes
+            nothing there (the Publisher may check NaN/inf in the stream's copies instead of
+            before it). False (vLLM): the engine pauses to receive.
     """
 
     url: str
     reports_fingerprint: bool = True
     scores_probes: bool = False
     supports_two_phase: bool = False
+    stages_while_serving: bool = False
 
     @abstractmethod
     def update(self, order: PushOrder) -> EngineResult:

@@ -41,6 +41,7 @@ from weightbus.core.transport.distributed.group import (
     WeightsGroup,
     broadcast_message,
     get_group,
+    group_names,
     op_timeout,
     wait,
 )
@@ -194,6 +195,11 @@ class DistSink(BucketSink):
         """
         members, self._members = self._members, ()
         leave_group(members, name=self.group_name, timeout_s=timeout_s)
+
+    def setup_broken(self) -> str | None:
+        if not self._members or self.group_name not in group_names():
+            return None
+        return get_group(self.group_name).broken
 
     def _group(self) -> WeightsGroup:
         group = get_group(self.group_name)

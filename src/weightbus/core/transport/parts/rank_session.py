@@ -117,15 +117,18 @@ class JoiningRanks:
         return engines[group] if group < len(engines) else f"engine {group}"
 
     def missing(self) -> str:
-        """The engines that have not joined with every rank, by URL, and how many did."""
+        """The engines that have not joined with every rank, by URL, and how many did (each
+        counted as at fault in the session)."""
         counts = Counter(self.joined_groups())
         absent = []
         for group in range(self.session.receivers):
             size = self.tp_sizes.get(group)
-            if size is None:
-                absent.append(f"{self.engine_name(group)} (no rank joined)")
-            elif counts[group] < size:
-                absent.append(f"{self.engine_name(group)} ({counts[group]} of {size} ranks joined)")
+            if size is not None and counts[group] == size:
+                continue
+            joined = "no rank" if size is None else f"{counts[group]} of {size} ranks"
+            absent.append(f"{self.engine_name(group)} ({joined} joined)")
+            if group < len(self.session.engines):
+                self.session.at_fault.add(self.session.engines[group])
         return ", ".join(absent)
 
     def wait_until_complete(self, receive: Callable[[str, bool], None]) -> None:

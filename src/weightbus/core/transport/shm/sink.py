@@ -6,12 +6,17 @@ session with `ReceiverHello`, and then per bucket only a small `BucketReady` mes
 the rank copies its TP slices from the slot into its parameters (through `load_weights`, which
 narrows the full-tensor views) and answers `SlotAck`. The publisher packs bucket k+1 into the
 other slot meanwhile, and writes each bucket once whatever the number of engines and ranks.
+
+Asked to (`stream(refuse_nonfinite=True)`), the copies refuse NaN/inf as they go: the stream
+fails naming the tensor and every rank is aborted. The Publisher asks only where the bytes
+written so far land in memory the engines discard on an abort (atomic whole-version pushes).
 """
 
 import logging
 import shutil
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import closing
 
 import msgspec
 import torch
@@ -88,6 +93,9 @@ class ShmSink(BucketSink):
 
     name = "shm"
     copies_locally = True  # memcpy speed: `auto` pushes whole versions over it
+    # `stream(refuse_nonfinite=True)`: its copies refuse NaN/inf (the Publisher's pre-pass
+    # can be skipped where a failed stream serves nothing)
+    refuses_nonfinite_in_stream = True
 
     def __init__(self, num_slots: int = DEFAULT_NUM_SLOTS, direct: bool = True) -> None:
         if num_slots < 2:
@@ -161,7 +169,16 @@ class ShmSink(BucketSink):
         tensors: Mapping[str, torch.Tensor],
         timeout_s: float,
         progress: Progress = no_progress,
+        *,
+        refuse_nonfinite: bool = False,
     ) -> None:
+        """As `BucketSink.stream`; with `refuse_nonfinite`, the copies check every floating
+        chunk they copy.
+
+        Raises:
+            NonFiniteWeightsError: `refuse_nonfinite` and a tensor holds NaN or inf (named);
+                the ranks were told to abort.
+        """
         deadline = time.monotonic() + timeout_s
         receivers = _Receivers(session)
         try:
@@ -174,12 +191,25 @@ class ShmSink(BucketSink):
             if targets is None:
                 self._create_slots()  # before the ranks map them, at their begin
                 self._send_all(receivers, session.begin_message())
-                self._stream_slots(session, tensors, receivers, deadline, progress)
+                self._stream_slots(
+                    session,
+                    tensors,
+                    receivers,
+                    deadline,
+                    progress,
+                    refuse_nonfinite=refuse_nonfinite,
+                )
             else:
                 begin = msgspec.structs.replace(session.begin_message(), direct=True)
                 self._send_all(receivers, begin)
                 self._stream_direct(
-                    session, tensors, receivers, targets, deadline=deadline, progress=progress
+                    session,
+                    tensors,
+                    receivers,
+                    targets,
+                    deadline=deadline,
+                    progress=progress,
+                    refuse_nonfinite=refuse_nonfinite,
                 )
         except Exception as exc:
             # receivers learn at once instead of waiting out their timeout
@@ -195,6 +225,8 @@ class ShmSink(BucketSink):
         receivers: _Receivers,
         deadline: float,
         progress: Progress,
+        *,
+        refuse_nonfinite: bool,
     ) -> None:
         hashers: dict = {}  # digests of tensors split across buckets, in progress
         for bucket in session.plan.buckets:
@@ -202,7 +234,13 @@ class ShmSink(BucketSink):
             while receivers.unacked.get(slot):
                 holders = receivers.holders(slot)
                 self._receive(receivers, deadline, f"{holders} to release slot {slot}")
-            digests = self._writer.pack(self.slots[slot].tensor, bucket, tensors, hashers)
+            digests = self._writer.pack(
+                self.slots[slot].tensor,
+                bucket,
+                tensors,
+                hashers,
+                refuse_nonfinite=refuse_nonfinite,
+            )
             session.digests.update(digests)
             receivers.unacked[slot] = set(receivers.identities.values())
             self._send_all(receivers, _bucket_message(session, bucket, slot, digests))
@@ -256,6 +294,7 @@ class ShmSink(BucketSink):
         *,
         deadline: float,
         progress: Progress,
+        refuse_nonfinite: bool,
     ) -> None:
         identities = list(receivers.identities)
         # no byte lands in a rank's parameters before the rank knows they are being written
@@ -263,27 +302,34 @@ class ShmSink(BucketSink):
             self._receive(receivers, deadline, "every rank to confirm direct mode")
         nbytes = {bucket.index: bucket.payload_bytes for bucket in session.plan.buckets}
         writes = self._writer.write(
-            session.plan, tensors, targets, deadline, slice_digests=session.verify
+            session.plan,
+            tensors,
+            targets,
+            deadline,
+            slice_digests=session.verify,
+            refuse_nonfinite=refuse_nonfinite,
         )
-        for bucket_index, written in writes:
-            digests = {name: digest for name, (digest, _) in written.items()}
-            session.digests.update(digests)
-            session.count_sent(
-                sum(target.slice_bytes.get(name, 0) for target in targets for name in written)
-            )
-            for rank_index, identity in enumerate(identities):
-                message = TensorsWritten(
-                    session_id=session.session_id,
-                    bucket_index=bucket_index,
-                    digests=digests,
-                    slice_digests={
-                        name: slices[rank_index]
-                        for name, (_, slices) in written.items()
-                        if rank_index in slices
-                    },
+        # closed however the loop ends: no copy writes any more once the ranks hear of it
+        with closing(writes):
+            for bucket_index, written in writes:
+                digests = {name: digest for name, (digest, _) in written.items()}
+                session.digests.update(digests)
+                session.count_sent(
+                    sum(target.slice_bytes.get(name, 0) for target in targets for name in written)
                 )
-                self._socket.send_multipart([identity, message.encode()])
-            progress(nbytes[bucket_index])
+                for rank_index, identity in enumerate(identities):
+                    message = TensorsWritten(
+                        session_id=session.session_id,
+                        bucket_index=bucket_index,
+                        digests=digests,
+                        slice_digests={
+                            name: slices[rank_index]
+                            for name, (_, slices) in written.items()
+                            if rank_index in slices
+                        },
+                    )
+                    self._socket.send_multipart([identity, message.encode()])
+                progress(nbytes[bucket_index])
 
     def _receive(
         self, receivers: _Receivers, deadline: float, what: str, anyway: bool = False
