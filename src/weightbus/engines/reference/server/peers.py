@@ -70,7 +70,7 @@ async def ask_rank0(client: EngineClient, version: str, fingerprint: str | None)
 
 
 def add_outcome_route(router: APIRouter) -> None:
-    @router.post("/v1/weights/outcome", responses=error_responses(422, 503, 504))
+    @router.post("/v1/weights/outcome", responses=error_responses(400, 413, 422, 503, 504))
     async def outcome_route(body: OutcomeRequest, request: Request) -> OutcomeResponse:
         outcome = await ask_rank0(request.app.state.client, body.version, body.fingerprint)
         return OutcomeResponse(version=body.version, outcome=outcome)
