@@ -296,35 +296,24 @@ def _served(engine) -> tuple:
     return state["status"], state["version"], state["fingerprint"], engine_greedy(engine)
 
 
+# (publisher fixture, how its refusal ends): `disk` checks before sending; an atomic `shm` push
+# checks in its copy pass, and the engine discards what it staged
+REFUSERS = [("publisher", NOTHING_SENT), ("shm_publisher", NOTHING_SERVED)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=str)
-def test_a_nonfinite_push_is_refused_before_a_byte_is_sent(
-    engine, hf_model, publisher, dtype, value
+@pytest.mark.parametrize(("refuser", "outcome"), REFUSERS, ids=["disk", "shm-in-copy"])
+def test_a_nonfinite_push_is_refused_before_anything_is_served(
+    engine, hf_model, request, refuser, outcome, dtype, value
 ):
     _, model = hf_model
     before = _served(engine)
     bad = _with_bad_value(model, value, dtype)
     counts = "1 NaN, 0 inf" if math.isnan(value) else "0 NaN, 1 inf"
     with pytest.raises(NonFiniteWeightsError) as raised:
-        publisher.push(bad, version=f"bad-{value}-{dtype}")
-    assert f"non-finite values in 1 tensor(s): {BAD_TENSOR} ({counts}); nothing was sent" in str(
-        raised.value
-    )
-    assert _served(engine) == before
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=str)
-def test_an_atomic_shm_push_refuses_nonfinite_values_as_it_copies_and_nothing_is_served(
-    engine, hf_model, shm_publisher, dtype, value
-):
-    _, model = hf_model
-    before = _served(engine)
-    bad = _with_bad_value(model, value, dtype)
-    counts = "1 NaN, 0 inf" if math.isnan(value) else "0 NaN, 1 inf"
-    with pytest.raises(NonFiniteWeightsError) as raised:
-        shm_publisher.push(bad, version=f"bad-shm-{value}-{dtype}")
-    message = f"non-finite values in 1 tensor(s): {BAD_TENSOR} ({counts}); {NOTHING_SERVED}"
+        request.getfixturevalue(refuser).push(bad, version=f"bad-{refuser}-{value}-{dtype}")
+    message = f"non-finite values in 1 tensor(s): {BAD_TENSOR} ({counts}); {outcome}"
     assert message in str(raised.value)
     assert _served(engine) == before  # not paused, same version, fingerprint and output
 
