@@ -4,9 +4,8 @@ its verify pass, so a diverged step is never served unless the push asks for it.
 Two places look for them on the publisher:
 
 - `refuse_nonfinite`, a pre-pass over every tensor before a push sends a byte (every transport,
-  in-place pushes and deltas): it reads each floating tensor once with a sum (vectorised, ~10
-  GB/s here). A finite sum proves every element finite, since one NaN or inf makes the sum NaN
-  or inf. Only a tensor whose sum is not finite (a bad value, or a sum that overflowed) is
+  in-place pushes and deltas): it reads each floating tensor once with `holds_nonfinite` (the
+  same test as the copy loop's, on the whole tensor). Only a tensor that holds NaN or inf is
   counted element by element.
 - `refuse_nonfinite_chunk`, inside a copy loop that reads every byte anyway (`shm`'s pack and
   direct writes, for atomic whole-version pushes): each chunk is checked right after it was
@@ -98,9 +97,7 @@ def refuse_nonfinite_chunk(name: str, chunk: torch.Tensor) -> None:
 
 def nonfinite_counts(tensor: torch.Tensor) -> tuple[int, int] | None:
     """`(NaN count, inf count)` of a floating tensor that holds any, else None."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return None
-    if tensor.element_size() > 1 and bool(torch.isfinite(tensor.sum())):
+    if not tensor.is_floating_point() or not holds_nonfinite(tensor):
         return None
     flat = tensor.detach().reshape(-1)
     nan = inf = 0

@@ -351,7 +351,9 @@ class Publisher:
             in_stream = self._checks_nonfinite_in_stream(options, mode)
             if not allow_nonfinite and not in_stream:
                 refuse_nonfinite(tensors.items())
-            request = PushRequest(tensors, version, step, options, progress)
+            request = PushRequest(
+                tensors, version, step, options, progress, nonfinite_in_stream=in_stream
+            )
             try:
                 return push_version(self._fleet, self._sessions, self._delta, request, mode)
             except NonFiniteWeightsError:

@@ -69,6 +69,8 @@ class PushRequest:
         step: its training step, if any.
         options: the order every engine's is made from (`push_options`).
         progress: also called with the bytes of each part handed to the transport.
+        nonfinite_in_stream: the sink's copies refuse NaN/inf (the Publisher decided it with
+            `stream_refuses_nonfinite` and skipped its pre-pass); a delta stream never does.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -76,6 +78,7 @@ class PushRequest:
     step: int | None
     options: PushOrder
     progress: Progress | None = None
+    nonfinite_in_stream: bool = False
 
 
 def push_options(
@@ -287,9 +290,7 @@ class PushRun:
                 engine first, then raises it).
         """
         sink = self._fleet.sink
-        # a whole version pushed atomically: the sink's copies refuse NaN/inf where they can
-        options = self._request.options
-        fused = stream_refuses_nonfinite(self._fleet, options, delta=self._delta is not None)
+        fused = self._request.nonfinite_in_stream and self._delta is None
         refuse = {"refuse_nonfinite": True} if fused else {}
         try:
             # ends before any engine's own wait, so the abort of a failed stream reaches them
