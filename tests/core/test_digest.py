@@ -1,12 +1,22 @@
+import itertools
 import subprocess
 import sys
 
 import pytest
 import torch
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import all_dtype_tensors, random_tensor
-from weightbus.core.digest import fingerprint, fingerprint_of_digests, tensor_digest
+from weightbus.core.digest import (
+    DIGEST_BLOCK_BYTES,
+    TensorHasher,
+    bytes_digest,
+    fingerprint,
+    fingerprint_of_digests,
+    tensor_digest,
+)
 from weightbus.core.meta import metas_of
 from weightbus.core.plan import plan_buckets
 from weightbus.core.plan.bucket import byte_view
@@ -35,9 +45,28 @@ def test_same_weights_same_fingerprint_and_plan_hash_in_another_process(tmp_path
     assert remote_plan_hash == plan_buckets(metas_of(weights), 4096).plan_hash
 
 
-def test_digest_is_xxh3_128_of_the_bytes():
-    tensor = random_tensor((33, 7), torch.bfloat16)
-    assert tensor_digest(tensor) == xxhash.xxh3_128_hexdigest(byte_view(tensor).numpy().tobytes())
+def test_digest_is_xxh3_128_over_the_block_digests_in_order():
+    tensor = random_tensor((3 * DIGEST_BLOCK_BYTES // 4 + 5, 2), torch.bfloat16)
+    raw = byte_view(tensor).numpy().tobytes()
+    blocks = [
+        xxhash.xxh3_128_digest(raw[start : start + DIGEST_BLOCK_BYTES])
+        for start in range(0, len(raw), DIGEST_BLOCK_BYTES)
+    ]
+    assert len(blocks) == 4  # three whole blocks and a short last one
+    assert tensor_digest(tensor) == xxhash.xxh3_128_hexdigest(b"".join(blocks))
+
+
+@settings(max_examples=40, deadline=None)
+@given(nbytes=st.integers(0, 3 * DIGEST_BLOCK_BYTES + 17), cuts=st.lists(st.floats(0, 1)))
+def test_a_stream_fed_in_any_parts_digests_like_the_whole(nbytes, cuts):
+    data = torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)
+    )
+    bounds = sorted({0, nbytes, *(int(cut * nbytes) for cut in cuts)})
+    hasher = TensorHasher()
+    for start, stop in itertools.pairwise(bounds):
+        hasher.update(data[start:stop].numpy())
+    assert hasher.hexdigest() == bytes_digest(data)
 
 
 def test_non_contiguous_tensor_digests_like_its_contiguous_copy():
@@ -81,10 +110,9 @@ def test_metadata_changes_change_the_fingerprint(change):
 
 
 def test_empty_and_scalar_tensors_have_digests():
-    assert tensor_digest(torch.empty(0)) == xxhash.xxh3_128_hexdigest(b"")
-    assert tensor_digest(torch.tensor(1.0)) == xxhash.xxh3_128_hexdigest(
-        torch.tensor([1.0]).numpy().tobytes()
-    )
+    assert tensor_digest(torch.empty(0)) == xxhash.xxh3_128_hexdigest(b"")  # no block
+    one_block = xxhash.xxh3_128_digest(torch.tensor([1.0]).numpy().tobytes())
+    assert tensor_digest(torch.tensor(1.0)) == xxhash.xxh3_128_hexdigest(one_block)
 
 
 def test_fingerprint_rejects_duplicate_names():

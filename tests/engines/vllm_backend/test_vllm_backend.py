@@ -4,6 +4,7 @@ Each test pushes with a `Publisher` whose engine is a `VllmEngineTarget` and com
 greedy tokens with transformers' on the same weights (float32: exact agreement).
 """
 
+import copy
 import os
 import signal
 import subprocess
@@ -265,3 +266,28 @@ def test_vllms_own_trainer_api_pushes_with_weightbus(tied_tp1):
     assert _served_version(tied_tp1) == "trainer-api-1"
     assert tied_tp1.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
     tied_tp1.model = model
+
+
+def test_two_fsdp2_ranks_push_into_vllm_tp2_without_a_gather(untied_tp2, tmp_path):
+    """A sharded trainer (2 FSDP2 processes) pushes into vLLM through the shm slots: each rank
+    packs the rows it holds; vLLM then generates what transformers does on the gathered model."""
+    from sharded_harness import gathered, run_trainers
+
+    from weightbus.core.digest import fingerprint
+    from weightbus.core.publisher import normalize_weights
+
+    served = untied_tp2
+    actions = [
+        {"kind": "train", "steps": 1},
+        {"kind": "push", "version": "sharded-1", "save": True},
+    ]
+    model_dir = str(served.server.model_dir)
+    records = run_trainers(2, model_dir, [served.url], actions, tmp_path, vllm=True)
+    assert [rank[0]["ok"] for rank in records] == [True, True], records
+    model = copy.deepcopy(served.model)
+    model.load_state_dict(gathered(tmp_path, "sharded-1"))
+    assert records[0][0]["fingerprint"] == fingerprint(normalize_weights(model))
+    assert sum(records[0][0]["sent_bytes"]) == sum(t.nbytes for t in model.state_dict().values())
+    assert _served_version(served) == "sharded-1"
+    assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    served.model = model

@@ -17,7 +17,7 @@ NameMap = Mapping[str, str | None] | Callable[[str], str | None]
 Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
-def _rename(name_map: NameMap | None, name: str) -> str | None:
+def rename(name_map: NameMap | None, name: str) -> str | None:
     if name_map is None:
         return name
     if callable(name_map):
@@ -25,7 +25,7 @@ def _rename(name_map: NameMap | None, name: str) -> str | None:
     return name_map.get(name, name)
 
 
-def _memory_key(tensor: torch.Tensor) -> tuple | None:
+def memory_key(tensor: torch.Tensor) -> tuple | None:
     """Identity of the exact memory a tensor reads (None for empty tensors)."""
     if tensor.numel() == 0:
         return None
@@ -62,13 +62,13 @@ def normalize_weights(weights: Weights, name_map: NameMap | None = None) -> list
     for name, value in pairs:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"weight {name!r} is a {type(value).__name__}, not a tensor")
-        new_name = _rename(name_map, name)
+        new_name = rename(name_map, name)
         if new_name is None:
             continue
         tensor = value.detach()
         # per model: a draft may share a tensor with the main model (e.g. the embeddings),
         # and each model loads its own copy
-        key = _memory_key(tensor)
+        key = memory_key(tensor)
         if key is not None and (key := (is_draft_name(new_name), *key)) in seen_memory:
             continue
         seen_memory.add(key)
@@ -115,7 +115,7 @@ def drop_tied_heads(
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
         return False
-    if _memory_key(a) == _memory_key(b):
+    if memory_key(a) == memory_key(b):
         return True
     if a.dim() and not _same_bits(a[:1], b[:1]):  # an untied head: no full read per push
         return False

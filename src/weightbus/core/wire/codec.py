@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Self, TypeVar, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # Far above any real message (a bucket of 100k tensors is ~10 MB) and far below memory limits.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 

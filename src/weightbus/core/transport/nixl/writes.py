@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
+from weightbus.core.digest import TensorHasher
 from weightbus.core.plan import BucketPlan
 from weightbus.core.plan.bucket import (
     BucketEntry,
@@ -234,7 +234,7 @@ class BucketWrites:
         destination = buffer[start : start + job.nbytes].view(full.dtype).view(shape)
         hasher = None
         if self._session.verify:
-            hasher = self._slice_hashers.setdefault((job.name, rank.index), xxhash.xxh3_128())
+            hasher = self._slice_hashers.setdefault((job.name, rank.index), TensorHasher())
         self.rank_bytes[(rank.group, rank.rank)] += job.nbytes
         return job, destination, hasher
 
@@ -248,7 +248,7 @@ class BucketWrites:
         full = tensor if tensor.is_contiguous() else self._contiguous.get(entry.name)
         if full is None:
             full = self._contiguous[entry.name] = tensor.contiguous()
-        hasher = self._full_hashers.setdefault(entry.name, xxhash.xxh3_128())
+        hasher = self._full_hashers.setdefault(entry.name, TensorHasher())
         if jobs:  # digests the full rows too
             rows = entry_rows(self._metas[entry.name], entry, self._session.plan.bucket_bytes)
             _pack_slices(full, rows, jobs, hasher)

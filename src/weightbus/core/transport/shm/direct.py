@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import xxhash
 
+from weightbus.core.digest import TensorHasher
 from weightbus.core.plan import BucketPlan, Plan
 from weightbus.core.plan.bucket import (
     RowCheck,
@@ -147,8 +147,8 @@ def _write_tensor(
             stopped after the first bad chunk).
     """
     full = full if full.is_contiguous() else full.contiguous()
-    digest = xxhash.xxh3_128()
-    slices = {dest.rank_index: xxhash.xxh3_128() for dest in dests} if slice_digests else {}
+    digest = TensorHasher()
+    slices = {dest.rank_index: TensorHasher() for dest in dests} if slice_digests else {}
     parts = [(partial(dest.chunk, full), slices.get(dest.rank_index)) for dest in dests]
     parts.append(digest_part(full, digest))
     row_bytes = full[0].nbytes if full.dim() and full.shape[0] else full.nbytes
@@ -263,7 +263,7 @@ class DirectWriter:
         buffer: torch.Tensor,
         bucket: BucketPlan,
         tensors: Mapping[str, torch.Tensor],
-        hashers: dict[str, "xxhash.xxh3_128"],
+        hashers: dict[str, TensorHasher],
         *,
         refuse_nonfinite: bool = False,
     ) -> dict[str, str]:
@@ -281,7 +281,7 @@ class DirectWriter:
         for entry in bucket.entries:
             if entry.name not in tensors:
                 raise ValueError(f"tensor {entry.name!r} is in the plan but was not given")
-            hasher = hashers.setdefault(entry.name, xxhash.xxh3_128())
+            hasher = hashers.setdefault(entry.name, TensorHasher())
             jobs.append((entry, tensors[entry.name].detach(), hasher))
         # biggest first: two workers finish together
         jobs.sort(key=lambda job: -job[0].nbytes)

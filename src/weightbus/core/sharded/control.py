@@ -1,0 +1,152 @@
+"""How the ranks of a trainer group talk: a key-value store served by rank 0.
+
+Rank 0 serves a `torch.distributed.TCPStore` on a port from the OS and tells the others its
+address once, on the trainer's own process group. Then every word of a push goes through the
+store: rank 0 `announce`s (an order, the engines' targets, the outcome) and each rank `report`s
+(done, with its digests and counts, or failed, with why). Every wait has a deadline and names
+who did not answer; a rank that failed is named with its reason. Payloads are msgspec structs
+(`ControlMessage`), never pickle.
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from datetime import timedelta
+from typing import TypeVar
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class ControlMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """One word on the control store: `ok` with a typed `body`, or the failure's `error`."""
+
+    ok: bool = True
+    error: str = ""
+    body: bytes = b""
+
+
+class TrainerRankError(ConnectionError):
+    """A trainer rank failed, died, or did not answer in time (named in the message): a peer
+    of the push is gone, as a broken connection would say."""
+
+
+class GroupControl:
+    """The control store of a trainer group (built collectively by every rank).
+
+    Args:
+        group: the trainer's process group (None: the default group).
+        host: an address of rank 0 the other ranks reach.
+        timeout_s: bound of forming the group's store.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, host: str, timeout_s: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        timeout = timedelta(seconds=timeout_s)
+        port = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            self._store = dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=timeout
+            )
+            port[0] = self._store.port
+        work = dist.broadcast(port, group=group, group_src=0, async_op=True)
+        if not work.wait(timeout):
+            raise TrainerRankError(f"trainer rank 0 sent no control address within {timeout_s}s")
+        if self.rank != 0:
+            self._store = dist.TCPStore(host, int(port[0]), is_master=False, timeout=timeout)
+        self._sequence = 0
+
+    def next_push(self) -> str:
+        """The key prefix of the next push (every rank counts its pushes alike)."""
+        self._sequence += 1
+        return f"push/{self._sequence}"
+
+    def announce(self, key: str, message: ControlMessage) -> None:
+        """Rank 0's word to every rank."""
+        self._store.set(key, msgspec.msgpack.encode(message))
+
+    def report(self, key: str, message: ControlMessage) -> None:
+        """This rank's answer to `key`."""
+        self._store.set(f"{key}/{self.rank}", msgspec.msgpack.encode(message))
+
+    def answer(self, key: str, work: Callable[[], bytes]) -> None:
+        """Run `work` and report its result on `key`, or its failure (then raise it)."""
+        try:
+            body = work()
+        except Exception as exc:
+            self.report(key, ControlMessage(ok=False, error=f"{type(exc).__name__}: {exc}"))
+            raise
+        self.report(key, ControlMessage(body=body))
+
+    def await_announcement(self, key: str, what: str, deadline: float) -> ControlMessage:
+        """Rank 0's word on `key`.
+
+        Raises:
+            TrainerRankError: none by `deadline`, or rank 0 is gone (the store's host), or it
+                announced a failure.
+        """
+        (message,) = self._collect([key], what, deadline, lambda _: "trainer rank 0").values()
+        return message
+
+    def collect(self, key: str, what: str, deadline: float) -> dict[int, ControlMessage]:
+        """Every rank's report on `key`, by rank.
+
+        Raises:
+            TrainerRankError: a rank did not report by `deadline` (each named), or reported a
+                failure (the first by rank, with its reason).
+        """
+        keys = [f"{key}/{rank}" for rank in range(self.world_size)]
+        by_key = self._collect(
+            keys, what, deadline, lambda k: f"trainer rank {k.rsplit('/', 1)[1]}"
+        )
+        return {rank: by_key[k] for rank, k in enumerate(keys)}
+
+    def _collect(
+        self, keys: list[str], what: str, deadline: float, who
+    ) -> dict[str, ControlMessage]:
+        try:
+            self._store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except dist.DistError as exc:
+            if time.monotonic() < deadline:  # not a timeout: the store's host is gone
+                raise TrainerRankError(f"trainer rank 0 is unreachable ({what}): {exc}") from exc
+            missing = [who(k) for k in keys if not self._store.check([k])]
+            raise TrainerRankError(f"{', '.join(missing)} sent no {what} in time") from None
+        messages = {
+            k: msgspec.msgpack.decode(self._store.get(k), type=ControlMessage) for k in keys
+        }
+        for k, message in messages.items():
+            if not message.ok:
+                raise TrainerRankError(f"{who(k)} failed ({what}): {message.error}")
+        return messages
+
+    def forget(self, prefix_keys: list[str]) -> None:
+        """Drop keys no rank reads again."""
+        for key in prefix_keys:
+            self._store.delete_key(key)
+
+
+def run_all(
+    pool: ThreadPoolExecutor,
+    work: Callable[[T], int],
+    items: Sequence[T],
+    deadline: float,
+    what: str,
+) -> int:
+    """`work` on every item on `pool`, by `deadline`; the sum of what it returned.
+
+    Raises:
+        TimeoutError: not done by `deadline` (the rest is cancelled, running calls finish).
+    """
+    futures = [pool.submit(work, item) for item in items]
+    done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+    if pending:
+        for future in pending:
+            future.cancel()
+        wait(pending)
+        raise TimeoutError(f"{what} were not done in time")
+    return sum(future.result() for future in done)

@@ -1,0 +1,265 @@
+"""Digests of regions of tensors held across trainer ranks, without a gather.
+
+A region (a whole tensor for the fingerprint, or an engine rank's slice it verifies) is
+digested as every digest is (`weightbus.core.digest`): over fixed blocks of its row-major
+bytes. `DigestPlan` decides, once per layout and the same on every rank, who hashes each block:
+a rank holding all of it hashes it in place (the least loaded, when several do); a block no
+rank holds whole (cut by a shard boundary, or across column shards) is hashed by the rank
+holding most of it, which receives the other parts over the control store — in rounds of at
+most `ROUND_BYTES`, so no rank ever holds more than one round of bytes it does not own. Rank 0
+combines the block digests in order (`combine`).
+"""
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import xxhash
+
+from weightbus.core.digest import DIGEST_BLOCK_BYTES, combine_blocks
+from weightbus.core.plan.bucket import byte_view
+from weightbus.core.sharded.boxes import Box, Run, held_runs, matrix_shape, runs
+from weightbus.core.sharded.control import ControlMessage, GroupControl
+from weightbus.core.sharded.holdings import Holding
+from weightbus.core.sharded.layout import TrainerLayout
+
+ROUND_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Box `box` of tensor `name`, digested in its own row-major order."""
+
+    name: str
+    box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """`numel` elements of `rank`'s holding of a tensor, from local element `start`."""
+
+    rank: int
+    start: int
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Block `index` of region `region`: its segments in order, and who hashes it."""
+
+    region: int
+    index: int
+    owner: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def split(self) -> bool:
+        return any(segment.rank != self.owner for segment in self.segments)
+
+
+class BlockDigests(msgspec.Struct, frozen=True, array_like=True):
+    """A rank's block digests: `(region, block, digest)` triples."""
+
+    digests: list[tuple[int, int, bytes]]
+
+
+@dataclass
+class DigestPlan:
+    """Who hashes which block of each region (the same on every rank for the same layout)."""
+
+    layout: TrainerLayout
+    regions: Sequence[Region]
+    blocks: list[Block] = field(init=False)
+    block_counts: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        metas = {meta.name: meta for meta in self.layout.metas}
+        load: dict[int, int] = defaultdict(int)
+        self.blocks, self.block_counts = [], []
+        for index, region in enumerate(self.regions):
+            meta = metas[region.name]
+            per_block = DIGEST_BLOCK_BYTES // meta.element_bytes
+            cols = matrix_shape(meta.shape)[1]
+            holders = self.layout.holders(region.name)
+            count = max(1, -(-region.box.numel // per_block))
+            self.block_counts.append(count)
+            for block in range(count):
+                start, stop = block * per_block, min((block + 1) * per_block, region.box.numel)
+                block_runs = list(runs(region.box, cols, start, stop))
+                self.blocks.append(_assign(index, block, block_runs, holders, cols=cols, load=load))
+
+    def rounds(self) -> list[list[Block]]:
+        """The split blocks, in rounds of at most `ROUND_BYTES` (one block at least)."""
+        rounds: list[list[Block]] = [[]]
+        size = 0
+        metas = {meta.name: meta for meta in self.layout.metas}
+        for block in (b for b in self.blocks if b.split):
+            nbytes = (
+                sum(s.numel for s in block.segments)
+                * metas[self.regions[block.region].name].element_bytes
+            )
+            if rounds[-1] and size + nbytes > ROUND_BYTES:
+                rounds.append([])
+                size = 0
+            rounds[-1].append(block)
+            size += nbytes
+        return [r for r in rounds if r]
+
+
+def _assign(
+    region: int,
+    index: int,
+    block_runs: list[Run],
+    holders: list[tuple[int, Box]],
+    *,
+    cols: int,
+    load: dict[int, int],
+) -> Block:
+    """The block's segments and its hasher: a rank holding all of it (least loaded), else the
+    one holding most, the others' parts sent to it."""
+    numel = sum(run.numel for run in block_runs)
+    parts = {rank: [list(held_runs(box, cols, run)) for run in block_runs] for rank, box in holders}
+    held = {rank: sum(r.numel for per_run in p for r, _ in per_run) for rank, p in parts.items()}
+    whole = [rank for rank, count in held.items() if count == numel]
+    if whole:
+        owner = min(whole, key=lambda rank: (load[rank], rank))
+        load[owner] += numel
+        segments = [
+            Segment(owner, local, r.numel) for per_run in parts[owner] for r, local in per_run
+        ]
+        return Block(region, index, owner, _merged(segments))
+    owner = max(held, key=lambda rank: (held[rank], -rank))
+    segments = []
+    for run_index, run in enumerate(block_runs):
+        segments += _cover(run, {rank: p[run_index] for rank, p in parts.items()}, owner)
+    load[owner] += numel
+    return Block(region, index, owner, _merged(segments))
+
+
+def _cover(run: Run, parts: dict[int, list[tuple[Run, int]]], owner: int) -> list[Segment]:
+    """`run` as segments of holders' memory: the owner's where it holds them, else the lowest
+    rank's."""
+    order = [owner, *sorted(rank for rank in parts if rank != owner)]
+    segments, position = [], run.start
+    while position < run.stop:
+        for rank in order:
+            found = next(
+                ((r, local) for r, local in parts[rank] if r.start <= position < r.stop), None
+            )
+            if found is not None:
+                part, local = found
+                segments.append(Segment(rank, local + position - part.start, part.stop - position))
+                position = part.stop
+                break
+        else:
+            raise AssertionError(f"element {position} of a block is held by no rank")
+    return segments
+
+
+def _merged(segments: list[Segment]) -> tuple[Segment, ...]:
+    """Consecutive segments of one rank's memory as one."""
+    merged: list[Segment] = []
+    for segment in segments:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.rank == segment.rank
+            and last.start + last.numel == segment.start
+        ):
+            merged[-1] = Segment(last.rank, last.start, last.numel + segment.numel)
+        else:
+            merged.append(segment)
+    return tuple(merged)
+
+
+def _segment_bytes(holding: Holding, segment: Segment) -> object:
+    local = holding.local[segment.start : segment.start + segment.numel]
+    return byte_view(local.cpu() if local.device.type != "cpu" else local).numpy()
+
+
+def compute(
+    plan: DigestPlan,
+    holdings: dict[str, Holding],
+    control: GroupControl,
+    prefix: str,
+    deadline: float,
+) -> BlockDigests:
+    """This rank's share of the digests: the blocks it holds whole, and the split blocks it
+    owns once the others sent their parts (each round through the store).
+
+    Raises:
+        TrainerRankError: a rank did not send its parts in time, or failed (named).
+    """
+    rank = control.rank
+    results: list[tuple[int, int, bytes]] = []
+    names = [region.name for region in plan.regions]
+    for block in plan.blocks:
+        if block.owner == rank and not block.split:
+            hasher = xxhash.xxh3_128()
+            for segment in block.segments:
+                hasher.update(_segment_bytes(holdings[names[block.region]], segment))
+            results.append((block.region, block.index, hasher.digest()))
+    for number, blocks in enumerate(plan.rounds()):
+        key = f"{prefix}/digest-round/{number}"
+        outgoing: dict[int, list[object]] = defaultdict(list)
+        for block in blocks:
+            for segment in block.segments:
+                if segment.rank == rank and block.owner != rank:
+                    outgoing[block.owner].append(
+                        _segment_bytes(holdings[names[block.region]], segment)
+                    )
+        control.report(
+            key,
+            ControlMessage(
+                body=msgspec.msgpack.encode(
+                    {
+                        owner: b"".join(bytes(p) for p in pieces)
+                        for owner, pieces in outgoing.items()
+                    }
+                )
+            ),
+        )
+        if not any(block.owner == rank for block in blocks):
+            continue
+        received = control.collect(key, "parts of the blocks it digests", deadline)
+        streams = {
+            sender: memoryview(
+                msgspec.msgpack.decode(message.body, type=dict[int, bytes]).get(rank, b"")
+            )
+            for sender, message in received.items()
+        }
+        offsets: dict[int, int] = defaultdict(int)
+        for block in (b for b in blocks if b.owner == rank):
+            holding = holdings[names[block.region]]
+            size = holding.meta.element_bytes
+            hasher = xxhash.xxh3_128()
+            for segment in block.segments:
+                if segment.rank == rank:
+                    hasher.update(_segment_bytes(holding, segment))
+                else:
+                    start = offsets[segment.rank]
+                    hasher.update(streams[segment.rank][start : start + segment.numel * size])
+                    offsets[segment.rank] = start + segment.numel * size
+            results.append((block.region, block.index, hasher.digest()))
+    return BlockDigests(results)
+
+
+def combine(plan: DigestPlan, reports: Sequence[BlockDigests]) -> list[str]:
+    """Each region's digest from every rank's block digests.
+
+    Raises:
+        ValueError: a block's digest is missing or came twice.
+    """
+    blocks: list[list[bytes | None]] = [[None] * count for count in plan.block_counts]
+    for report in reports:
+        for region, index, digest in report.digests:
+            if blocks[region][index] is not None:
+                raise ValueError(f"block {index} of {plan.regions[region].name!r} digested twice")
+            blocks[region][index] = digest
+    digests = []
+    for region, per_block in zip(plan.regions, blocks, strict=True):
+        if any(digest is None for digest in per_block):
+            raise ValueError(f"a block of {region.name!r} was digested by no trainer rank")
+        digests.append(combine_blocks(per_block))  # type: ignore[arg-type]
+    return digests

@@ -1,0 +1,317 @@
+"""`ShardedPublisher`: every rank of a sharded trainer pushes together, each sending the bytes it
+holds, with no gather.
+
+Every rank calls `push` with its own shards (an FSDP2 module, DTensors, `DeclaredShard`s, plain
+tensors). The ranks first agree on the model (each reports what it holds and whether its shards
+hold NaN/inf; every rank builds the same `TrainerLayout`, reused while it is unchanged). Rank 0
+then runs the push as a `Publisher` does (orders, two-phase commit, results) with a sink whose
+bytes every rank writes (`ShardedShmSink`), and announces the outcome; the other ranks copy
+their pieces when told and return (or raise) what rank 0 does.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+import torch
+import torch.distributed as dist
+
+from weightbus.core.finite import NOTHING_SENT, NonFiniteWeightsError, describe_nonfinite
+from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
+from weightbus.core.publisher.fleet import Fleet
+from weightbus.core.publisher.push_session import PushRequest, PushRun, push_options
+from weightbus.core.publisher.results import PushError, PushResult
+from weightbus.core.publisher.session import NameMap, SessionFactory
+from weightbus.core.publisher.targets import EngineTarget, HttpEngineTarget
+from weightbus.core.sharded.control import ControlMessage, GroupControl, TrainerRankError
+from weightbus.core.sharded.holdings import Holding, holdings_of
+from weightbus.core.sharded.layout import HeldMeta, TrainerLayout, held_metas
+from weightbus.core.sharded.sink import ShardedShmSink, SharedPush
+from weightbus.core.sharded.slots import GroupSlots
+from weightbus.core.sharded.steps import (
+    AnyStep,
+    OutcomeStep,
+    PackStep,
+    SlotsStep,
+    Step,
+    WriteStep,
+)
+from weightbus.core.sharded.write import GroupWriter
+from weightbus.core.wire import PauseMode, VerifyLevel
+
+logger = logging.getLogger(__name__)
+
+SHARDED_TRANSPORTS = ("shm",)
+# a follower waits this much longer than the push's bound for rank 0's outcome (rank 0 answers
+# within the bound; a dead rank 0 is noticed at once, through the store's connection)
+_OUTCOME_GRACE_S = 30.0
+
+
+class _Ready(msgspec.Struct, frozen=True, kw_only=True):
+    held: list[HeldMeta]
+    nonfinite: list[str]
+
+
+@dataclass(frozen=True)
+class ShardedPushResult:
+    """A committed sharded push: the version, its fingerprint, the bytes each trainer rank
+    copied (`sent_bytes[rank]`) and, on rank 0, the engines' results (`result`)."""
+
+    version: str
+    fingerprint: str
+    sent_bytes: list[int]
+    result: PushResult | None
+
+
+class ShardedPublisher:
+    """One handle per trainer rank on a fleet of engines (built collectively by every rank).
+
+    Args:
+        engines: the engines (URLs or targets); only rank 0 talks to them (the others may pass
+            the same list or nothing).
+        group: the trainer's process group (None: the default group).
+        transport: `shm` (engines on this host, shared-memory weights).
+        control_host: an address of rank 0 that every rank reaches.
+        bucket_bytes, token, timeout_s: as `Publisher`.
+        direct: write straight into the engine ranks' parameters where every rank offers them
+            (else, and with False, every trainer rank packs its parts of each bucket into the
+            shared slots: vLLM, engines started with `--no-shm-weights`).
+
+    Raises:
+        ValueError: a transport that cannot take sharded sources (naming the alternatives).
+        TrainerRankError: the ranks could not form the control store in `timeout_s`.
+    """
+
+    def __init__(
+        self,
+        engines: list[str | EngineTarget] | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        transport: str = "shm",
+        control_host: str = "127.0.0.1",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        direct: bool = True,
+    ) -> None:
+        if transport not in SHARDED_TRANSPORTS:
+            raise ValueError(
+                f"transport {transport!r} cannot take sharded sources yet; sharded trainers push "
+                f"over {', '.join(SHARDED_TRANSPORTS)}, or gather the model to one process and "
+                "use a Publisher (every transport)"
+            )
+        self.timeout_s = timeout_s
+        self._control = GroupControl(group, control_host, timeout_s)
+        self._writer = GroupWriter(self._control)
+        self._slots = GroupSlots(self._control, self._writer.pool)
+        self._layouts: dict[bytes, TrainerLayout] = {}
+        self._fleet: Fleet | None = None
+        self._http: httpx.Client | None = None
+        if self.rank == 0:
+            if not engines:
+                raise ValueError("engines: rank 0 needs at least one engine URL or target")
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            self._http = httpx.Client(headers=headers)
+            targets = [
+                HttpEngineTarget(e, client=self._http) if isinstance(e, str) else e for e in engines
+            ]
+            self._sink = ShardedShmSink(self._writer, self._slots, direct=direct)
+            self._fleet = Fleet(targets, self._sink, transport, {}, timeout_s)
+            self._sessions = SessionFactory(bucket_bytes)
+
+    @property
+    def rank(self) -> int:
+        return self._control.rank
+
+    def push(
+        self,
+        weights: Any,
+        *,
+        version: str,
+        step: int | None = None,
+        name_map: NameMap | None = None,
+        pause_mode: PauseMode = "drain",
+        atomic: bool = True,
+        verify: VerifyLevel = "full",
+        force: bool = False,
+        two_phase: bool | None = None,
+        keep_draft: bool = False,
+        allow_nonfinite: bool = False,
+    ) -> ShardedPushResult:
+        """Push what every rank holds as `version` (call it on every rank, with its shards).
+
+        Args:
+            weights: this rank's shards: an `nn.Module` (FSDP2), a state dict, or
+                `(name, tensor)` pairs of DTensors, `DeclaredShard`s and plain tensors.
+            version, step, name_map, pause_mode, atomic, verify, force, two_phase, keep_draft,
+                allow_nonfinite: as `Publisher.push` (the push's options are rank 0's).
+
+        Returns:
+            The same result on every rank (rank 0's also carries the engines' results).
+
+        Raises:
+            NonFiniteWeightsError: some rank's shards hold NaN/inf (each named with its rank);
+                nothing was sent.
+            PushError: an engine did not commit (as `Publisher.push`), raised on every rank.
+            TrainerRankError: a rank failed, died or did not answer in time (named).
+            ValueError: ranks disagree on the model, or some part of a tensor is held by no
+                rank (named).
+        """
+        options = {
+            "pause_mode": pause_mode,
+            "atomic": atomic,
+            "verify": verify,
+            "force": force,
+            "two_phase": two_phase,
+            "keep_draft": keep_draft,
+        }
+        prefix = self._control.next_push()
+        deadline = time.monotonic() + self.timeout_s
+        holdings = self._ready(f"{prefix}/ready", weights, name_map, allow_nonfinite)
+        layout = self._agree(f"{prefix}/ready", deadline, allow_nonfinite)
+        held = {holding.name: holding for holding in holdings}
+        if self.rank == 0:
+            return self._lead(
+                prefix,
+                layout,
+                held,
+                version=version,
+                step=step,
+                allow_nonfinite=allow_nonfinite,
+                options=options,
+            )
+        return self._follow(prefix, layout, held, version, deadline + _OUTCOME_GRACE_S)
+
+    def _ready(
+        self, key: str, weights: Any, name_map: NameMap | None, allow: bool
+    ) -> list[Holding]:
+        try:
+            holdings = holdings_of(weights, name_map)
+            named = [] if allow else [(h.name, h.local) for h in holdings]
+            found = list(describe_nonfinite(named).values())
+        except Exception as exc:
+            self._control.report(
+                key, ControlMessage(ok=False, error=f"{type(exc).__name__}: {exc}")
+            )
+            raise
+        ready = _Ready(held=held_metas(holdings), nonfinite=found)
+        self._control.report(key, ControlMessage(body=msgspec.msgpack.encode(ready)))
+        return holdings
+
+    def _agree(self, key: str, deadline: float, allow_nonfinite: bool) -> TrainerLayout:
+        reports = self._control.collect(key, "shards' metadata", deadline)
+        readies = [msgspec.msgpack.decode(reports[r].body, type=_Ready) for r in sorted(reports)]
+        found = [
+            f"{f} on trainer rank {rank}"
+            for rank, ready in enumerate(readies)
+            for f in ready.nonfinite
+        ]
+        if found:
+            raise NonFiniteWeightsError(
+                f"the weights hold non-finite values: {', '.join(found)}; {NOTHING_SENT} "
+                "(push with allow_nonfinite=True to send them anyway)"
+            )
+        encoded = msgspec.msgpack.encode([ready.held for ready in readies])
+        layout = self._layouts.get(encoded)
+        if layout is None:
+            layout = TrainerLayout(tuple(tuple(ready.held) for ready in readies))
+            self._layouts = {encoded: layout}
+        return layout
+
+    def _lead(
+        self,
+        prefix: str,
+        layout: TrainerLayout,
+        holdings: dict[str, Holding],
+        *,
+        version: str,
+        step: int | None,
+        allow_nonfinite: bool,
+        options: dict[str, Any],
+    ) -> ShardedPushResult:
+        assert self._fleet is not None
+        steps = iter(range(1, 1 << 30))
+
+        def announce(message: Step) -> None:
+            encoded = msgspec.msgpack.encode(message)
+            self._control.announce(f"{prefix}/step/{next(steps)}", ControlMessage(body=encoded))
+
+        shared = SharedPush(f"{prefix}/write", layout, holdings, announce)
+        self._sink.push = shared
+        try:
+            order = push_options(
+                self._fleet, version=version, step=step, allow_nonfinite=allow_nonfinite, **options
+            )
+            metas = {
+                m.name: torch.empty(m.shape, dtype=m.dtype, device="meta") for m in layout.metas
+            }
+            request = PushRequest(metas, version, step, order)
+            result = PushRun(self._fleet, self._sessions, request).run()
+        except PushError as exc:
+            announce(
+                OutcomeStep(
+                    ok=False,
+                    message=str(exc),
+                    failures=exc.failures,
+                    transport_error=exc.transport_error,
+                    aborted=exc.aborted,
+                )
+            )
+            raise
+        except BaseException as exc:
+            announce(OutcomeStep(ok=False, message=f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            self._sink.push = None
+        announce(OutcomeStep(ok=True, fingerprint=result.fingerprint, sent_bytes=shared.sent_bytes))
+        return ShardedPushResult(version, result.fingerprint, shared.sent_bytes, result)
+
+    def _follow(
+        self,
+        prefix: str,
+        layout: TrainerLayout,
+        holdings: dict[str, Holding],
+        version: str,
+        deadline: float,
+    ) -> ShardedPushResult:
+        for number in range(1, 1 << 30):
+            message = self._control.await_announcement(
+                f"{prefix}/step/{number}", "word on the push", deadline
+            )
+            step = msgspec.msgpack.decode(message.body, type=AnyStep)
+            key = f"{prefix}/write"
+            if isinstance(step, WriteStep):
+                self._writer.write(key, step.order, layout, holdings, deadline)
+                continue
+            if isinstance(step, SlotsStep):
+                self._slots.begin(key, step.order, layout, holdings, deadline)
+                continue
+            if isinstance(step, PackStep):
+                self._slots.pack(key, step.bucket, step.slot, holdings, deadline)
+                continue
+            if step.ok:
+                return ShardedPushResult(version, step.fingerprint, step.sent_bytes, None)
+            if step.failures or step.transport_error:
+                raise PushError(version, step.failures, step.transport_error, aborted=step.aborted)
+            raise TrainerRankError(f"trainer rank 0 failed the push: {step.message}")
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """Free the sink, mapped files and the engines' clients (rank 0)."""
+        if self._fleet is not None:
+            self._fleet.release()
+            for target in self._fleet.targets:
+                target.close()
+        if self._http is not None:
+            self._http.close()
+        self._slots.close()
+        self._writer.close()
+
+    def __enter__(self) -> "ShardedPublisher":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,117 @@
+"""The resharding schedule: which trainer rank copies which rectangle into which engine rank.
+
+For every engine rank's slice of every tensor (its `ShardCopy`, as the rank offered it), the
+slice is cut along the edges of the trainer ranks' boxes into cells; each cell is held whole by
+one or more trainer ranks, and exactly one of them (the least loaded so far, in a fixed order)
+copies it. So each trainer rank sends exactly what it holds of what the engines need, a
+replicated byte leaves once, and no engine byte is written twice. The schedule depends only on
+the trainer layout and the engines' slice maps, so every trainer rank computes the same one;
+`schedule_hash` lets rank 0 check that they did.
+"""
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from math import prod
+
+import msgspec
+import torch
+import xxhash
+
+from weightbus.core.meta import TensorMeta
+from weightbus.core.plan.shard import ShardCopy
+from weightbus.core.sharded.boxes import Box
+from weightbus.core.sharded.layout import TrainerLayout
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Trainer rank `owner` copies `cell` (of tensor `name`) into copy `copy` of engine rank
+    `target`'s slice, whose box in the tensor is `slice_box`."""
+
+    target: int
+    name: str
+    copy: int
+    slice_box: Box
+    cell: Box
+    owner: int
+
+
+def slice_box(meta: TensorMeta, copy: ShardCopy) -> Box:
+    """The box of the tensor that `copy` takes."""
+    whole = Box.whole(meta.shape)
+    if not meta.shape:
+        return whole
+    if copy.src_dim == 0:
+        return Box(copy.src_start, copy.src_start + copy.length, whole.col_start, whole.col_stop)
+    if copy.src_dim == 1:
+        inner = prod(meta.shape[2:])
+        return Box(
+            0, whole.row_stop, copy.src_start * inner, (copy.src_start + copy.length) * inner
+        )
+    raise ValueError(
+        f"tensor {meta.name!r}: engine slices along dimension {copy.src_dim} are not supported"
+    )
+
+
+def _cells(box: Box, holders: list[tuple[int, Box]]) -> list[Box]:
+    rows = sorted(
+        {box.row_start, box.row_stop}
+        | {
+            v
+            for _, h in holders
+            for v in (h.row_start, h.row_stop)
+            if box.row_start < v < box.row_stop
+        }
+    )
+    cols = sorted(
+        {box.col_start, box.col_stop}
+        | {
+            v
+            for _, h in holders
+            for v in (h.col_start, h.col_stop)
+            if box.col_start < v < box.col_stop
+        }
+    )
+    return [Box(r0, r1, c0, c1) for r0, r1 in pairwise(rows) for c0, c1 in pairwise(cols)]
+
+
+def make_schedule(
+    layout: TrainerLayout, slices: Sequence[dict[str, list[ShardCopy]]]
+) -> list[Piece]:
+    """Every piece, for engine ranks' `slices` (per engine rank: tensor name -> its copies)."""
+    metas = {meta.name: meta for meta in layout.metas}
+    load: dict[int, int] = defaultdict(int)
+    pieces = []
+    for target, copies_by_name in enumerate(slices):
+        for name in sorted(copies_by_name):
+            meta, holders = metas[name], layout.holders(name)
+            for index, copy in enumerate(copies_by_name[name]):
+                box = slice_box(meta, copy)
+                for cell in _cells(box, holders):
+                    owners = [rank for rank, held in holders if cell.intersect(held) == cell]
+                    owner = min(owners, key=lambda rank: (load[rank], rank))
+                    load[owner] += cell.numel * meta.element_bytes
+                    pieces.append(Piece(target, name, index, box, cell, owner))
+    return pieces
+
+
+def schedule_hash(layout: TrainerLayout, pieces: Sequence[Piece]) -> str:
+    rows = [(p.target, p.name, p.copy, p.cell, p.owner) for p in pieces]
+    return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode([layout.layout_hash, rows]))
+
+
+def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of `tensor` as its `(rows, columns)` matrix."""
+    if tensor.dim() == 0:
+        return tensor.view(1, 1)
+    if tensor.dim() == 1:
+        return tensor.unsqueeze(1)
+    return tensor if tensor.dim() == 2 else tensor.view(tensor.shape[0], -1)
+
+
+def cell_view(matrix: torch.Tensor, outer: Box, cell: Box) -> torch.Tensor:
+    """The part of `matrix` (holding `outer`) that is `cell`."""
+    inner = cell.within(outer)
+    return matrix[inner.row_start : inner.row_stop, inner.col_start : inner.col_stop]

@@ -1,0 +1,110 @@
+"""A sharded trainer for the tests: one process per rank (RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set), FSDP2 (`fully_shard` per decoder layer and at the root) on a gloo CPU mesh,
+AdamW steps, pushes through `ShardedPublisher`. It runs the actions of its JSON argument in
+order and writes one JSON line per action to `<out>/rank<r>.jsonl`; after each `push` with
+`save`, rank 0 writes the gathered weights (for the test's checks only) to `<out>/<version>.pt`.
+
+Actions: `train` (steps), `push` (version; `direct`: False packs the slots), `nan` (rank `on`
+holds a NaN), `raise` (rank `on` passes a non-tensor), `kill` (rank `on` dies by SIGKILL as its
+copies start).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from weightbus.core.sharded import ShardedPublisher
+from weightbus.core.sharded.write import GroupWriter
+
+
+def _model(source: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    if source == "tiny":
+        from weightbus.apps.demo.trainer import hf_llama_config
+        from weightbus.engines.reference.models.config import tiny_config
+
+        torch.manual_seed(0)
+        return LlamaForCausalLM(hf_llama_config(tiny_config())).float()
+    return AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(seed)  # the same batch on every rank
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (2, 16), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, rank: int) -> dict:
+    weights: object = model
+    if action["kind"] == "nan" and rank == action["on"]:
+        name, tensor = next(iter(model.state_dict().items()))
+        weights = {**model.state_dict(), name: tensor.detach().clone()}
+        weights[name].to_local()[0] = float("nan")
+    if action["kind"] == "raise" and rank == action["on"]:
+        weights = {**model.state_dict(), "not.a.tensor": 3}
+    if action["kind"] == "kill" and rank == action["on"]:
+        GroupWriter._copy = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    result = publisher.push(weights, version=action["version"], **action.get("options", {}))
+    return {"fingerprint": result.fingerprint, "sent_bytes": result.sent_bytes}
+
+
+def _publisher(args: dict, direct: bool) -> ShardedPublisher:
+    engines = args["engines"]
+    if args.get("vllm"):
+        from weightbus.engines.vllm.target import VllmEngineTarget
+
+        engines = [VllmEngineTarget(url) for url in engines]
+    return ShardedPublisher(engines, timeout_s=args["timeout_s"], direct=direct)
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    out = Path(args["out"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = dist.get_rank()
+    model = _model(args["model"])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    publishers: dict[bool, ShardedPublisher] = {}
+    with (out / f"rank{rank}.jsonl").open("w") as records:
+        for index, action in enumerate(args["actions"]):
+            if action["kind"] == "train":
+                _train(model, optimizer, action["steps"], seed=index)
+                continue
+            record, start = {"action": action}, time.monotonic()
+            try:
+                direct = action.get("direct", True)
+                if direct not in publishers:  # every rank builds it at the same action
+                    publishers[direct] = _publisher(args, direct)
+                record |= {"ok": True, **_push(publishers[direct], model, action, rank)}
+            except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+                record |= {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+            record["seconds"] = time.monotonic() - start
+            records.write(json.dumps(record) + "\n")
+            records.flush()
+            if record["ok"] and action.get("save"):
+                gathered = {k: v.full_tensor() for k, v in model.state_dict().items()}
+                if rank == 0:
+                    torch.save(gathered, out / f"{action['version']}.pt")
+    os._exit(0)  # a killed peer would leave gloo's teardown waiting
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Sharded trainers push into real engines: FSDP2 ranks (real processes on a gloo mesh, AdamW
+steps) each copy the bytes they hold straight into the engines' parameters over `shm`, with no
+gather. Weights serve like transformers on the gathered model, the fingerprint is the
+single-process Publisher's, and a rank that fails, raises or dies fails the push on every rank,
+naming it, while the engines keep serving the previous version."""
+
+import pytest
+import torch
+from sharded_harness import gathered, run_trainers
+from update_harness import engine_greedy, hf_greedy, weights_state
+
+from weightbus.core.digest import fingerprint
+from weightbus.core.publisher import normalize_weights
+
+SEED = 5  # `engines` (conftest.py): the shared tiny engines tp2 and tp1, and a reference
+HF_CASE = "qwen2_tied_kv1_sharded"  # `hf_model` and `engine` (tests/conftest.py): at TP 2
+LOGPROB_ATOL = 1e-4  # float32 engine vs transformers (test_update_e2e.py)
+
+
+def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_path):
+    """2 FSDP2 ranks, 2 pushes with training between (straight into the engines' parameters,
+    then through the slots), into engines of TP 2 and TP 1 (two-phase)."""
+    fleet = [engines["tp2"].url, engines["tp1"].url]
+    actions = [
+        {"kind": "train", "steps": 2},
+        {"kind": "push", "version": "fsdp-1", "save": True},
+        {"kind": "train", "steps": 1},
+        {"kind": "push", "version": "fsdp-2", "save": True, "direct": False},
+    ]
+    records = run_trainers(2, "tiny", fleet, actions, tmp_path)
+    assert all(len(r) == 2 and all(x["ok"] for x in r) for r in records), records
+    for index, version in enumerate(["fsdp-1", "fsdp-2"]):
+        weights = normalize_weights(gathered(tmp_path, version))
+        expected = fingerprint(weights)
+        assert {r[index]["fingerprint"] for r in records} == {expected}
+        sent = records[0][index]["sent_bytes"]
+        total = sum(t.nbytes for _, t in weights)
+        norms = sum(t.nbytes for _, t in weights if t.dim() == 1)
+        # no gather, no byte twice, each rank its half: straight into the parameters, each
+        # engine's bytes (TP 2: the norms to both ranks); through the slots, the model once
+        assert sum(sent) == (2 * total + norms if index == 0 else total)
+        assert all(abs(s - sum(sent) / 2) <= sum(sent) / 8 for s in sent), sent
+    for engine in (engines["tp2"], engines["tp1"]):
+        state = weights_state(engine)
+        assert (state["version"], state["fingerprint"]) == ("fsdp-2", expected)
+
+
+def test_qwen2_tied_kv1_on_four_fsdp2_ranks_serves_like_transformers(engine, hf_model, tmp_path):
+    path, _ = hf_model
+    actions = [{"kind": "train", "steps": 2}, {"kind": "push", "version": "q-1", "save": True}]
+    records = run_trainers(4, str(path), [engine.url], actions, tmp_path)
+    assert all(r and r[0]["ok"] for r in records), records
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model.load_state_dict(gathered(tmp_path, "q-1"))
+    expected = fingerprint(normalize_weights(model))
+    assert records[0][0]["fingerprint"] == expected
+    assert weights_state(engine)["fingerprint"] == expected
+    tokens, logprobs = hf_greedy(model.eval())
+    choice = engine_greedy(engine)
+    assert choice["token_ids"] == tokens
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_keep_serving(
+    engine, hf_model, tmp_path
+):
+    path, _ = hf_model
+    actions = [
+        {"kind": "push", "version": "base", "options": {"force": True}},
+        {"kind": "train", "steps": 1},
+        {"kind": "nan", "version": "nan", "on": 1},
+        {"kind": "raise", "version": "raise", "on": 1},
+        {"kind": "push", "version": "base"},  # served already: the engine answers 409
+        {"kind": "kill", "version": "killed", "on": 1},
+    ]
+    records = run_trainers(2, str(path), [engine.url], actions, tmp_path, timeout_s=10)
+    rank0, rank1 = records
+    assert rank0[0]["ok"], records
+    assert rank1[0]["ok"], records
+    before = weights_state(engine), engine_greedy(engine)
+    assert before[0]["version"] == "base"
+    nan, raised, refused, killed = rank0[1:]
+    for record in (nan, rank1[1]):
+        assert record["error"] == "NonFiniteWeightsError"
+        assert "model.embed_tokens.weight (" in record["message"]
+        assert "on trainer rank 1" in record["message"]
+    assert (raised["error"], rank1[2]["error"]) == ("TrainerRankError", "TypeError")
+    assert "trainer rank 1 failed" in raised["message"]
+    assert "'not.a.tensor'" in raised["message"]
+    for record in (refused, rank1[3]):
+        assert record["error"] == "PushError", record
+        assert "409" in record["message"], record
+    assert len(rank1) == 4  # rank 1 died in its copies
+    assert killed["error"] == "PushError", killed
+    assert "trainer rank 1 sent no write report" in killed["message"], killed
+    assert killed["seconds"] < 10 + 5
+    state, choice = weights_state(engine), engine_greedy(engine)
+    assert (state["status"], state["version"], state["fingerprint"]) == (
+        "NORMAL",
+        "base",
+        before[0]["fingerprint"],
+    )
+    assert choice["token_ids"] == before[1]["token_ids"]
+    assert choice["logprobs"]["token_logprobs"] == before[1]["logprobs"]["token_logprobs"]
