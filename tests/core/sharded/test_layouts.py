@@ -10,7 +10,7 @@ from sharded_layouts import LAYOUTS, SHAPES, engine_slices, holdings, model
 
 from weightbus.core.digest import combine_blocks, tensor_digest
 from weightbus.core.sharded.boxes import Box
-from weightbus.core.sharded.digests import DigestPlan, Region, _segment_bytes
+from weightbus.core.sharded.digests import DigestPlan, Region
 from weightbus.core.sharded.layout import TrainerLayout, held_metas
 from weightbus.core.sharded.schedule import as_matrix, cell_view, make_schedule, slice_box
 
@@ -28,7 +28,7 @@ def _simulated_digests(plan: DigestPlan, held_by_rank) -> list[str]:
         name = plan.regions[block.region].name
         hasher = xxhash.xxh3_128()
         for segment in block.segments:
-            hasher.update(_segment_bytes(held_by_rank[segment.rank][name], segment))
+            hasher.update(held_by_rank[segment.rank][name].bytes_of(segment.start, segment.numel))
         blocks[block.region][block.index] = hasher.digest()
     return [combine_blocks(per_region) for per_region in blocks]
 

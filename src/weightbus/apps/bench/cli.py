@@ -34,6 +34,10 @@ SUITES = {
         "weightbus.apps.bench.engine",
         "reference engine tokens/s at batch 1 and 16, TP 1 and 2",
     ),
+    "sharded": (
+        "weightbus.apps.bench.sharded",
+        "FSDP2 trainer ranks pushing their own shards vs full_tensor() + one push, same run",
+    ),
     "status": (
         "weightbus.apps.bench.status",
         "decode step cost of the live-update machinery at rest",

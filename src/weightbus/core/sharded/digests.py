@@ -18,7 +18,6 @@ import msgspec
 import xxhash
 
 from weightbus.core.digest import DIGEST_BLOCK_BYTES, combine_blocks
-from weightbus.core.plan.bucket import byte_view
 from weightbus.core.sharded.boxes import Box, Run, held_runs, matrix_shape, runs
 from weightbus.core.sharded.control import ControlMessage, GroupControl
 from weightbus.core.sharded.holdings import Holding
@@ -173,9 +172,14 @@ def _merged(segments: list[Segment]) -> tuple[Segment, ...]:
     return tuple(merged)
 
 
-def _segment_bytes(holding: Holding, segment: Segment) -> object:
-    local = holding.local[segment.start : segment.start + segment.numel]
-    return byte_view(local.cpu() if local.device.type != "cpu" else local).numpy()
+def _hash(segments: Sequence[tuple[Segment, object]]) -> bytes:
+    """xxh3-128 of the segments' bytes, in order."""
+    if len(segments) == 1:
+        return xxhash.xxh3_128_digest(segments[0][1])
+    hasher = xxhash.xxh3_128()
+    for _, data in segments:
+        hasher.update(data)
+    return hasher.digest()
 
 
 def compute(
@@ -192,57 +196,64 @@ def compute(
         TrainerRankError: a rank did not send its parts in time, or failed (named).
     """
     rank = control.rank
-    results: list[tuple[int, int, bytes]] = []
     names = [region.name for region in plan.regions]
+    results: list[tuple[int, int, bytes]] = []
     for block in plan.blocks:
         if block.owner == rank and not block.split:
-            hasher = xxhash.xxh3_128()
-            for segment in block.segments:
-                hasher.update(_segment_bytes(holdings[names[block.region]], segment))
-            results.append((block.region, block.index, hasher.digest()))
+            holding = holdings[names[block.region]]
+            held = [(s, holding.bytes_of(s.start, s.numel)) for s in block.segments]
+            results.append((block.region, block.index, _hash(held)))
     for number, blocks in enumerate(plan.rounds()):
         key = f"{prefix}/digest-round/{number}"
-        outgoing: dict[int, list[object]] = defaultdict(list)
-        for block in blocks:
-            for segment in block.segments:
-                if segment.rank == rank and block.owner != rank:
-                    outgoing[block.owner].append(
-                        _segment_bytes(holdings[names[block.region]], segment)
-                    )
-        control.report(
-            key,
-            ControlMessage(
-                body=msgspec.msgpack.encode(
-                    {
-                        owner: b"".join(bytes(p) for p in pieces)
-                        for owner, pieces in outgoing.items()
-                    }
-                )
-            ),
-        )
-        if not any(block.owner == rank for block in blocks):
-            continue
-        received = control.collect(key, "parts of the blocks it digests", deadline)
-        streams = {
-            sender: memoryview(
-                msgspec.msgpack.decode(message.body, type=dict[int, bytes]).get(rank, b"")
-            )
-            for sender, message in received.items()
-        }
-        offsets: dict[int, int] = defaultdict(int)
-        for block in (b for b in blocks if b.owner == rank):
-            holding = holdings[names[block.region]]
-            size = holding.meta.element_bytes
-            hasher = xxhash.xxh3_128()
-            for segment in block.segments:
-                if segment.rank == rank:
-                    hasher.update(_segment_bytes(holding, segment))
-                else:
-                    start = offsets[segment.rank]
-                    hasher.update(streams[segment.rank][start : start + segment.numel * size])
-                    offsets[segment.rank] = start + segment.numel * size
-            results.append((block.region, block.index, hasher.digest()))
+        results += _exchange_round(blocks, names, holdings, control, key=key, deadline=deadline)
     return BlockDigests(results)
+
+
+def _exchange_round(
+    blocks: list[Block],
+    names: list[str],
+    holdings: dict[str, Holding],
+    control: GroupControl,
+    *,
+    key: str,
+    deadline: float,
+) -> list[tuple[int, int, bytes]]:
+    """One round of split blocks: send this rank's parts to their owners, then digest the
+    blocks it owns."""
+    rank = control.rank
+    outgoing: dict[int, list[bytes]] = defaultdict(list)
+    for block in blocks:
+        for segment in block.segments:
+            if segment.rank == rank and block.owner != rank:
+                data = holdings[names[block.region]].bytes_of(segment.start, segment.numel)
+                outgoing[block.owner].append(bytes(data))
+    body = msgspec.msgpack.encode({owner: b"".join(parts) for owner, parts in outgoing.items()})
+    control.report(key, ControlMessage(body=body))
+    mine = [block for block in blocks if block.owner == rank]
+    if not mine:
+        return []
+    received = control.collect(key, "parts of the blocks it digests", deadline)
+    streams = {
+        sender: memoryview(
+            msgspec.msgpack.decode(message.body, type=dict[int, bytes]).get(rank, b"")
+        )
+        for sender, message in received.items()
+    }
+    offsets: dict[int, int] = defaultdict(int)
+    results = []
+    for block in mine:
+        holding = holdings[names[block.region]]
+        size = holding.meta.element_bytes
+        parts: list[tuple[Segment, object]] = []
+        for segment in block.segments:
+            if segment.rank == rank:
+                parts.append((segment, holding.bytes_of(segment.start, segment.numel)))
+                continue
+            start, nbytes = offsets[segment.rank], segment.numel * size
+            parts.append((segment, streams[segment.rank][start : start + nbytes]))
+            offsets[segment.rank] = start + nbytes
+        results.append((block.region, block.index, _hash(parts)))
+    return results
 
 
 def combine(plan: DigestPlan, reports: Sequence[BlockDigests]) -> list[str]:

@@ -11,12 +11,16 @@ Three kinds of source, in any mix (`holdings_of`):
   only its own tensors).
 """
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from weightbus.core.meta import TensorMeta
+from weightbus.core.plan.bucket import byte_view
 from weightbus.core.publisher.session import NameMap, Weights, memory_key, rename
 from weightbus.core.sharded.boxes import Box
 
@@ -73,15 +77,29 @@ def fused_shards(
 @dataclass(frozen=True, slots=True)
 class Holding:
     """One tensor this rank holds (part of): its full metadata, its box, and the local elements
-    (contiguous, row-major over the box)."""
+    (contiguous, row-major over the box; `raw`: their bytes, read in place)."""
 
     meta: TensorMeta
     box: Box
     local: torch.Tensor  # flat, box.numel elements
+    raw: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.local.device.type != "cpu":
+            raise ValueError(
+                f"tensor {self.meta.name!r} is on {self.local.device}: sharded pushes read the "
+                "trainer's CPU memory (move the shards to the CPU first)"
+            )
+        object.__setattr__(self, "raw", byte_view(self.local).numpy())
 
     @property
     def name(self) -> str:
         return self.meta.name
+
+    def bytes_of(self, start: int, numel: int) -> np.ndarray:
+        """The bytes of local elements `[start, start + numel)`, in place."""
+        size = self.meta.element_bytes
+        return self.raw[start * size : (start + numel) * size]
 
 
 Source = torch.Tensor | DeclaredShard
@@ -89,14 +107,11 @@ Source = torch.Tensor | DeclaredShard
 
 def _dtensor_holding(name: str, tensor: torch.Tensor) -> Holding:
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(isinstance(placement, Partial) for placement in tensor.placements):
         raise ValueError(f"tensor {name!r} is Partial (unreduced values): reduce it before a push")
     shape = tuple(tensor.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(
-        shape, tensor.device_mesh, tensor.placements
-    )
+    local_shape, offset = _local_shape_and_offset(shape, tensor.device_mesh, tensor.placements)
     local = tensor.to_local().detach()
     if tuple(local.shape) != tuple(local_shape):
         raise ValueError(
@@ -104,6 +119,15 @@ def _dtensor_holding(name: str, tensor: torch.Tensor) -> Holding:
         )
     box = Box.of_offsets(name, shape, tuple(local_shape), tuple(offset))
     return Holding(TensorMeta(name, tensor.dtype, shape), box, _flat(local))
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_shape_and_offset(shape: tuple[int, ...], mesh: Any, placements: tuple) -> tuple:
+    """torch's `compute_local_shape_and_global_offset`, once per layout (it reads torch's
+    config on every call: ~1.4 ms, 0.35 s per push of 250 tensors)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from weightbus.core.plan import Plan
-from weightbus.core.plan.bucket import byte_view
 from weightbus.core.sharded.boxes import Box, held_runs, matrix_shape, runs
 from weightbus.core.sharded.control import GroupControl, run_all
 from weightbus.core.sharded.digests import (
@@ -146,8 +146,7 @@ class GroupSlots:
             mine = [part for part in schedule[bucket] if part.rank == self._control.rank]
 
             def copy(part: SlotPart) -> int:
-                local = holdings[part.name].local[part.start : part.start + part.numel]
-                source = byte_view(local.cpu() if local.device.type != "cpu" else local)
+                source = torch.from_numpy(holdings[part.name].bytes_of(part.start, part.numel))
                 buffer[part.slot_offset : part.slot_offset + source.numel()].copy_(source)
                 return source.numel()
 

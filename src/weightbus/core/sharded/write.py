@@ -29,6 +29,9 @@ from weightbus.core.sharded.schedule import (
 from weightbus.core.transport.shm.direct import MappedTarget
 from weightbus.core.wire import DirectTarget
 
+# schedules kept: an atomic engine alternates between two arenas, a fleet has several engines
+_COMPILED_KEPT = 8
+
 
 class WriteOrder(msgspec.Struct, frozen=True, kw_only=True):
     """Rank 0's order to write: the engine ranks' offers, in session order."""
@@ -170,14 +173,14 @@ class GroupWriter:
                 for (target, name), box in sorted(boxes.items()):
                     regions.append(Region(name, box))
                     slice_regions.append((target, name))
-            self._compiled = {
-                key: _Compiled(
-                    pieces,
-                    schedule_hash(layout, pieces),
-                    DigestPlan(layout, regions),
-                    slice_regions,
-                )
-            }
+            if len(self._compiled) >= _COMPILED_KEPT:  # engines that came and went
+                self._compiled.clear()
+            self._compiled[key] = _Compiled(
+                pieces,
+                schedule_hash(layout, pieces),
+                DigestPlan(layout, regions),
+                slice_regions,
+            )
         return self._compiled[key]
 
     def _copy(

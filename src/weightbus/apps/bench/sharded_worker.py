@@ -1,0 +1,148 @@
+"""One trainer rank of `weightbus bench sharded` (run by it: RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set). It builds the checkpoint's Llama on the meta device, shards it with FSDP2's
+`fully_shard` on a gloo CPU mesh, fills its own shards from the checkpoint (never the whole
+model), then times each push path and writes `<out>/rank<r>.json`."""
+
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from weightbus.core.publisher import Publisher
+from weightbus.core.sharded import ShardedPublisher
+
+_SAMPLE_S = 0.002
+# every push of the bench: staged then swapped, between two steps, every digest checked
+_OPTIONS = {"atomic": True, "pause_mode": "in_place", "verify": "full"}
+
+
+def _rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakAnon:
+    """The peak private memory (RssAnon) above its value at the start, sampled every 2 ms:
+    what a push allocates, not the engines' shared memory it writes into."""
+
+    def __enter__(self) -> "PeakAnon":
+        self.base = self.peak = _rss_anon()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(_SAMPLE_S):
+            self.peak = max(self.peak, _rss_anon())
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_anon())
+
+    @property
+    def extra_bytes(self) -> int:
+        return self.peak - self.base
+
+
+def _sharded_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as checkpoint, torch.no_grad():
+        for name, param in model.state_dict().items():
+            shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements
+            )
+            rows = slice(offset[0], offset[0] + shape[0])
+            param.to_local().copy_(checkpoint.get_slice(name)[rows])
+    return model
+
+
+def _timed(push, repeat: int) -> dict:
+    seconds, peaks, sent = [], [], []
+    for index in range(repeat + 1):  # the first warms up (page faults, mappings)
+        dist.barrier()
+        with PeakAnon() as peak:
+            start = time.perf_counter()
+            sent_bytes = push(index)
+            elapsed = time.perf_counter() - start
+        if index:
+            seconds.append(elapsed)
+            peaks.append(peak.extra_bytes)
+            sent.append(sent_bytes)
+    return {"seconds": statistics.median(seconds), "peak_bytes": max(peaks), "sent_bytes": sent[-1]}
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _sharded_model(args["model_dir"])
+    shard_bytes = sum(p.to_local().nbytes for p in model.state_dict().values())
+    results = {"rank": rank, "world_size": world, "shard_bytes": shard_bytes, "rows": {}}
+    for direct in (True, False):
+        mode = "direct" if direct else "slots"
+        sharded = ShardedPublisher(
+            [args["url"]], timeout_s=600, direct=direct, bucket_bytes=args["bucket_bytes"]
+        )
+
+        def push_sharded(index: int, sharded=sharded, mode=mode) -> int:
+            version = f"sharded-{world}-{mode}-{index}-{time.monotonic_ns()}"
+            result = sharded.push(model, version=version, **_OPTIONS)
+            return result.sent_bytes[rank]
+
+        results["rows"][f"sharded shm {mode}"] = _timed(push_sharded, args["repeat"])
+        sharded.close()
+        publisher = None
+        if rank == 0:
+            publisher = Publisher(
+                [args["url"]],
+                transport="shm",
+                timeout_s=600,
+                bucket_bytes=args["bucket_bytes"],
+                transport_options={"direct": direct},
+            )
+
+        def push_gathered(index: int, publisher=publisher, mode=mode) -> int:
+            full = {name: p.full_tensor() for name, p in model.state_dict().items()}
+            if publisher is None:
+                dist.barrier()
+                return 0
+            version = f"gathered-{world}-{mode}-{index}-{time.monotonic_ns()}"
+            result = publisher.push(full, version=version, **_OPTIONS)
+            dist.barrier()
+            return result.sent_bytes
+
+        results["rows"][f"full_tensor + Publisher shm {mode}"] = _timed(
+            push_gathered, args["repeat"]
+        )
+        if publisher is not None:
+            publisher.close()
+    (Path(args["out"]) / f"rank{rank}.json").write_text(json.dumps(results))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
