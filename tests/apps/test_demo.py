@@ -25,10 +25,14 @@ def _demo(*args: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:
     return result, json.loads(out.read_text())
 
 
-def test_demo_trains_pushes_and_every_fingerprint_matches(tmp_path):
-    result, record = _demo("--steps", "2", "--tp", "2", "--seed", "3", tmp_path=tmp_path)
+def test_demo_with_an_fsdp2_trainer_on_two_processes_pushes_without_a_gather(tmp_path):
+    """The single-process trainer runs in the tests below (a running engine, deltas, a draft)."""
+    result, record = _demo(
+        "--trainer-ranks", "2", "--steps", "3", "--tp", "2", "--seed", "3", tmp_path=tmp_path
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert_demo_passed(record, result.stdout, num_steps=2)
+    assert_demo_passed(record, result.stdout, num_steps=3)
+    assert result.stdout.count("(no gather)") == 3
 
 
 def test_demo_on_a_running_engine_pushes_the_initial_weights_first(tmp_path):

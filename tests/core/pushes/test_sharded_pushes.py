@@ -45,24 +45,6 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
         assert (state["version"], state["fingerprint"]) == ("fsdp-2", expected)
 
 
-def test_qwen2_tied_kv1_on_four_fsdp2_ranks_serves_like_transformers(engine, hf_model, tmp_path):
-    path, _ = hf_model
-    actions = [{"kind": "train", "steps": 2}, {"kind": "push", "version": "q-1", "save": True}]
-    records = run_trainers(4, str(path), [engine.url], actions, tmp_path)
-    assert all(r and r[0]["ok"] for r in records), records
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    model.load_state_dict(gathered(tmp_path, "q-1"))
-    expected = fingerprint(normalize_weights(model))
-    assert records[0][0]["fingerprint"] == expected
-    assert weights_state(engine)["fingerprint"] == expected
-    tokens, logprobs = hf_greedy(model.eval())
-    choice = engine_greedy(engine)
-    assert choice["token_ids"] == tokens
-    assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
-
-
 def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_keep_serving(
     engine, hf_model, tmp_path
 ):
@@ -104,3 +86,22 @@ def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_ke
     )
     assert choice["token_ids"] == before[1]["token_ids"]
     assert choice["logprobs"]["token_logprobs"] == before[1]["logprobs"]["token_logprobs"]
+
+
+def test_qwen2_tied_kv1_on_four_fsdp2_ranks_serves_like_transformers(engine, hf_model, tmp_path):
+    """After the killed rank above, a new group (four ranks) pushes into the same engine."""
+    path, _ = hf_model
+    actions = [{"kind": "train", "steps": 2}, {"kind": "push", "version": "q-1", "save": True}]
+    records = run_trainers(4, str(path), [engine.url], actions, tmp_path)
+    assert all(r and r[0]["ok"] for r in records), records
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model.load_state_dict(gathered(tmp_path, "q-1"))
+    expected = fingerprint(normalize_weights(model))
+    assert records[0][0]["fingerprint"] == expected
+    assert weights_state(engine)["fingerprint"] == expected
+    tokens, logprobs = hf_greedy(model.eval())
+    choice = engine_greedy(engine)
+    assert choice["token_ids"] == tokens
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=LOGPROB_ATOL)

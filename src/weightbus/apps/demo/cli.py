@@ -82,6 +82,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--num-speculative-tokens", type=int, default=3, help="draft tokens per step with --draft"
     )
+    parser.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=1,
+        help="train with FSDP2 on this many processes, each pushing its own shards "
+        "(ShardedPublisher over shm, whole versions; docs/sharded.md)",
+    )
     parser.add_argument("--json", default=None, help="also write the run's record to this file")
     parser.set_defaults(handler=run)
 
@@ -115,7 +122,7 @@ class DemoRecord:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "tp", "samples", "max_tokens", "replicas"):
+    for name in ("steps", "tp", "samples", "max_tokens", "replicas", "trainer_ranks"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.ray and args.engine is not None:
@@ -126,6 +133,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--num-speculative-tokens must be >= 1")
     if args.draft and (args.ray or args.engine is not None):
         raise ValueError("--draft starts its own engine: leave out --engine and --ray")
+    if args.trainer_ranks > 1 and (
+        args.ray or args.draft or args.engine is not None or args.transport != "shm"
+    ):
+        raise ValueError(
+            "--trainer-ranks pushes over shm into the engine it starts: leave out --ray, "
+            "--draft, --engine and --transport"
+        )
     prompts(args.prompts)
 
 
@@ -145,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_vllm(args)
     if args.ray:
         return _run_ray(args)
+    if args.trainer_ranks > 1:
+        from weightbus.apps.demo.sharded import run_sharded
+
+        return run_sharded(args)
     trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
     record = DemoRecord(transport=args.transport, tp=None if args.engine else args.tp)
     draft = _draft_run(args, trainer)
@@ -170,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if proc is not None:
                 stop_engine(proc)
-    return _finish(record, args)
+    return finish(record, args)
 
 
 def _draft_run(args: argparse.Namespace, trainer: Trainer) -> DraftRun | None:
@@ -219,7 +237,7 @@ def _run_vllm(args: argparse.Namespace) -> int:
             )  # fmt: skip
         finally:
             server.stop()
-    return _finish(record, args)
+    return finish(record, args)
 
 
 def _run_ray(args: argparse.Namespace) -> int:
@@ -264,10 +282,10 @@ def _run_ray(args: argparse.Namespace) -> int:
             if fleet is not None:
                 fleet.shutdown()
             ray.shutdown()
-    return _finish(record, args)
+    return finish(record, args)
 
 
-def _finish(record: DemoRecord, args: argparse.Namespace) -> int:
+def finish(record: DemoRecord, args: argparse.Namespace) -> int:
     _summarize(record)
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(record), indent=2) + "\n")
@@ -410,7 +428,7 @@ class _Loop:
             draft_frozen=None if draft is None else draft.frozen,
         )
         self.record.steps.append(entry)
-        _print_step(entry, args.steps, render(rollouts[0].token_ids))
+        print_step(entry, args.steps, render(rollouts[0].token_ids))
         if not matched:
             raise DemoCheckError(
                 f"step {step}: engine serves {state['version']!r} with fingerprint "
@@ -423,7 +441,7 @@ def _probe_ids(args: argparse.Namespace) -> list[int]:
     return [*prompts(1)[0], *range(ord("0"), ord("0") + args.max_tokens)]
 
 
-def _print_step(entry: StepRecord, num_steps: int, sample: str) -> None:
+def print_step(entry: StepRecord, num_steps: int, sample: str) -> None:
     print(
         f"step {entry.step:>3}/{num_steps}  reward {entry.reward:.3f}  "
         f"push {entry.push_s:.3f} s {_push_kind(entry)}  version {entry.version}  "

@@ -1,0 +1,232 @@
+"""`weightbus demo --trainer-ranks N`: the RL loop with an FSDP2 trainer on N processes.
+
+The demo process starts the engine from the trainer's initial checkpoint and N trainer
+processes (one gloo group). Every rank builds the same `transformers` model, shards it with
+FSDP2's `fully_shard` on a CPU mesh, and runs every step: rank 0 samples the rollouts from the
+engine and hands them to the others over the group (msgpack, no pickle); every rank takes the
+same update (FSDP2 all-gathers the parameters for its forward and reduce-scatters the
+gradients); then every rank pushes its own shards with a `ShardedPublisher`, no gather. Rank 0
+checks the engine's version and fingerprint and prints the step, and writes the run's record
+for the demo process to summarize.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from weightbus.apps.demo.task import Rollout, prompts, render
+from weightbus.apps.demo.trainer import Trainer
+from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.core.units import format_bytes
+from weightbus.engines.reference.models.config import tiny_config
+from weightbus.engines.vllm.launch import free_port
+
+_RECORD = "record.json"
+_STEP_TIMEOUT_S = 600.0  # bound of one step's collectives on the trainer group
+
+
+def run_sharded(args: argparse.Namespace) -> int:
+    """The demo process: engine, trainer ranks, summary."""
+    from weightbus.apps.demo.cli import DemoRecord, StepRecord, finish
+
+    with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
+        Trainer(tiny_config(), seed=args.seed, lr=args.lr).save(Path(tmp) / "model")
+        print(
+            f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}; "
+            f"{args.trainer_ranks} trainer processes (FSDP2, gloo CPU mesh)"
+        )
+        proc, url = start_engine(str(Path(tmp) / "model"), args.tp)
+        try:
+            codes = _run_ranks(args, url, Path(tmp))
+        finally:
+            stop_engine(proc)
+        path = Path(tmp) / _RECORD
+        if not path.exists():
+            record = DemoRecord(transport="shm", tp=args.tp)
+            record.failures.append(f"trainer rank 0 exited with {codes[0]} before its record")
+        else:
+            raw = json.loads(path.read_text())
+            steps = [StepRecord(**step) for step in raw.pop("steps")]
+            record = DemoRecord(**raw, steps=steps)
+        if any(codes) and not record.failures:
+            record.failures.append(f"trainer ranks exited with {codes}")
+    return finish(record, args)
+
+
+def _run_ranks(args: argparse.Namespace, url: str, directory: Path) -> list[int]:
+    payload = json.dumps({**vars(args), "handler": None, "url": url, "out": str(directory)})
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(  # noqa: S603 - this interpreter and our own module
+            [sys.executable, "-m", "weightbus.apps.demo.sharded", payload],
+            env={
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(args.trainer_ranks),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for rank in range(args.trainer_ranks)
+    ]
+    return [proc.wait() for proc in procs]
+
+
+class _Round(msgspec.Struct, frozen=True):
+    """Rank 0's word at the start of a step: the rollouts, or stop (and why)."""
+
+    rollouts: list[Rollout]
+    stop: str = ""
+
+
+def _broadcast(round_: _Round | None) -> _Round:
+    """Rank 0's `round_` on every rank (length, then bytes, on the trainer group)."""
+    timeout = timedelta(seconds=_STEP_TIMEOUT_S)
+    data = msgspec.msgpack.encode(round_) if round_ is not None else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=0, async_op=True).wait(timeout)
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+    if buffer is None:
+        buffer = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0, async_op=True).wait(timeout)
+    return msgspec.msgpack.decode(buffer.numpy().tobytes(), type=_Round)
+
+
+class _RankLoop:
+    """One trainer rank's RL loop (rank 0 also talks to the engine and keeps the record)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from weightbus.apps.demo.cli import DemoRecord
+        from weightbus.apps.demo.rollout import RolloutClient
+        from weightbus.core.digest import fingerprint
+        from weightbus.core.sharded import ShardedPublisher
+
+        self.args = args
+        self.rank = dist.get_rank()
+        self.trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
+        self.initial_fingerprint = fingerprint(self.trainer.model.state_dict().items())
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in self.trainer.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.trainer.model, mesh=mesh)
+        # fully_shard swapped the parameters for DTensors: the optimizer steps those
+        self.trainer.optimizer = torch.optim.Adam(self.trainer.model.parameters(), lr=args.lr)
+        self.publisher = ShardedPublisher([args.url], transport="shm", timeout_s=120)
+        self.client = None
+        if self.rank == 0:
+            self.client = RolloutClient(
+                args.url, max_tokens=args.max_tokens, temperature=args.temperature
+            )
+        self.record = DemoRecord(transport="shm", tp=args.tp)
+
+    def run(self) -> None:
+        from weightbus.apps.demo.cli import DemoCheckError
+
+        version = self._initial_version()
+        for step in range(1, self.args.steps + 1):
+            round_ = _broadcast(self._rollouts(step, version) if self.rank == 0 else None)
+            if round_.stop:
+                break
+            try:
+                version = self._step(step, round_.rollouts)
+            except (DemoCheckError, RuntimeError, ConnectionError, ValueError) as exc:
+                self.record.failures.append(str(exc))
+                if self.rank == 0:
+                    print(f"FAILED: {exc}", flush=True)
+                break
+        if self.rank == 0:
+            (Path(self.args.out) / _RECORD).write_text(json.dumps(asdict(self.record)))
+
+    def _initial_version(self) -> str:
+        if self.client is None:
+            return ""
+        state = self.client.weights()
+        if state["fingerprint"] != self.initial_fingerprint:
+            self.record.failures.append(
+                f"engine serves {state['fingerprint']}, the trainer {self.initial_fingerprint}"
+            )
+        print(f"engine {state['version']!r} serves the trainer's weights", flush=True)
+        return state["version"]
+
+    def _rollouts(self, step: int, version: str) -> _Round:
+        if self.record.failures:
+            return _Round([], stop=self.record.failures[-1])
+        args = self.args
+        assert self.client is not None
+        seed = args.seed * 10**6 + step * args.prompts * args.samples
+        tick = time.perf_counter()
+        rollouts = self.client.sample(prompts(args.prompts), args.samples, seed=seed)
+        self._rollout_s = time.perf_counter() - tick
+        stale = {r.weight_version for r in rollouts} - {version}
+        if stale:
+            return _Round([], stop=f"step {step}: rollouts from {stale}, expected {version!r}")
+        return _Round(rollouts)
+
+    def _step(self, step: int, rollouts: list[Rollout]) -> str:
+        """One update and one push on every rank; rank 0 checks and prints."""
+        from weightbus.apps.demo.cli import (
+            LOGPROB_TOLERANCE,
+            DemoCheckError,
+            StepRecord,
+            print_step,
+        )
+
+        reward, gap = self.trainer.step(rollouts, self.args.samples)
+        if gap > LOGPROB_TOLERANCE:
+            raise DemoCheckError(f"step {step}: engine and trainer logprobs differ by {gap:.2e}")
+        new_version = f"demo-sharded-step-{step}"
+        result = self.publisher.push(self.trainer.model, version=new_version, step=step)
+        if self.rank != 0:
+            return new_version
+        assert self.client is not None
+        assert result.result is not None
+        state = self.client.weights()
+        matched = (state["version"], state["fingerprint"]) == (new_version, result.fingerprint)
+        entry = StepRecord(
+            step=step,
+            version=new_version,
+            reward=reward,
+            logprob_gap=gap,
+            rollout_tokens_per_s=sum(len(r.token_ids) for r in rollouts) / self._rollout_s,
+            push_s=result.result.seconds,
+            push_bytes=result.result.nbytes,
+            fingerprint=result.fingerprint,
+            fingerprint_matched=matched,
+        )
+        self.record.steps.append(entry)
+        print_step(entry, self.args.steps, render(rollouts[0].token_ids))
+        sent = " / ".join(format_bytes(nbytes) for nbytes in result.sent_bytes)
+        print(f"          trainer ranks sent {sent} (no gather)", flush=True)
+        if not matched:
+            raise DemoCheckError(f"step {step}: the engine serves {state}, not {new_version!r}")
+        return new_version
+
+
+def main() -> None:
+    args = argparse.Namespace(**json.loads(sys.argv[1]))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=_STEP_TIMEOUT_S))
+    torch.set_num_threads(1)  # the engine's ranks need the cores more than the tiny trainer
+    loop = _RankLoop(args)
+    loop.run()
+    if loop.client is not None:
+        loop.client.close()
+    loop.publisher.close()
+    os._exit(0)  # gloo's teardown waits for peers that may have stopped
+
+
+if __name__ == "__main__":
+    main()
