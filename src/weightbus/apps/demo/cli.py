@@ -8,21 +8,27 @@ trainer's (the push's answer and `GET /v1/weights`).
 """
 
 import argparse
-import json
 import logging
 import os
 import secrets
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import torch
 
 from weightbus.apps.demo.draft import DraftRun
+from weightbus.apps.demo.records import (
+    LOGPROB_TOLERANCE,
+    DemoCheckError,
+    DemoRecord,
+    StepRecord,
+    finish,
+    print_step,
+)
 from weightbus.apps.demo.rollout import RolloutClient
 from weightbus.apps.demo.task import prompts, render
 from weightbus.apps.demo.trainer import Trainer
@@ -31,12 +37,8 @@ from weightbus.core.publisher import Publisher, PushError
 from weightbus.core.publisher.delta import DELTA_MODES
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.transport import transport_names
-from weightbus.core.units import format_bytes
 from weightbus.engines.reference.models.config import tiny_config
 
-# Engine (TP, float32) and trainer compute the same logprobs in a different summation order;
-# float32 rounding differences stay far below this, a stale or wrong weight is far above it.
-LOGPROB_TOLERANCE = 1e-3
 TOKEN_ENV = "WEIGHTBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a secret
 
 
@@ -91,34 +93,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", default=None, help="also write the run's record to this file")
     parser.set_defaults(handler=run)
-
-
-@dataclass(slots=True)
-class StepRecord:
-    step: int
-    version: str
-    reward: float
-    logprob_gap: float
-    rollout_tokens_per_s: float
-    push_s: float
-    push_bytes: int
-    fingerprint: str
-    fingerprint_matched: bool
-    push_delta: bool = False  # the push carried changes only (`PushResult.delta`)
-    changed_fraction: float | None = None  # of the elements, against the last push
-    # --draft: the engine's acceptance rate over the step's rollouts, and the expected rates
-    # of the draft kept in step and of the draft frozen at step 0 under the updated policy
-    draft_acceptance: float | None = None
-    draft_in_step: float | None = None
-    draft_frozen: float | None = None
-
-
-@dataclass(slots=True)
-class DemoRecord:
-    transport: str
-    tp: int | None
-    steps: list[StepRecord] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -285,13 +259,6 @@ def _run_ray(args: argparse.Namespace) -> int:
     return finish(record, args)
 
 
-def finish(record: DemoRecord, args: argparse.Namespace) -> int:
-    _summarize(record)
-    if args.json:
-        Path(args.json).write_text(json.dumps(asdict(record), indent=2) + "\n")
-    return 1 if record.failures else 0
-
-
 def _run_steps(
     args: argparse.Namespace,
     trainer: Trainer,
@@ -321,10 +288,6 @@ def _run_steps(
     finally:
         loop.publisher.close()
         loop.client.close()
-
-
-class DemoCheckError(RuntimeError):
-    """A check of the demo failed (the message says which)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -439,75 +402,3 @@ class _Loop:
 
 def _probe_ids(args: argparse.Namespace) -> list[int]:
     return [*prompts(1)[0], *range(ord("0"), ord("0") + args.max_tokens)]
-
-
-def print_step(entry: StepRecord, num_steps: int, sample: str) -> None:
-    print(
-        f"step {entry.step:>3}/{num_steps}  reward {entry.reward:.3f}  "
-        f"push {entry.push_s:.3f} s {_push_kind(entry)}  version {entry.version}  "
-        f"fingerprint {'ok' if entry.fingerprint_matched else 'MISMATCH'}  "
-        f"rollout {entry.rollout_tokens_per_s:.0f} tok/s  "
-        f"logprob gap {entry.logprob_gap:.1e}  {_draft_text(entry)}sample {sample!r}",
-        flush=True,
-    )
-
-
-def _draft_text(entry: StepRecord) -> str:
-    """With --draft: the engine's acceptance rate, and the expected rates of both drafts."""
-    if entry.draft_in_step is None:
-        return ""
-    measured = "-" if entry.draft_acceptance is None else f"{entry.draft_acceptance:.2f}"
-    return (
-        f"accepted {measured} (expected: in step {entry.draft_in_step:.2f}, "
-        f"frozen {entry.draft_frozen:.2f})  "
-    )
-
-
-def _push_kind(entry: StepRecord) -> str:
-    """`delta` or `whole`, with the changed share of the elements when they were compared."""
-    kind = "delta" if entry.push_delta else "whole"
-    changed = entry.changed_fraction
-    return kind if changed is None else f"{kind} ({changed:.1%} changed)"
-
-
-def _summarize(record: DemoRecord) -> None:
-    steps = record.steps
-    print("\nsummary")
-    if steps:
-        matched = sum(s.fingerprint_matched for s in steps)
-        push_s = statistics.median(s.push_s for s in steps)
-        print(
-            f"  reward:         {steps[0].reward:.3f} (step 1) -> {steps[-1].reward:.3f} "
-            f"(step {steps[-1].step})"
-        )
-        every = max(1, len(steps) // 10)
-        curve = " ".join(f"{s.reward:.2f}" for s in steps[::every])
-        print(f"  reward curve:   {curve} (every {every} step(s))")
-        print(
-            f"  pushes:         {len(steps)} over {record.transport}, "
-            f"median {format_bytes(statistics.median(s.push_bytes for s in steps))} and "
-            f"{push_s:.3f} s each"
-        )
-        deltas = sum(s.push_delta for s in steps)
-        print(f"  deltas:         {deltas}/{len(steps)} pushes sent as changes to the last one")
-        print(f"  fingerprints:   {matched}/{len(steps)} matched the trainer's")
-        _summarize_draft(steps)
-        print(
-            f"  logprob gap:    max {max(s.logprob_gap for s in steps):.1e} "
-            f"(tolerance {LOGPROB_TOLERANCE:g})"
-        )
-    print(f"  result:         {'FAILED: ' + record.failures[0] if record.failures else 'ok'}")
-
-
-def _summarize_draft(steps: list[StepRecord]) -> None:
-    drafted = [s for s in steps if s.draft_in_step is not None]
-    if not drafted:
-        return
-    measured = [s.draft_acceptance for s in drafted if s.draft_acceptance is not None]
-    engine = f"{statistics.mean(measured):.2f}" if measured else "-"
-    last = drafted[-1]
-    print(
-        f"  draft:          accepted {engine} of the draft tokens (engine, mean over steps); "
-        f"expected at step {last.step}: {last.draft_in_step:.2f} kept in step, "
-        f"{last.draft_frozen:.2f} frozen at step 0"
-    )

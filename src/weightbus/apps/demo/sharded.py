@@ -38,7 +38,7 @@ _STEP_TIMEOUT_S = 600.0  # bound of one step's collectives on the trainer group
 
 def run_sharded(args: argparse.Namespace) -> int:
     """The demo process: engine, trainer ranks, summary."""
-    from weightbus.apps.demo.cli import DemoRecord, StepRecord, finish
+    from weightbus.apps.demo.records import DemoRecord, StepRecord, finish
 
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
         Trainer(tiny_config(), seed=args.seed, lr=args.lr).save(Path(tmp) / "model")
@@ -110,7 +110,7 @@ class _RankLoop:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from weightbus.apps.demo.cli import DemoRecord
+        from weightbus.apps.demo.records import DemoRecord
         from weightbus.apps.demo.rollout import RolloutClient
         from weightbus.core.digest import fingerprint
         from weightbus.core.sharded import ShardedPublisher
@@ -134,7 +134,7 @@ class _RankLoop:
         self.record = DemoRecord(transport="shm", tp=args.tp)
 
     def run(self) -> None:
-        from weightbus.apps.demo.cli import DemoCheckError
+        from weightbus.apps.demo.records import DemoCheckError
 
         version = self._initial_version()
         for step in range(1, self.args.steps + 1):
@@ -178,7 +178,7 @@ class _RankLoop:
 
     def _step(self, step: int, rollouts: list[Rollout]) -> str:
         """One update and one push on every rank; rank 0 checks and prints."""
-        from weightbus.apps.demo.cli import (
+        from weightbus.apps.demo.records import (
             LOGPROB_TOLERANCE,
             DemoCheckError,
             StepRecord,
