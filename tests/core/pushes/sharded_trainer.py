@@ -4,7 +4,8 @@ AdamW steps, pushes through `ShardedPublisher`. It runs the actions of its JSON 
 order and writes one JSON line per action to `<out>/rank<r>.jsonl`; after each `push` with
 `save`, rank 0 writes the gathered weights (for the test's checks only) to `<out>/<version>.pt`.
 
-Actions: `train` (steps), `push` (version; `direct`: False packs the slots), `nan` (rank `on`
+Actions: `train` (steps), `push` (version; `direct`: False packs the slots), `push_2d` (the
+same weights as DTensors on a 2-D FSDP x TP mesh, row- and column-parallel), `nan` (rank `on`
 holds a NaN), `raise` (rank `on` passes a non-tensor), `kill` (rank `on` dies by SIGKILL as its
 copies start).
 """
@@ -35,7 +36,7 @@ def _model(source: str) -> torch.nn.Module:
 
         torch.manual_seed(0)
         return LlamaForCausalLM(hf_llama_config(tiny_config())).float()
-    return AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
 
 
 def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
@@ -48,8 +49,34 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
         optimizer.zero_grad()
 
 
+# a Megatron-style tensor-parallel plan on the second mesh dimension: column-parallel
+# projections split their rows, row-parallel ones their columns
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+_ROWWISE = ("o_proj", "down_proj")
+
+
+def _mesh_2d_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as DTensors on a (2, world/2) mesh: FSDP `Shard(0)` on the first
+    dimension, on the second `Shard(0)` (column-parallel), `Shard(1)` (row-parallel) or
+    `Replicate` (norms, biases)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    weights = {}
+    for name, param in model.state_dict().items():
+        full = param.full_tensor()
+        if full.dim() == 2 and any(part in name for part in _ROWWISE):
+            placements = [Shard(0), Shard(1)]
+        elif full.dim() == 2 and any(part in name for part in _COLWISE):
+            placements = [Shard(0), Shard(0)]
+        else:
+            placements = [Shard(0), Replicate()]
+        weights[name] = distribute_tensor(full, mesh, placements)
+    return weights
+
+
 def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, rank: int) -> dict:
-    weights: object = model
+    weights: object = _mesh_2d_weights(model) if action["kind"] == "push_2d" else model
     if action["kind"] == "nan" and rank == action["on"]:
         name, tensor = next(iter(model.state_dict().items()))
         weights = {**model.state_dict(), name: tensor.detach().clone()}
@@ -103,6 +130,8 @@ def main() -> None:
                 gathered = {k: v.full_tensor() for k, v in model.state_dict().items()}
                 if rank == 0:
                     torch.save(gathered, out / f"{action['version']}.pt")
+    for publisher in publishers.values():
+        publisher.close()
     os._exit(0)  # a killed peer would leave gloo's teardown waiting
 
 

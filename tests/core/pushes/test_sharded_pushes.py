@@ -88,20 +88,31 @@ def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_ke
     assert choice["logprobs"]["token_logprobs"] == before[1]["logprobs"]["token_logprobs"]
 
 
-def test_qwen2_tied_kv1_on_four_fsdp2_ranks_serves_like_transformers(engine, hf_model, tmp_path):
-    """After the killed rank above, a new group (four ranks) pushes into the same engine."""
+def test_qwen2_tied_kv1_on_four_ranks_fsdp2_then_a_2d_mesh_serve_like_transformers(
+    engine, hf_model, tmp_path
+):
+    """After the killed rank above, a new group (four ranks) pushes into the same engine: its
+    FSDP2 shards, then the same weights on a 2x2 FSDP x TP mesh (row-parallel layers split
+    by columns: every digest block crosses ranks); one fingerprint, transformers' tokens."""
     path, _ = hf_model
-    actions = [{"kind": "train", "steps": 2}, {"kind": "push", "version": "q-1", "save": True}]
+    actions = [
+        {"kind": "train", "steps": 2},
+        {"kind": "push", "version": "q-1", "save": True},
+        {"kind": "push_2d", "version": "q-1-2d"},
+    ]
     records = run_trainers(4, str(path), [engine.url], actions, tmp_path)
-    assert all(r and r[0]["ok"] for r in records), records
+    assert all(len(r) == 2 and r[0]["ok"] and r[1]["ok"] for r in records), records
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.load_state_dict(gathered(tmp_path, "q-1"))
     expected = fingerprint(normalize_weights(model))
-    assert records[0][0]["fingerprint"] == expected
-    assert weights_state(engine)["fingerprint"] == expected
+    assert {r[i]["fingerprint"] for r in records for i in (0, 1)} == {expected}
+    state = weights_state(engine)
+    assert (state["version"], state["fingerprint"]) == ("q-1-2d", expected)
     tokens, logprobs = hf_greedy(model.eval())
     choice = engine_greedy(engine)
     assert choice["token_ids"] == tokens
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+    # replicated parts leave once: the four ranks together send each engine rank's share once
+    assert sum(records[0][1]["sent_bytes"]) == sum(records[0][0]["sent_bytes"])

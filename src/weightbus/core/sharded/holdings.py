@@ -19,9 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from weightbus.core.meta import TensorMeta
+from weightbus.core.meta import DRAFT_PREFIX, TensorMeta
 from weightbus.core.plan.bucket import byte_view
-from weightbus.core.publisher.session import NameMap, Weights, memory_key, rename
+from weightbus.core.publisher.session import (
+    TIED_HEADS,
+    NameMap,
+    Weights,
+    memory_key,
+    rename,
+)
 from weightbus.core.sharded.boxes import Box
 
 
@@ -192,6 +198,23 @@ def holdings_of(
         seen.add(key)
         result[new_name] = holding(new_name, source)
     return list(result.values())
+
+
+def tied_heads(holdings: list[Holding]) -> list[str]:
+    """The LM heads this rank holds bit-equal to their embeddings, in the same box: a head
+    that every rank holding it reports so is tied and not sent (`drop_tied_heads`, by value,
+    as a `Publisher` does)."""
+    held = {holding.name: holding for holding in holdings}
+    tied = []
+    for head, embeddings in TIED_HEADS:
+        for prefix in ("", DRAFT_PREFIX):
+            a, b = held.get(prefix + head), held.get(prefix + embeddings)
+            if a is None or b is None or a.box != b.box:
+                continue
+            same_kind = (a.meta.dtype, a.meta.shape) == (b.meta.dtype, b.meta.shape)
+            if same_kind and np.array_equal(a.raw, b.raw):
+                tied.append(a.name)
+    return tied
 
 
 def _local_of(source: Source) -> torch.Tensor:

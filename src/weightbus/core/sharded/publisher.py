@@ -27,7 +27,7 @@ from weightbus.core.publisher.results import PushError, PushResult
 from weightbus.core.publisher.session import NameMap, SessionFactory
 from weightbus.core.publisher.targets import EngineTarget, HttpEngineTarget
 from weightbus.core.sharded.control import ControlMessage, GroupControl, TrainerRankError
-from weightbus.core.sharded.holdings import Holding, holdings_of
+from weightbus.core.sharded.holdings import Holding, holdings_of, tied_heads
 from weightbus.core.sharded.layout import HeldMeta, TrainerLayout, held_metas
 from weightbus.core.sharded.sink import ShardedShmSink, SharedPush
 from weightbus.core.sharded.slots import GroupSlots
@@ -48,11 +48,27 @@ SHARDED_TRANSPORTS = ("shm",)
 # a follower waits this much longer than the push's bound for rank 0's outcome (rank 0 answers
 # within the bound; a dead rank 0 is noticed at once, through the store's connection)
 _OUTCOME_GRACE_S = 30.0
+# rank 0's close waits this long for the other ranks to read the last outcome
+_CLOSE_WAIT_S = 5.0
 
 
 class _Ready(msgspec.Struct, frozen=True, kw_only=True):
     held: list[HeldMeta]
     nonfinite: list[str]
+    tied: list[str]  # heads held bit-equal to their embeddings (`tied_heads`)
+
+
+def _tied_everywhere(readies: list[_Ready]) -> set[str]:
+    """Heads every rank holding them found bit-equal to their embeddings: not sent."""
+    holders: dict[str, int] = {}
+    for ready in readies:
+        for meta in ready.held:
+            holders[meta.name] = holders.get(meta.name, 0) + 1
+    votes: dict[str, int] = {}
+    for ready in readies:
+        for name in ready.tied:
+            votes[name] = votes.get(name, 0) + 1
+    return {name for name, count in votes.items() if count == holders[name]}
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,7 @@ class ShardedPublisher:
         self._slots = GroupSlots(self._control, self._writer.pool)
         self._layouts: dict[bytes, TrainerLayout] = {}
         self._fleet: Fleet | None = None
+        self._last_push: str | None = None
         self._http: httpx.Client | None = None
         if self.rank == 0:
             if not engines:
@@ -168,11 +185,12 @@ class ShardedPublisher:
             "two_phase": two_phase,
             "keep_draft": keep_draft,
         }
-        prefix = self._control.next_push()
+        prefix = self._last_push = self._control.next_push()
         deadline = time.monotonic() + self.timeout_s
         holdings = self._ready(f"{prefix}/ready", weights, name_map, allow_nonfinite)
         layout = self._agree(f"{prefix}/ready", deadline, allow_nonfinite)
-        held = {holding.name: holding for holding in holdings}
+        names = {meta.name for meta in layout.metas}  # without tied heads
+        held = {holding.name: holding for holding in holdings if holding.name in names}
         if self.rank == 0:
             return self._lead(
                 prefix,
@@ -197,7 +215,7 @@ class ShardedPublisher:
                 key, ControlMessage(ok=False, error=f"{type(exc).__name__}: {exc}")
             )
             raise
-        ready = _Ready(held=held_metas(holdings), nonfinite=found)
+        ready = _Ready(held=held_metas(holdings), nonfinite=found, tied=tied_heads(holdings))
         self._control.report(key, ControlMessage(body=msgspec.msgpack.encode(ready)))
         return holdings
 
@@ -214,10 +232,12 @@ class ShardedPublisher:
                 f"the weights hold non-finite values: {', '.join(found)}; {NOTHING_SENT} "
                 "(push with allow_nonfinite=True to send them anyway)"
             )
-        encoded = msgspec.msgpack.encode([ready.held for ready in readies])
+        tied = _tied_everywhere(readies)
+        held = [[meta for meta in ready.held if meta.name not in tied] for ready in readies]
+        encoded = msgspec.msgpack.encode(held)
         layout = self._layouts.get(encoded)
         if layout is None:
-            layout = TrainerLayout(tuple(tuple(ready.held) for ready in readies))
+            layout = TrainerLayout(tuple(tuple(metas) for metas in held))
             self._layouts = {encoded: layout}
         return layout
 
@@ -277,6 +297,19 @@ class ShardedPublisher:
         version: str,
         deadline: float,
     ) -> ShardedPushResult:
+        try:
+            return self._follow_steps(prefix, layout, holdings, version, deadline)
+        finally:  # rank 0 keeps the store up until every rank read the outcome (`close`)
+            self._control.report(f"{prefix}/read", ControlMessage())
+
+    def _follow_steps(
+        self,
+        prefix: str,
+        layout: TrainerLayout,
+        holdings: dict[str, Holding],
+        version: str,
+        deadline: float,
+    ) -> ShardedPushResult:
         for number in range(1, 1 << 30):
             message = self._control.await_announcement(
                 f"{prefix}/step/{number}", "word on the push", deadline
@@ -300,7 +333,15 @@ class ShardedPublisher:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
-        """Free the sink, mapped files and the engines' clients (rank 0)."""
+        """Free the sink, mapped files and the engines' clients (rank 0: once every rank read
+        the last push's outcome, or `_CLOSE_WAIT_S` passed; its store serves them)."""
+        if self.rank == 0 and self._last_push is not None:
+            self._control.report(f"{self._last_push}/read", ControlMessage())
+            try:
+                deadline = time.monotonic() + _CLOSE_WAIT_S
+                self._control.collect(f"{self._last_push}/read", "read of the outcome", deadline)
+            except TrainerRankError as exc:
+                logger.warning("closing the trainer group's store anyway: %s", exc)
         if self._fleet is not None:
             self._fleet.release()
             for target in self._fleet.targets:
