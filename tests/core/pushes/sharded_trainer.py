@@ -86,7 +86,12 @@ def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, ran
     if action["kind"] == "kill" and rank == action["on"]:
         GroupWriter._copy = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
     result = publisher.push(weights, version=action["version"], **action.get("options", {}))
-    return {"fingerprint": result.fingerprint, "sent_bytes": result.sent_bytes}
+    engines = [] if result.result is None else [e.rank_nbytes for e in result.result.engines]
+    return {
+        "fingerprint": result.fingerprint,
+        "sent_bytes": result.sent_bytes,
+        "rank_nbytes": engines,
+    }
 
 
 def _publisher(args: dict, direct: bool) -> ShardedPublisher:

@@ -9,8 +9,14 @@ import torch
 from sharded_harness import gathered, run_trainers
 from update_harness import engine_greedy, hf_greedy, weights_state
 
+from weightbus.apps.capacity.shapes import model_tensors
+from weightbus.apps.capacity.sharding import EngineLayout
+from weightbus.apps.capacity.traffic import traffic
+from weightbus.apps.demo.trainer import hf_llama_config
 from weightbus.core.digest import fingerprint
+from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES as BUCKET
 from weightbus.core.publisher import normalize_weights
+from weightbus.engines.reference.models.config import tiny_config
 
 SEED = 5  # `engines` (conftest.py): the shared tiny engines tp2 and tp1, and a reference
 HF_CASE = "qwen2_tied_kv1_sharded"  # `hf_model` and `engine` (tests/conftest.py): at TP 2
@@ -40,6 +46,22 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
         # engine's bytes (TP 2: the norms to both ranks); through the slots, the model once
         assert sum(sent) == (2 * total + norms if index == 0 else total)
         assert all(abs(s - sum(sent) / 2) <= sum(sent) / 8 for s in sent), sent
+    # the planner's FSDP model of the same push: what each trainer rank sends, what each engine
+    # rank receives (one plan per engine: TP 2, TP 1)
+    config = tmp_path / "config"
+    hf_llama_config(tiny_config()).save_pretrained(config)
+    plans = [
+        traffic(model_tensors(config, "float32"), EngineLayout(tp), transport, bucket_bytes=BUCKET,
+                trainer_ranks=2, trainer_layout="fsdp")
+        for transport in ("shm", "shm-slots") for tp in (2, 1)
+    ]  # fmt: skip
+    direct, slots = records[0]
+    assert direct["rank_nbytes"] == [list(plans[0].receive_bytes), list(plans[1].receive_bytes)]
+    assert slots["rank_nbytes"] == [list(plans[2].receive_bytes), list(plans[3].receive_bytes)]
+    assert direct["sent_bytes"] == [
+        a + b for a, b in zip(*(p.trainer_send_bytes for p in plans[:2]), strict=True)
+    ]
+    assert tuple(slots["sent_bytes"]) == plans[2].trainer_send_bytes  # packed once for both
     for engine in (engines["tp2"], engines["tp1"]):
         state = weights_state(engine)
         assert (state["version"], state["fingerprint"]) == ("fsdp-2", expected)
@@ -116,3 +138,8 @@ def test_qwen2_tied_kv1_on_four_ranks_fsdp2_then_a_2d_mesh_serve_like_transforme
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
     # replicated parts leave once: the four ranks together send each engine rank's share once
     assert sum(records[0][1]["sent_bytes"]) == sum(records[0][0]["sent_bytes"])
+    # the planner's FSDP model: each trainer rank's bytes and each engine rank's
+    plan = traffic(model_tensors(path, "float32"), EngineLayout(2), "shm", bucket_bytes=BUCKET,
+                   trainer_ranks=4, trainer_layout="fsdp")  # fmt: skip
+    assert tuple(records[0][0]["sent_bytes"]) == plan.trainer_send_bytes
+    assert records[0][0]["rank_nbytes"] == [list(plan.receive_bytes)]

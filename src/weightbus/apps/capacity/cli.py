@@ -29,6 +29,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--engine-ep", type=int, default=1, help="expert-parallel groups per replica")
     plan.add_argument("--replicas", type=int, default=1, help="engine replicas")
     plan.add_argument("--trainer-ranks", type=int, default=1, help="ranks sending in parallel")
+    plan.add_argument(
+        "--trainer-layout",
+        default="owners",
+        choices=("owners", "fsdp"),
+        help="owners: each trainer rank holds whole tensors (replicas, pipeline stages); fsdp: "
+        "every tensor's rows over the ranks (FSDP2, ShardedPublisher; docs/sharded.md)",
+    )
     plan.add_argument("--transport", default="nixl", choices=TRANSPORTS)
     plan.add_argument("--hardware", default="h100", choices=sorted(PROFILES))
     plan.add_argument(
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             hardware=hardware(args.hardware, _pairs(args.link, "link"), _pairs(args.cost, "cost")),
             replicas=args.replicas,
             trainer_ranks=args.trainer_ranks,
+            trainer_layout=args.trainer_layout,
             bucket_bytes=args.bucket_bytes,
             cross_node=False if args.same_node else None,
             staged_from_host=args.staged_from_host,

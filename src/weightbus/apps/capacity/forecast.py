@@ -21,6 +21,7 @@ class Scenario:
     hardware: Hardware
     replicas: int = 1
     trainer_ranks: int = 1
+    trainer_layout: str = "owners"  # or "fsdp": every tensor's rows over the ranks
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     cross_node: bool | None = None  # None: False for shm transports, else True
     staged_from_host: bool = False  # the trainer's bytes wait in host memory
@@ -79,6 +80,7 @@ def forecast(
         scenario.transport,
         replicas=scenario.replicas,
         trainer_ranks=scenario.trainer_ranks,
+        trainer_layout=scenario.trainer_layout,
         bucket_bytes=scenario.bucket_bytes,
         verify=scenario.verify,
     )

@@ -20,9 +20,10 @@ def print_forecast(result: Forecast) -> None:
         f"{format_bytes(model.total_bytes)} ({dtypes})"
     )
     where = "across nodes" if scenario.crosses_nodes else "within a node"
+    fsdp = " (FSDP shards)" if scenario.trainer_layout == "fsdp" else ""
     print(
         f"engines: {scenario.replicas} x TP {engine.tp} (EP {engine.ep}) = "
-        f"{scenario.replicas * engine.tp} ranks; {scenario.trainer_ranks} trainer rank(s); "
+        f"{scenario.replicas * engine.tp} ranks; {scenario.trainer_ranks} trainer rank(s){fsdp}; "
         f"{scenario.transport} ({moved.pattern}) {where}; hardware {scenario.hardware.name}"
     )
     print(f"buckets: {moved.num_buckets:,} of {format_bytes(scenario.bucket_bytes)}\n")

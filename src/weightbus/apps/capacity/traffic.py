@@ -77,11 +77,17 @@ def traffic(
     *,
     replicas: int = 1,
     trainer_ranks: int = 1,
+    trainer_layout: str = "owners",
     bucket_bytes: int,
     verify: bool = True,
 ) -> Traffic:
     """Bytes per rank of one push of `model` into `replicas` engines of `layout`; `verify`:
     the engines re-check digests (`verify="full"`, the Publisher's default).
+
+    `trainer_layout`: `owners` (each trainer rank holds and sends whole tensors, the least
+    loaded first: replicas splitting the sending, pipeline stages) or `fsdp` (every tensor
+    `Shard(0)` over the ranks, FSDP2's uneven chunks: each rank sends its rows of every
+    tensor, as `ShardedPublisher` does).
 
     Raises:
         ValueError: an unknown transport, counts < 1, or a layout the model does not allow
@@ -107,7 +113,17 @@ def traffic(
         costs = [meta.nbytes for meta in model.metas]
         tensors = (len(model.metas),) * layout.tp
     buckets = plan_buckets(model.metas, bucket_bytes).num_buckets
-    own, senders = _spread([meta.nbytes for meta in model.metas], costs, trainer_ranks)
+    sizes = [meta.nbytes for meta in model.metas]
+    if trainer_layout == "fsdp":
+        rows = [meta.shape[0] if meta.shape else 1 for meta in model.metas]
+        own, senders = (
+            _row_chunks(rows, sizes, trainer_ranks),
+            _row_chunks(rows, costs, trainer_ranks),
+        )
+    elif trainer_layout == "owners":
+        own, senders = _spread(sizes, costs, trainer_ranks)
+    else:
+        raise ValueError(f"unknown trainer layout {trainer_layout!r}; choose owners or fsdp")
     # sharded: trainer ranks send their own buckets at the same time; else they take turns
     in_turn = buckets if pattern != "sharded" else -(-max(own) // bucket_bytes)
     return Traffic(
@@ -146,6 +162,19 @@ def _spread(
         heapq.heappush(loads, (load + cost, rank))
     sent = {rank: load for load, rank in loads}
     return tuple(own), tuple(sent[rank] for rank in range(senders))
+
+
+def _row_chunks(rows: list[int], amounts: list[int], ranks: int) -> tuple[int, ...]:
+    """Per trainer rank, its share of each tensor's `amounts` when the tensor's rows are cut as
+    FSDP2 cuts them (`torch.chunk`: ceil-sized chunks, the last ones short or empty). Exact:
+    every row of a tensor costs the same (it goes to the same number of engine ranks)."""
+    shares = [0] * ranks
+    for count, amount in zip(rows, amounts, strict=True):
+        step = -(-count // ranks)
+        for rank in range(ranks):
+            mine = max(0, min((rank + 1) * step, count) - min(rank * step, count))
+            shares[rank] += amount * mine // count
+    return tuple(shares)
 
 
 def _packed(transport: str, own: tuple[int, ...], senders: tuple[int, ...]) -> int:
