@@ -79,7 +79,7 @@ def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_ke
         {"kind": "push", "version": "base"},  # served already: the engine answers 409
         {"kind": "kill", "version": "killed", "on": 1},
     ]
-    records = run_trainers(2, str(path), [engine.url], actions, tmp_path, timeout_s=10)
+    records = run_trainers(2, str(path), [engine.url], actions, tmp_path, timeout_s=6)
     rank0, rank1 = records
     assert rank0[0]["ok"], records
     assert rank1[0]["ok"], records
@@ -99,7 +99,7 @@ def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_ke
     assert len(rank1) == 4  # rank 1 died in its copies
     assert killed["error"] == "PushError", killed
     assert "trainer rank 1 sent no " in killed["message"], killed
-    assert killed["seconds"] < 10 + 5
+    assert killed["seconds"] < 6 + 5
     state, choice = weights_state(engine), engine_greedy(engine)
     assert (state["status"], state["version"], state["fingerprint"]) == (
         "NORMAL",

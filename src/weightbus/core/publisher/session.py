@@ -32,6 +32,15 @@ def memory_key(tensor: torch.Tensor) -> tuple | None:
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
 
+def named_pairs(weights: Any) -> Iterable[tuple[str, Any]]:
+    """`(name, value)` pairs of an `nn.Module` (its state dict), a mapping, or pairs."""
+    if isinstance(weights, torch.nn.Module):
+        return weights.state_dict().items()
+    if isinstance(weights, Mapping):
+        return weights.items()
+    return weights
+
+
 def normalize_weights(weights: Weights, name_map: NameMap | None = None) -> list[tuple[str, Any]]:
     """The `(name, tensor)` pairs to send, in order.
 
@@ -51,15 +60,9 @@ def normalize_weights(weights: Weights, name_map: NameMap | None = None) -> list
         ValueError: two tensors end up with the same name; a module whose config ties its
             embeddings holds a head that differs from them.
     """
-    if isinstance(weights, torch.nn.Module):
-        pairs = weights.state_dict().items()
-    elif isinstance(weights, Mapping):
-        pairs = weights.items()
-    else:
-        pairs = weights
     result: list[tuple[str, torch.Tensor]] = []
     seen_memory: set[tuple] = set()
-    for name, value in pairs:
+    for name, value in named_pairs(weights):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"weight {name!r} is a {type(value).__name__}, not a tensor")
         new_name = rename(name_map, name)

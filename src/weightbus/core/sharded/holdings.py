@@ -26,6 +26,7 @@ from weightbus.core.publisher.session import (
     NameMap,
     Weights,
     memory_key,
+    named_pairs,
     rename,
 )
 from weightbus.core.sharded.boxes import Box
@@ -173,16 +174,9 @@ def holdings_of(
     Raises:
         TypeError, ValueError: as `holding`; a name twice.
     """
-    pairs: Iterable[tuple[str, Source]]
-    if isinstance(weights, torch.nn.Module):
-        pairs = weights.state_dict().items()
-    elif isinstance(weights, Mapping):
-        pairs = weights.items()
-    else:
-        pairs = weights
     result: dict[str, Holding] = {}
     seen: set[tuple] = set()
-    for name, source in pairs:
+    for name, source in named_pairs(weights):
         new_name = rename(name_map, name)
         if new_name is None:
             continue

@@ -9,6 +9,7 @@ bytes every rank writes (`ShardedShmSink`), and announces the outcome; the other
 their pieces when told and return (or raise) what rank 0 does.
 """
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -253,7 +254,7 @@ class ShardedPublisher:
         options: dict[str, Any],
     ) -> ShardedPushResult:
         assert self._fleet is not None
-        steps = iter(range(1, 1 << 30))
+        steps = itertools.count(1)
 
         def announce(message: Step) -> None:
             encoded = msgspec.msgpack.encode(message)
@@ -297,40 +298,32 @@ class ShardedPublisher:
         version: str,
         deadline: float,
     ) -> ShardedPushResult:
+        """Do what rank 0 announces until the outcome, and return or raise it."""
         try:
-            return self._follow_steps(prefix, layout, holdings, version, deadline)
+            for number in itertools.count(1):
+                message = self._control.await_announcement(
+                    f"{prefix}/step/{number}", "word on the push", deadline
+                )
+                step = msgspec.msgpack.decode(message.body, type=AnyStep)
+                key = f"{prefix}/write"
+                if isinstance(step, WriteStep):
+                    self._writer.write(key, step.order, layout, holdings, deadline)
+                    continue
+                if isinstance(step, SlotsStep):
+                    self._slots.begin(key, step.order, layout, holdings, deadline)
+                    continue
+                if isinstance(step, PackStep):
+                    self._slots.pack(key, step.bucket, step.slot, holdings, deadline)
+                    continue
+                if step.ok:
+                    return ShardedPushResult(version, step.fingerprint, step.sent_bytes, None)
+                if step.failures or step.transport_error:
+                    raise PushError(
+                        version, step.failures, step.transport_error, aborted=step.aborted
+                    )
+                raise TrainerRankError(f"trainer rank 0 failed the push: {step.message}")
         finally:  # rank 0 keeps the store up until every rank read the outcome (`close`)
             self._control.report(f"{prefix}/read", ControlMessage())
-
-    def _follow_steps(
-        self,
-        prefix: str,
-        layout: TrainerLayout,
-        holdings: dict[str, Holding],
-        version: str,
-        deadline: float,
-    ) -> ShardedPushResult:
-        for number in range(1, 1 << 30):
-            message = self._control.await_announcement(
-                f"{prefix}/step/{number}", "word on the push", deadline
-            )
-            step = msgspec.msgpack.decode(message.body, type=AnyStep)
-            key = f"{prefix}/write"
-            if isinstance(step, WriteStep):
-                self._writer.write(key, step.order, layout, holdings, deadline)
-                continue
-            if isinstance(step, SlotsStep):
-                self._slots.begin(key, step.order, layout, holdings, deadline)
-                continue
-            if isinstance(step, PackStep):
-                self._slots.pack(key, step.bucket, step.slot, holdings, deadline)
-                continue
-            if step.ok:
-                return ShardedPushResult(version, step.fingerprint, step.sent_bytes, None)
-            if step.failures or step.transport_error:
-                raise PushError(version, step.failures, step.transport_error, aborted=step.aborted)
-            raise TrainerRankError(f"trainer rank 0 failed the push: {step.message}")
-        raise AssertionError("unreachable")
 
     def close(self) -> None:
         """Free the sink, mapped files and the engines' clients (rank 0: once every rank read
