@@ -60,19 +60,32 @@ class GroupControl:
         if self.rank != 0:
             self._store = dist.TCPStore(host, int(port[0]), is_master=False, timeout=timeout)
         self._sequence = 0
+        self._written: dict[int, list[str]] = {}  # the keys this rank set, by push
 
     def next_push(self) -> str:
         """The key prefix of the next push (every rank counts its pushes alike)."""
         self._sequence += 1
         return f"push/{self._sequence}"
 
+    def forget_earlier_pushes(self) -> None:
+        """Delete the keys this rank set in earlier pushes, which every rank has read once
+        every rank reported on the current push (the store would otherwise keep every push's
+        digests and block parts)."""
+        for sequence in [s for s in self._written if s < self._sequence]:
+            for key in self._written.pop(sequence):
+                self._store.delete_key(key)
+
+    def _set(self, key: str, message: ControlMessage) -> None:
+        self._store.set(key, msgspec.msgpack.encode(message))
+        self._written.setdefault(self._sequence, []).append(key)
+
     def announce(self, key: str, message: ControlMessage) -> None:
         """Rank 0's word to every rank."""
-        self._store.set(key, msgspec.msgpack.encode(message))
+        self._set(key, message)
 
     def report(self, key: str, message: ControlMessage) -> None:
         """This rank's answer to `key`."""
-        self._store.set(f"{key}/{self.rank}", msgspec.msgpack.encode(message))
+        self._set(f"{key}/{self.rank}", message)
 
     def answer(self, key: str, work: Callable[[], bytes]) -> None:
         """Run `work` and report its result on `key`, or its failure (then raise it)."""
@@ -124,10 +137,9 @@ class GroupControl:
                 raise TrainerRankError(f"{who(k)} failed ({what}): {message.error}")
         return messages
 
-    def forget(self, prefix_keys: list[str]) -> None:
-        """Drop keys no rank reads again."""
-        for key in prefix_keys:
-            self._store.delete_key(key)
+    def stored_keys(self) -> int:
+        """How many keys the store holds (its growth across pushes, for the tests)."""
+        return self._store.num_keys()
 
 
 def run_all(

@@ -190,6 +190,8 @@ class ShardedPublisher:
         deadline = time.monotonic() + self.timeout_s
         holdings = self._ready(f"{prefix}/ready", weights, name_map, allow_nonfinite)
         layout = self._agree(f"{prefix}/ready", deadline, allow_nonfinite)
+        # every rank reported on this push: all of them are done reading the earlier ones
+        self._control.forget_earlier_pushes()
         names = {meta.name for meta in layout.metas}  # without tied heads
         held = {holding.name: holding for holding in holdings if holding.name in names}
         if self.rank == 0:
