@@ -4,7 +4,8 @@ AdamW steps, pushes through `ShardedPublisher`. It runs the actions of its JSON 
 order and writes one JSON line per action to `<out>/rank<r>.jsonl`; after each `push` with
 `save`, rank 0 writes the gathered weights (for the test's checks only) to `<out>/<version>.pt`.
 
-Actions: `train` (steps), `push` (version; `direct`: False packs the slots), `push_2d` (the
+Actions: `train` (steps), `push` (version; `direct`: False packs the slots; `transport`:
+`shm` or `nixl`), `push_2d` (the
 same weights as DTensors on a 2-D FSDP x TP mesh, row- and column-parallel), `nan` (rank `on`
 holds a NaN), `raise` (rank `on` passes a non-tensor), `kill` (rank `on` dies by SIGKILL as its
 copies start).
@@ -94,13 +95,15 @@ def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, ran
     }
 
 
-def _publisher(args: dict, direct: bool) -> ShardedPublisher:
+def _publisher(args: dict, direct: bool, transport: str) -> ShardedPublisher:
     engines = args["engines"]
     if args.get("vllm"):
         from weightbus.engines.vllm.target import VllmEngineTarget
 
         engines = [VllmEngineTarget(url) for url in engines]
-    return ShardedPublisher(engines, timeout_s=args["timeout_s"], direct=direct)
+    return ShardedPublisher(
+        engines, timeout_s=args["timeout_s"], direct=direct, transport=transport
+    )
 
 
 def main() -> None:
@@ -114,7 +117,7 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    publishers: dict[bool, ShardedPublisher] = {}
+    publishers: dict[tuple[bool, str], ShardedPublisher] = {}
     with (out / f"rank{rank}.jsonl").open("w") as records:
         for index, action in enumerate(args["actions"]):
             if action["kind"] == "train":
@@ -122,10 +125,10 @@ def main() -> None:
                 continue
             record, start = {"action": action}, time.monotonic()
             try:
-                direct = action.get("direct", True)
-                if direct not in publishers:  # every rank builds it at the same action
-                    publishers[direct] = _publisher(args, direct)
-                record |= {"ok": True, **_push(publishers[direct], model, action, rank)}
+                key = (action.get("direct", True), action.get("transport", "shm"))
+                if key not in publishers:  # every rank builds it at the same action
+                    publishers[key] = _publisher(args, *key)
+                record |= {"ok": True, **_push(publishers[key], model, action, rank)}
             except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
                 record |= {"ok": False, "error": type(exc).__name__, "message": str(exc)}
             record["seconds"] = time.monotonic() - start

@@ -32,9 +32,10 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
         {"kind": "push", "version": "fsdp-1", "save": True},
         {"kind": "train", "steps": 1},
         {"kind": "push", "version": "fsdp-2", "save": True, "direct": False},
+        {"kind": "push", "version": "fsdp-3", "transport": "nixl"},
     ]
     records = run_trainers(2, "tiny", fleet, actions, tmp_path)
-    assert all(len(r) == 2 and all(x["ok"] for x in r) for r in records), records
+    assert all(len(r) == 3 and all(x["ok"] for x in r) for r in records), records
     for index, version in enumerate(["fsdp-1", "fsdp-2"]):
         weights = normalize_weights(gathered(tmp_path, version))
         expected = fingerprint(weights)
@@ -55,7 +56,13 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
                 trainer_ranks=2, trainer_layout="fsdp")
         for transport in ("shm", "shm-slots") for tp in (2, 1)
     ]  # fmt: skip
-    direct, slots = records[0]
+    direct, slots, nixl = records[0]
+    # nixl: every rank posts its own WRITEs of the same pieces as direct; same fingerprint
+    assert (nixl["sent_bytes"], nixl["rank_nbytes"]) == (
+        direct["sent_bytes"],
+        direct["rank_nbytes"],
+    )
+    assert {r[2]["fingerprint"] for r in records} == {slots["fingerprint"]}
     assert direct["rank_nbytes"] == [list(plans[0].receive_bytes), list(plans[1].receive_bytes)]
     assert slots["rank_nbytes"] == [list(plans[2].receive_bytes), list(plans[3].receive_bytes)]
     assert direct["sent_bytes"] == [
@@ -64,7 +71,7 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
     assert tuple(slots["sent_bytes"]) == plans[2].trainer_send_bytes  # packed once for both
     for engine in (engines["tp2"], engines["tp1"]):
         state = weights_state(engine)
-        assert (state["version"], state["fingerprint"]) == ("fsdp-2", expected)
+        assert (state["version"], state["fingerprint"]) == ("fsdp-3", expected)
 
 
 def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_keep_serving(

@@ -1,12 +1,13 @@
 """`weightbus bench sharded`: a sharded trainer's push against today's path, same run.
 
 An FSDP2-sharded Llama (bf16, `--size`) on N = 1, 2 trainer processes (gloo CPU mesh) pushes
-into one TP-2 reference engine over `shm`, straight into the engine's parameters (direct) and
-through the slots, each way as a `ShardedPublisher` (every rank sends the bytes it holds) and as
-users do it today (every parameter `full_tensor()`ed, then one `Publisher` push from rank 0, as
-vLLM's `ModuleSource` does). Reports per row: the median push seconds (the gather included),
-the bytes each trainer rank sent, each rank's shard and the peak private memory the push took
-on a rank (sampled `RssAnon`: the gather materialises the whole model on every rank).
+into one TP-2 reference engine over `shm` (straight into the engine's parameters, and through
+the slots) and over `nixl` (one-sided WRITEs), each way as a `ShardedPublisher` (every rank
+sends the bytes it holds) and as users do it today (every parameter `full_tensor()`ed, then one
+`Publisher` push from rank 0, as vLLM's `ModuleSource` does). Reports per row: the median push
+seconds (the gather included), the bytes each trainer rank sent, each rank's shard and the peak
+private memory the push took on a rank (sampled `RssAnon`: the gather materialises the whole
+model on every rank).
 """
 
 import argparse
@@ -30,6 +31,13 @@ from weightbus.engines.vllm.launch import free_port
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=byte_size_arg, default="1GiB", help="model size (bf16)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="trainer ranks")
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        default=["shm", "nixl"],
+        choices=["shm", "nixl"],
+        help="shm: straight into the parameters and through the slots; nixl: one-sided WRITEs",
+    )
     parser.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed pushes per row (median)")
     parser.add_argument("--json", default=None, help="also write the results to this file")

@@ -95,6 +95,64 @@ def _timed(push, repeat: int) -> dict:
     return {"seconds": statistics.median(seconds), "peak_bytes": max(peaks), "sent_bytes": sent[-1]}
 
 
+# the paths compared: (row name, ShardedPublisher options, Publisher options)
+_PATHS = (
+    (
+        "shm direct",
+        {"transport": "shm"},
+        {"transport": "shm", "transport_options": {"direct": True}},
+    ),
+    (
+        "shm slots",
+        {"transport": "shm", "direct": False},
+        {"transport": "shm", "transport_options": {"direct": False}},
+    ),
+    ("nixl", {"transport": "nixl"}, {"transport": "nixl"}),
+)
+
+
+def _sharded_row(model: torch.nn.Module, args: dict, name: str, options: dict) -> dict:
+    """Median push of every rank's own shards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sharded = ShardedPublisher(
+        [args["url"]], timeout_s=600, bucket_bytes=args["bucket_bytes"], **options
+    )
+
+    def push(index: int) -> int:
+        version = f"sharded-{world}-{name}-{index}-{time.monotonic_ns()}"
+        return sharded.push(model, version=version, **_OPTIONS).sent_bytes[rank]
+
+    try:
+        return _timed(push, args["repeat"])
+    finally:
+        sharded.close()
+
+
+def _gathered_row(model: torch.nn.Module, args: dict, name: str, options: dict) -> dict:
+    """Median of today's path: every parameter `full_tensor()`ed, one push from rank 0."""
+    world = dist.get_world_size()
+    publisher = None
+    if dist.get_rank() == 0:
+        publisher = Publisher(
+            [args["url"]], timeout_s=600, bucket_bytes=args["bucket_bytes"], **options
+        )
+
+    def push(index: int) -> int:
+        full = {name: p.full_tensor() for name, p in model.state_dict().items()}
+        sent = 0
+        if publisher is not None:
+            version = f"gathered-{world}-{name}-{index}-{time.monotonic_ns()}"
+            sent = publisher.push(full, version=version, **_OPTIONS).sent_bytes
+        dist.barrier()
+        return sent
+
+    try:
+        return _timed(push, args["repeat"])
+    finally:
+        if publisher is not None:
+            publisher.close()
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
@@ -102,44 +160,14 @@ def main() -> None:
     model = _sharded_model(args["model_dir"])
     shard_bytes = sum(p.to_local().nbytes for p in model.state_dict().values())
     results = {"rank": rank, "world_size": world, "shard_bytes": shard_bytes, "rows": {}}
-    for direct in (True, False):
-        mode = "direct" if direct else "slots"
-        sharded = ShardedPublisher(
-            [args["url"]], timeout_s=600, direct=direct, bucket_bytes=args["bucket_bytes"]
+    for name, sharded_options, publisher_options in _PATHS:
+        if name.split()[0] not in args["transports"]:
+            continue
+        rows = results["rows"]
+        rows[f"sharded {name}"] = _sharded_row(model, args, name, sharded_options)
+        rows[f"full_tensor + Publisher {name}"] = _gathered_row(
+            model, args, name, publisher_options
         )
-
-        def push_sharded(index: int, sharded=sharded, mode=mode) -> int:
-            version = f"sharded-{world}-{mode}-{index}-{time.monotonic_ns()}"
-            result = sharded.push(model, version=version, **_OPTIONS)
-            return result.sent_bytes[rank]
-
-        results["rows"][f"sharded shm {mode}"] = _timed(push_sharded, args["repeat"])
-        sharded.close()
-        publisher = None
-        if rank == 0:
-            publisher = Publisher(
-                [args["url"]],
-                transport="shm",
-                timeout_s=600,
-                bucket_bytes=args["bucket_bytes"],
-                transport_options={"direct": direct},
-            )
-
-        def push_gathered(index: int, publisher=publisher, mode=mode) -> int:
-            full = {name: p.full_tensor() for name, p in model.state_dict().items()}
-            if publisher is None:
-                dist.barrier()
-                return 0
-            version = f"gathered-{world}-{mode}-{index}-{time.monotonic_ns()}"
-            result = publisher.push(full, version=version, **_OPTIONS)
-            dist.barrier()
-            return result.sent_bytes
-
-        results["rows"][f"full_tensor + Publisher shm {mode}"] = _timed(
-            push_gathered, args["repeat"]
-        )
-        if publisher is not None:
-            publisher.close()
     (Path(args["out"]) / f"rank{rank}.json").write_text(json.dumps(results))
     os._exit(0)
 

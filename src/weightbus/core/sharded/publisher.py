@@ -30,10 +30,13 @@ from weightbus.core.publisher.targets import EngineTarget, HttpEngineTarget
 from weightbus.core.sharded.control import ControlMessage, GroupControl, TrainerRankError
 from weightbus.core.sharded.holdings import Holding, holdings_of, tied_heads
 from weightbus.core.sharded.layout import HeldMeta, TrainerLayout, held_metas
+from weightbus.core.sharded.nixl_sink import ShardedNixlSink
+from weightbus.core.sharded.nixl_write import GroupNixlWriter
 from weightbus.core.sharded.sink import ShardedShmSink, SharedPush
 from weightbus.core.sharded.slots import GroupSlots
 from weightbus.core.sharded.steps import (
     AnyStep,
+    NixlWriteStep,
     OutcomeStep,
     PackStep,
     SlotsStep,
@@ -45,7 +48,7 @@ from weightbus.core.wire import PauseMode, VerifyLevel
 
 logger = logging.getLogger(__name__)
 
-SHARDED_TRANSPORTS = ("shm",)
+SHARDED_TRANSPORTS = ("shm", "nixl")
 # a follower waits this much longer than the push's bound for rank 0's outcome (rank 0 answers
 # within the bound; a dead rank 0 is noticed at once, through the store's connection)
 _OUTCOME_GRACE_S = 30.0
@@ -113,6 +116,7 @@ class ShardedPublisher:
         token: str | None = None,
         timeout_s: float = 120.0,
         direct: bool = True,
+        transport_options: dict[str, Any] | None = None,
     ) -> None:
         if transport not in SHARDED_TRANSPORTS:
             raise ValueError(
@@ -124,6 +128,7 @@ class ShardedPublisher:
         self._control = GroupControl(group, control_host, timeout_s)
         self._writer = GroupWriter(self._control)
         self._slots = GroupSlots(self._control, self._writer.pool)
+        self._nixl: GroupNixlWriter | None = None
         self._layouts: dict[bytes, TrainerLayout] = {}
         self._fleet: Fleet | None = None
         self._last_push: str | None = None
@@ -136,9 +141,22 @@ class ShardedPublisher:
             targets = [
                 HttpEngineTarget(e, client=self._http) if isinstance(e, str) else e for e in engines
             ]
-            self._sink = ShardedShmSink(self._writer, self._slots, direct=direct)
+            self._sink = self._make_sink(transport, direct, transport_options or {})
             self._fleet = Fleet(targets, self._sink, transport, {}, timeout_s)
             self._sessions = SessionFactory(bucket_bytes)
+
+    def _make_sink(
+        self, transport: str, direct: bool, options: dict[str, Any]
+    ) -> ShardedShmSink | ShardedNixlSink:
+        if transport == "nixl":
+            return ShardedNixlSink(self._nixl_writer(), **options)
+        return ShardedShmSink(self._writer, self._slots, direct=direct)
+
+    def _nixl_writer(self) -> GroupNixlWriter:
+        """This rank's NIXL writer (its agent starts on the first `nixl` push)."""
+        if self._nixl is None:
+            self._nixl = GroupNixlWriter(self._control)
+        return self._nixl
 
     @property
     def rank(self) -> int:
@@ -310,6 +328,9 @@ class ShardedPublisher:
                 key = f"{prefix}/write"
                 if isinstance(step, WriteStep):
                     self._writer.write(key, step.order, layout, holdings, deadline)
+                    continue
+                if isinstance(step, NixlWriteStep):
+                    self._nixl_writer().write(key, step.order, layout, holdings, deadline)
                     continue
                 if isinstance(step, SlotsStep):
                     self._slots.begin(key, step.order, layout, holdings, deadline)

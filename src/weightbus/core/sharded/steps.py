@@ -4,6 +4,7 @@ each bucket (`PackStep`); then the push's outcome (`OutcomeStep`), which may com
 
 import msgspec
 
+from weightbus.core.sharded.nixl_write import NixlWriteOrder
 from weightbus.core.sharded.slots import SlotsOrder
 from weightbus.core.sharded.write import WriteOrder
 
@@ -14,6 +15,10 @@ class Step(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 class WriteStep(Step, frozen=True, kw_only=True):
     order: WriteOrder
+
+
+class NixlWriteStep(Step, frozen=True, kw_only=True):
+    order: NixlWriteOrder
 
 
 class SlotsStep(Step, frozen=True, kw_only=True):
@@ -35,4 +40,4 @@ class OutcomeStep(Step, frozen=True, kw_only=True):
     aborted: list[str] = []
 
 
-AnyStep = WriteStep | SlotsStep | PackStep | OutcomeStep
+AnyStep = WriteStep | NixlWriteStep | SlotsStep | PackStep | OutcomeStep

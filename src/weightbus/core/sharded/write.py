@@ -60,8 +60,44 @@ class WriteOutcome:
     sent_bytes: list[int]
 
 
+def collect_outcome(
+    control: GroupControl,
+    key: str,
+    layout: TrainerLayout,
+    compiled: "Compiled",
+    *,
+    num_targets: int,
+    deadline: float,
+) -> WriteOutcome:
+    """Rank 0: every rank's `WriteReport` on `key`, checked against `compiled` and combined.
+
+    Raises:
+        TrainerRankError: a rank failed or did not report in time, or followed another
+            schedule (named).
+    """
+    reports = {
+        rank: msgspec.msgpack.decode(message.body, type=WriteReport)
+        for rank, message in control.collect(key, "write report", deadline).items()
+    }
+    for rank, report in reports.items():
+        if report.schedule_hash != compiled.schedule_hash:
+            raise TrainerRankError(f"trainer rank {rank} computed another schedule than rank 0")
+    digests = combine(compiled.digest_plan, [r.digests for r in reports.values()])
+    names = [meta.name for meta in layout.metas]
+    slices: list[dict[str, str]] = [{} for _ in range(num_targets)]
+    for (target, name), digest in zip(compiled.slice_regions, digests[len(names) :], strict=True):
+        slices[target][name] = digest
+    return WriteOutcome(
+        digests=dict(zip(names, digests, strict=False)),
+        slice_digests=slices,
+        sent_bytes=[reports[rank].sent_bytes for rank in sorted(reports)],
+    )
+
+
 @dataclass(frozen=True)
-class _Compiled:
+class Compiled:
+    """A write's schedule (its hash) and digest plan, kept per (trainer, engine) layouts."""
+
     pieces: list[Piece]
     schedule_hash: str
     digest_plan: DigestPlan
@@ -75,7 +111,7 @@ class GroupWriter:
     def __init__(self, control: GroupControl) -> None:
         self._control = control
         self._mapped: dict[str, MappedTarget] = {}
-        self._compiled: dict[tuple, _Compiled] = {}
+        self._compiled: dict[tuple, Compiled] = {}
         self.pool = ThreadPoolExecutor(
             max_workers=torch.get_num_threads(),
             thread_name_prefix="sharded-write",
@@ -114,25 +150,9 @@ class GroupWriter:
             TrainerRankError: a rank failed or did not report in time, or followed another
                 schedule (named).
         """
-        reports = {
-            rank: msgspec.msgpack.decode(message.body, type=WriteReport)
-            for rank, message in self._control.collect(key, "write report", deadline).items()
-        }
         compiled = self._compiled[self._key(layout, order)]
-        for rank, report in reports.items():
-            if report.schedule_hash != compiled.schedule_hash:
-                raise TrainerRankError(f"trainer rank {rank} computed another schedule than rank 0")
-        digests = combine(compiled.digest_plan, [r.digests for r in reports.values()])
-        names = [meta.name for meta in layout.metas]
-        slices: list[dict[str, str]] = [{} for _ in order.targets]
-        for (target, name), digest in zip(
-            compiled.slice_regions, digests[len(names) :], strict=True
-        ):
-            slices[target][name] = digest
-        return WriteOutcome(
-            digests=dict(zip(names, digests, strict=False)),
-            slice_digests=slices,
-            sent_bytes=[reports[rank].sent_bytes for rank in sorted(reports)],
+        return collect_outcome(
+            self._control, key, layout, compiled, num_targets=len(order.targets), deadline=deadline
         )
 
     def _map(self, offer: DirectTarget, plan: Plan) -> MappedTarget:
@@ -158,7 +178,7 @@ class GroupWriter:
 
     def _compile(
         self, layout: TrainerLayout, targets: list[MappedTarget], order: WriteOrder
-    ) -> _Compiled:
+    ) -> Compiled:
         key = self._key(layout, order)
         if key not in self._compiled:
             slices = [
@@ -175,7 +195,7 @@ class GroupWriter:
                     slice_regions.append((target, name))
             if len(self._compiled) >= _COMPILED_KEPT:  # engines that came and went
                 self._compiled.clear()
-            self._compiled[key] = _Compiled(
+            self._compiled[key] = Compiled(
                 pieces,
                 schedule_hash(layout, pieces),
                 DigestPlan(layout, regions),
