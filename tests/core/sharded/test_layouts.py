@@ -9,6 +9,7 @@ import xxhash
 from sharded_layouts import LAYOUTS, SHAPES, engine_slices, holdings, model
 
 from weightbus.core.digest import combine_blocks, tensor_digest
+from weightbus.core.sharded import ShardedPublisher
 from weightbus.core.sharded.boxes import Box
 from weightbus.core.sharded.digests import DigestPlan, Region
 from weightbus.core.sharded.layout import TrainerLayout, held_metas
@@ -113,3 +114,13 @@ def test_ranks_disagreeing_on_a_tensor_are_named():
     held = [holdings(full, LAYOUTS["replicated-2"][0]), holdings(other, LAYOUTS["replicated-2"][1])]
     with pytest.raises(ValueError, match=r"'norm.weight': trainer rank 1 holds it as float64"):
         TrainerLayout(tuple(tuple(held_metas(h)) for h in held))
+
+
+@pytest.mark.parametrize("transport", ["dist", "disk", "hf_dir"])
+def test_a_transport_that_cannot_take_sharded_sources_is_refused_naming_the_others(transport):
+    with pytest.raises(
+        ValueError,
+        match=rf"transport '{transport}' cannot take sharded sources yet; sharded trainers push "
+        r"over shm, nixl, or gather the model to one process and use a Publisher",
+    ):
+        ShardedPublisher(["http://127.0.0.1:1"], transport=transport)
