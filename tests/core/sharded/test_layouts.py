@@ -9,6 +9,7 @@ import xxhash
 from sharded_layouts import LAYOUTS, SHAPES, engine_slices, holdings, model
 
 from weightbus.core.digest import combine_blocks, tensor_digest
+from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.sharded import ShardedPublisher
 from weightbus.core.sharded.boxes import Box
 from weightbus.core.sharded.digests import DigestPlan, Region
@@ -124,3 +125,14 @@ def test_a_transport_that_cannot_take_sharded_sources_is_refused_naming_the_othe
         r"over shm, nixl, or gather the model to one process and use a Publisher",
     ):
         ShardedPublisher(["http://127.0.0.1:1"], transport=transport)
+
+
+def test_empty_and_scalar_tensors_digest_like_the_gathered_ones():
+    full = {"empty.weight": torch.empty(0, 4), "scale": torch.tensor(2.5)}
+    boxes = [{name: Box.whole(tuple(t.shape)) for name, t in full.items()}] * 2  # replicated
+    layout, held = _layout(full, boxes)
+    regions = [Region(name, Box.whole(tuple(t.shape))) for name, t in full.items()]
+    digests = _simulated_digests(DigestPlan(layout, regions), held)
+    assert digests == [tensor_digest(t) for t in full.values()]
+    pieces = make_schedule(layout, [{"scale": [ShardCopy.whole(())]}])
+    assert [(p.name, p.cell.numel) for p in pieces] == [("scale", 1)]

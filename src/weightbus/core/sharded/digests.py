@@ -81,7 +81,7 @@ class DigestPlan:
             per_block = DIGEST_BLOCK_BYTES // meta.element_bytes
             cols = matrix_shape(meta.shape)[1]
             holders = self.layout.holders(region.name)
-            count = max(1, -(-region.box.numel // per_block))
+            count = -(-region.box.numel // per_block)  # none for an empty tensor
             self.block_counts.append(count)
             for block in range(count):
                 start, stop = block * per_block, min((block + 1) * per_block, region.box.numel)

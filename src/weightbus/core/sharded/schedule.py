@@ -90,6 +90,8 @@ def make_schedule(
             for index, copy in enumerate(copies_by_name[name]):
                 box = slice_box(meta, copy)
                 for cell in _cells(box, holders):
+                    if not cell.numel:  # an empty tensor: nothing to copy
+                        continue
                     owners = [rank for rank, held in holders if cell.intersect(held) == cell]
                     owner = min(owners, key=lambda rank: (load[rank], rank))
                     load[owner] += cell.numel * meta.element_bytes
