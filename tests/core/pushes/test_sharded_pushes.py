@@ -24,8 +24,8 @@ LOGPROB_ATOL = 1e-4  # float32 engine vs transformers (test_update_e2e.py)
 
 
 def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_path):
-    """2 FSDP2 ranks, 2 pushes with training between (straight into the engines' parameters,
-    then through the slots), into engines of TP 2 and TP 1 (two-phase)."""
+    """2 FSDP2 ranks, pushes with training between (straight into the engines' parameters, then
+    through the slots), then over nixl and disk, into engines of TP 2 and TP 1 (two-phase)."""
     fleet = [engines["tp2"].url, engines["tp1"].url]
     actions = [
         {"kind": "train", "steps": 2},
@@ -33,9 +33,10 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
         {"kind": "train", "steps": 1},
         {"kind": "push", "version": "fsdp-2", "save": True, "direct": False},
         {"kind": "push", "version": "fsdp-3", "transport": "nixl"},
+        {"kind": "push", "version": "fsdp-4", "transport": "disk"},
     ]
     records = run_trainers(2, "tiny", fleet, actions, tmp_path)
-    assert all(len(r) == 3 and all(x["ok"] for x in r) for r in records), records
+    assert all(len(r) == 4 and all(x["ok"] for x in r) for r in records), records
     for index, version in enumerate(["fsdp-1", "fsdp-2"]):
         weights = normalize_weights(gathered(tmp_path, version))
         expected = fingerprint(weights)
@@ -56,7 +57,10 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
                 trainer_ranks=2, trainer_layout="fsdp")
         for transport in ("shm", "shm-slots") for tp in (2, 1)
     ]  # fmt: skip
-    direct, slots, nixl = records[0]
+    direct, slots, nixl, disk = records[0]
+    # disk: every rank writes its rows into the session's shards, each byte once
+    assert disk["sent_bytes"] == slots["sent_bytes"]
+    assert {r[3]["fingerprint"] for r in records} == {slots["fingerprint"]}
     # nixl: every rank posts its own WRITEs of the same pieces as direct; same fingerprint
     assert (nixl["sent_bytes"], nixl["rank_nbytes"]) == (
         direct["sent_bytes"],
@@ -71,7 +75,7 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
     assert tuple(slots["sent_bytes"]) == plans[2].trainer_send_bytes  # packed once for both
     for engine in (engines["tp2"], engines["tp1"]):
         state = weights_state(engine)
-        assert (state["version"], state["fingerprint"]) == ("fsdp-3", expected)
+        assert (state["version"], state["fingerprint"]) == ("fsdp-4", expected)
 
 
 def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_keep_serving(

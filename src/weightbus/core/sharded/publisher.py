@@ -28,6 +28,7 @@ from weightbus.core.publisher.results import PushError, PushResult
 from weightbus.core.publisher.session import NameMap, SessionFactory
 from weightbus.core.publisher.targets import EngineTarget, HttpEngineTarget
 from weightbus.core.sharded.control import ControlMessage, GroupControl, TrainerRankError
+from weightbus.core.sharded.disk import GroupDisk, ShardedDiskSink
 from weightbus.core.sharded.holdings import Holding, holdings_of, tied_heads
 from weightbus.core.sharded.layout import HeldMeta, TrainerLayout, held_metas
 from weightbus.core.sharded.nixl_sink import ShardedNixlSink
@@ -36,6 +37,7 @@ from weightbus.core.sharded.sink import ShardedShmSink, SharedPush
 from weightbus.core.sharded.slots import GroupSlots
 from weightbus.core.sharded.steps import (
     AnyStep,
+    DiskStep,
     NixlWriteStep,
     OutcomeStep,
     PackStep,
@@ -48,7 +50,7 @@ from weightbus.core.wire import PauseMode, VerifyLevel
 
 logger = logging.getLogger(__name__)
 
-SHARDED_TRANSPORTS = ("shm", "nixl")
+SHARDED_TRANSPORTS = ("shm", "nixl", "disk")
 # a follower waits this much longer than the push's bound for rank 0's outcome (rank 0 answers
 # within the bound; a dead rank 0 is noticed at once, through the store's connection)
 _OUTCOME_GRACE_S = 30.0
@@ -129,6 +131,7 @@ class ShardedPublisher:
         self._writer = GroupWriter(self._control)
         self._slots = GroupSlots(self._control, self._writer.pool)
         self._nixl: GroupNixlWriter | None = None
+        self._disk = GroupDisk(self._control)
         self._layouts: dict[bytes, TrainerLayout] = {}
         self._fleet: Fleet | None = None
         self._last_push: str | None = None
@@ -147,7 +150,9 @@ class ShardedPublisher:
 
     def _make_sink(
         self, transport: str, direct: bool, options: dict[str, Any]
-    ) -> ShardedShmSink | ShardedNixlSink:
+    ) -> ShardedShmSink | ShardedNixlSink | ShardedDiskSink:
+        if transport == "disk":
+            return ShardedDiskSink(self._disk, **options)
         if transport == "nixl":
             return ShardedNixlSink(self._nixl_writer(), **options)
         return ShardedShmSink(self._writer, self._slots, direct=direct)
@@ -280,7 +285,8 @@ class ShardedPublisher:
             encoded = msgspec.msgpack.encode(message)
             self._control.announce(f"{prefix}/step/{next(steps)}", ControlMessage(body=encoded))
 
-        shared = SharedPush(f"{prefix}/write", layout, holdings, announce)
+        deadline = time.monotonic() + self.timeout_s
+        shared = SharedPush(f"{prefix}/write", layout, holdings, announce, deadline)
         self._sink.push = shared
         try:
             order = push_options(
@@ -331,6 +337,9 @@ class ShardedPublisher:
                     continue
                 if isinstance(step, NixlWriteStep):
                     self._nixl_writer().write(key, step.order, layout, holdings, deadline)
+                    continue
+                if isinstance(step, DiskStep):
+                    self._disk.write(key, step.order, layout, holdings, deadline)
                     continue
                 if isinstance(step, SlotsStep):
                     self._slots.begin(key, step.order, layout, holdings, deadline)

@@ -25,6 +25,7 @@ class SharedPush:
     layout: TrainerLayout
     holdings: dict[str, Holding]
     announce: Callable[[Step], None]
+    deadline: float  # `time.monotonic()` by which the push must be written
     sent_bytes: list[int] = field(default_factory=list)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from weightbus.core.meta import TensorMeta
 from weightbus.core.plan import Plan
 from weightbus.core.sharded.boxes import Box, held_runs, matrix_shape, runs
 from weightbus.core.sharded.control import GroupControl, run_all
@@ -52,6 +53,32 @@ class SlotPart:
     slot_offset: int
 
 
+def range_parts(
+    layout: TrainerLayout,
+    meta: TensorMeta,
+    start: int,
+    numel: int,
+    *,
+    offset: int,
+    load: dict[int, int],
+) -> list[SlotPart]:
+    """Who writes elements `[start, start + numel)` of tensor `meta` (row-major) to byte
+    `offset` of a buffer: a rank holding all of them (the least loaded), else the one holding
+    most, the rest from the others (`load`: bytes each rank writes so far, updated)."""
+    size, cols = meta.element_bytes, matrix_shape(meta.shape)[1]
+    (run,) = runs(Box.whole(meta.shape), cols, start, start + numel)
+    held = {rank: list(held_runs(box, cols, run)) for rank, box in layout.holders(meta.name)}
+    whole = [rank for rank, ps in held.items() if sum(r.numel for r, _ in ps) == run.numel]
+    owner = min(whole or list(held), key=lambda rank: (load[rank], rank))
+    parts, position = [], run.start
+    for segment in _cover(run, held, owner):
+        destination = offset + (position - start) * size
+        parts.append(SlotPart(segment.rank, meta.name, segment.start, segment.numel, destination))
+        load[segment.rank] += segment.numel * size
+        position += segment.numel
+    return parts
+
+
 def slot_schedule(layout: TrainerLayout, plan: Plan) -> list[list[SlotPart]]:
     """Per bucket, who writes which part of each entry (the same on every rank)."""
     metas = {meta.name: meta for meta in layout.metas}
@@ -61,21 +88,9 @@ def slot_schedule(layout: TrainerLayout, plan: Plan) -> list[list[SlotPart]]:
         parts = []
         for entry in bucket.entries:
             meta = metas[entry.name]
-            size, cols = meta.element_bytes, matrix_shape(meta.shape)[1]
-            start = entry.tensor_offset // size
-            (run,) = runs(Box.whole(meta.shape), cols, start, start + entry.nbytes // size)
-            holders = layout.holders(entry.name)
-            held = {rank: list(held_runs(box, cols, run)) for rank, box in holders}
-            whole = [rank for rank, ps in held.items() if sum(r.numel for r, _ in ps) == run.numel]
-            owner = min(whole or list(held), key=lambda rank: (load[rank], rank))
-            position = run.start
-            for segment in _cover(run, held, owner):
-                offset = entry.offset + (position - start) * size
-                parts.append(
-                    SlotPart(segment.rank, entry.name, segment.start, segment.numel, offset)
-                )
-                load[segment.rank] += segment.numel * size
-                position += segment.numel
+            size = meta.element_bytes
+            first, numel = entry.tensor_offset // size, entry.nbytes // size
+            parts += range_parts(layout, meta, first, numel, offset=entry.offset, load=load)
         buckets.append(parts)
     return buckets
 

@@ -21,6 +21,23 @@ class NixlWriteStep(Step, frozen=True, kw_only=True):
     order: NixlWriteOrder
 
 
+class DiskFile(msgspec.Struct, frozen=True, array_like=True):
+    """One shard: its path, and where each tensor's bytes start in it."""
+
+    path: str
+    offsets: dict[str, int]
+
+
+class DiskOrder(msgspec.Struct, frozen=True, kw_only=True):
+    """Rank 0's order: the session's shards, laid out and sized, to fill."""
+
+    files: list[DiskFile]
+
+
+class DiskStep(Step, frozen=True, kw_only=True):
+    order: DiskOrder
+
+
 class SlotsStep(Step, frozen=True, kw_only=True):
     order: SlotsOrder
 
@@ -40,4 +57,4 @@ class OutcomeStep(Step, frozen=True, kw_only=True):
     aborted: list[str] = []
 
 
-AnyStep = WriteStep | NixlWriteStep | SlotsStep | PackStep | OutcomeStep
+AnyStep = WriteStep | NixlWriteStep | DiskStep | SlotsStep | PackStep | OutcomeStep

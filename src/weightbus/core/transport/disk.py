@@ -56,7 +56,7 @@ class DiskManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     end: UpdateEnd
 
 
-def _shard_names(session: PushSession) -> list[list[str]]:
+def shard_names(session: PushSession) -> list[list[str]]:
     """Whole tensors per shard: a tensor goes to the shard of the bucket where it starts."""
     return [
         [entry.name for entry in bucket.entries if entry.tensor_offset == 0]
@@ -88,7 +88,7 @@ class DiskSink(BucketSink):
         session.ensure_digests(tensors)
         tmp = self._directories.start(session.session_id)
         shards = []
-        for index, names in enumerate(_shard_names(session)):
+        for index, names in enumerate(shard_names(session)):
             if names:
                 file = f"shard-{index:05d}.safetensors"
                 save_tensors(tmp / file, names, tensors)
