@@ -12,7 +12,7 @@ from weightbus.core.sharded.sink import SharedPush
 from weightbus.core.sharded.steps import NixlWriteStep
 from weightbus.core.transport.base import Progress, PushSession, no_progress
 from weightbus.core.transport.nixl.messages import NixlHello
-from weightbus.core.transport.nixl.sink import NixlSink, _Ranks
+from weightbus.core.transport.nixl.sink import NixlSink, SessionRanks
 from weightbus.core.wire import TensorsWritten, UpdateAbort
 
 
@@ -36,7 +36,7 @@ class ShardedNixlSink(NixlSink):
         push = self.push
         assert push is not None, "a sharded sink streams only inside a ShardedPublisher push"
         deadline = time.monotonic() + timeout_s
-        ranks = _Ranks(session)
+        ranks = SessionRanks(session)
         joined: list[tuple[bytes, NixlHello]] = []
         try:
             ranks.wait_until_complete(
@@ -58,7 +58,7 @@ class ShardedNixlSink(NixlSink):
         session: PushSession,
         push: SharedPush,
         *,
-        ranks: _Ranks,
+        ranks: SessionRanks,
         joined: list[tuple[bytes, NixlHello]],
         deadline: float,
         progress: Progress,

@@ -13,7 +13,7 @@ from weightbus.core.sharded.steps import PackStep, SlotsStep, Step, WriteStep
 from weightbus.core.sharded.write import GroupWriter, WriteOrder
 from weightbus.core.transport.base import Progress, PushSession
 from weightbus.core.transport.shm.direct import MappedTarget
-from weightbus.core.transport.shm.sink import ShmSink, _bucket_message, _Receivers
+from weightbus.core.transport.shm.sink import SessionReceivers, ShmSink, bucket_message
 from weightbus.core.wire import TensorsWritten
 
 
@@ -45,7 +45,7 @@ class ShardedShmSink(ShmSink):
         self,
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
-        receivers: _Receivers,
+        receivers: SessionReceivers,
         deadline: float,
         progress: Progress,
         *,
@@ -77,7 +77,7 @@ class ShardedShmSink(ShmSink):
                 sent[rank] += nbytes
             receivers.unacked[slot] = set(receivers.identities.values())
             finished = {name: digests[name] for name in bucket.finished_names()}
-            self._send_all(receivers, _bucket_message(session, bucket, slot, finished))
+            self._send_all(receivers, bucket_message(session, bucket, slot, finished))
             session.count_sent(bucket.payload_bytes)
             progress(bucket.payload_bytes)
         while any(receivers.unacked.values()):
@@ -89,7 +89,7 @@ class ShardedShmSink(ShmSink):
         self,
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
-        receivers: _Receivers,
+        receivers: SessionReceivers,
         targets: list[MappedTarget],
         *,
         deadline: float,

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_SCHEDULES = 8
 
 
-class _Ranks(JoiningRanks):
+class SessionRanks(JoiningRanks):
     """The ranks that joined the current session, by ZMQ identity."""
 
     def __init__(self, session: PushSession) -> None:
@@ -162,7 +162,7 @@ class NixlSink(BucketSink):
         progress: Progress = no_progress,
     ) -> None:
         deadline = time.monotonic() + timeout_s
-        ranks = _Ranks(session)
+        ranks = SessionRanks(session)
         try:
             ranks.wait_until_complete(
                 lambda what, anyway: self._receive(ranks, deadline, what, anyway)
@@ -223,7 +223,7 @@ class NixlSink(BucketSink):
         return ranks, schedule
 
     def _inboxes(
-        self, ranks: _Ranks, joined: list[tuple[bytes, NixlHello]]
+        self, ranks: SessionRanks, joined: list[tuple[bytes, NixlHello]]
     ) -> list[NixlInbox | None]:
         """Each rank's inbox (sent before its `DirectReady`, so here by now), its agent's
         metadata loaded again: registering the inbox changed it."""
@@ -328,12 +328,14 @@ class NixlSink(BucketSink):
             self._agent.forget(f"{self._key}-send-{index}")
         self._buffers = []
 
-    def _receive(self, ranks: _Ranks, deadline: float, what: str, anyway: bool = False) -> None:
+    def _receive(
+        self, ranks: SessionRanks, deadline: float, what: str, anyway: bool = False
+    ) -> None:
         receive_one(
             self._socket, ranks.session, ranks.on_message, deadline, what, even_if_abandoned=anyway
         )
 
-    def _listen(self, ranks: _Ranks) -> bool:
+    def _listen(self, ranks: SessionRanks) -> bool:
         """Take every rank message already here (never waits); True when any came."""
         came = False
         while self._socket.poll(0):

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_NUM_SLOTS = 2
 
 
-class _Receivers(JoiningRanks):
+class SessionReceivers(JoiningRanks):
     """The ranks that joined the current session, by ZMQ identity, and their pending acks."""
 
     def __init__(self, session: PushSession) -> None:
@@ -180,7 +180,7 @@ class ShmSink(BucketSink):
                 the ranks were told to abort.
         """
         deadline = time.monotonic() + timeout_s
-        receivers = _Receivers(session)
+        receivers = SessionReceivers(session)
         try:
             # the ranks that joined hear of a failure at once, not at their own timeout
             receivers.wait_until_complete(
@@ -222,7 +222,7 @@ class ShmSink(BucketSink):
         self,
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
-        receivers: _Receivers,
+        receivers: SessionReceivers,
         deadline: float,
         progress: Progress,
         *,
@@ -243,7 +243,7 @@ class ShmSink(BucketSink):
             )
             session.digests.update(digests)
             receivers.unacked[slot] = set(receivers.identities.values())
-            self._send_all(receivers, _bucket_message(session, bucket, slot, digests))
+            self._send_all(receivers, bucket_message(session, bucket, slot, digests))
             session.count_sent(bucket.payload_bytes)  # once, whatever the number of ranks
             progress(bucket.payload_bytes)
         while any(receivers.unacked.values()):
@@ -251,7 +251,7 @@ class ShmSink(BucketSink):
             self._receive(receivers, deadline, f"{holders} to release the last slots")
 
     def _direct_targets(
-        self, receivers: _Receivers, session: PushSession
+        self, receivers: SessionReceivers, session: PushSession
     ) -> list[MappedTarget] | None:
         """Every rank's mapped parameter file, in `receivers.identities` order; None for
         slot mode (direct mode off, a rank offered nothing, or an offer is unusable)."""
@@ -289,7 +289,7 @@ class ShmSink(BucketSink):
         self,
         session: PushSession,
         tensors: Mapping[str, torch.Tensor],
-        receivers: _Receivers,
+        receivers: SessionReceivers,
         targets: list[MappedTarget],
         *,
         deadline: float,
@@ -332,7 +332,7 @@ class ShmSink(BucketSink):
                 progress(nbytes[bucket_index])
 
     def _receive(
-        self, receivers: _Receivers, deadline: float, what: str, anyway: bool = False
+        self, receivers: SessionReceivers, deadline: float, what: str, anyway: bool = False
     ) -> None:
         receive_one(
             self._socket,
@@ -343,7 +343,7 @@ class ShmSink(BucketSink):
             even_if_abandoned=anyway,
         )
 
-    def _send_all(self, receivers: _Receivers, message: Message) -> None:
+    def _send_all(self, receivers: SessionReceivers, message: Message) -> None:
         frame = message.encode()
         for identity in receivers.identities:
             self._socket.send_multipart([identity, frame])
@@ -366,7 +366,7 @@ class ShmSink(BucketSink):
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
-def _bucket_message(
+def bucket_message(
     session: PushSession, bucket: BucketPlan, slot: int, digests: dict[str, str]
 ) -> BucketReady:
     """`digests`: of the tensors whose last byte is in this bucket."""
