@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
                 "url": url,
                 "repeat": args.repeat,
                 "bucket_bytes": args.bucket_bytes,
+                "transports": args.transports,
             }
             results = {n: _run_ranks(n, worker_args, Path(tmp) / f"ranks{n}") for n in args.ranks}
         finally:

@@ -206,9 +206,23 @@ def tied_heads(holdings: list[Holding]) -> list[str]:
             if a is None or b is None or a.box != b.box:
                 continue
             same_kind = (a.meta.dtype, a.meta.shape) == (b.meta.dtype, b.meta.shape)
-            if same_kind and np.array_equal(a.raw, b.raw):
+            if same_kind and _same_bytes(a.raw, b.raw):
                 tied.append(a.name)
     return tied
+
+
+_COMPARE_BYTES = 4 << 20  # compared at a time: no copy of a whole head to compare it
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two byte arrays are equal, chunk by chunk: an untied head differs in its first
+    chunk (no full read per push), and no comparison allocates more than one chunk."""
+    if a.size != b.size:
+        return False
+    return all(
+        np.array_equal(a[start : start + _COMPARE_BYTES], b[start : start + _COMPARE_BYTES])
+        for start in range(0, a.size, _COMPARE_BYTES)
+    )
 
 
 def _local_of(source: Source) -> torch.Tensor:
