@@ -8,12 +8,12 @@ import msgspec
 import torch
 
 from weightbus.core.sharded.nixl_write import GroupNixlWriter, NixlTarget, NixlWriteOrder
-from weightbus.core.sharded.sink import SharedPush
+from weightbus.core.sharded.sink import SharedPush, tell_written
 from weightbus.core.sharded.steps import NixlWriteStep
 from weightbus.core.transport.base import Progress, PushSession, no_progress
 from weightbus.core.transport.nixl.messages import NixlHello
 from weightbus.core.transport.nixl.sink import NixlSink, SessionRanks
-from weightbus.core.wire import TensorsWritten, UpdateAbort
+from weightbus.core.wire import UpdateAbort
 
 
 class ShardedNixlSink(NixlSink):
@@ -90,19 +90,4 @@ class ShardedNixlSink(NixlSink):
         push.announce(NixlWriteStep(order=order))
         self.group_writer.write(push.key, order, push.layout, push.holdings, deadline)
         outcome = self.group_writer.outcome(push.key, push.layout, order, deadline)
-        session.digests.update(outcome.digests)
-        session.count_sent(sum(outcome.sent_bytes))
-        push.sent_bytes = outcome.sent_bytes
-        for bucket in session.plan.buckets:
-            names = bucket.finished_names()
-            digests = {name: outcome.digests[name] for name in names}
-            for index, identity in enumerate(identities):
-                slices = outcome.slice_digests[index]
-                message = TensorsWritten(
-                    session_id=session.session_id,
-                    bucket_index=bucket.index,
-                    digests=digests,
-                    slice_digests={name: slices[name] for name in names if name in slices},
-                )
-                self._socket.send_multipart([identity, message.encode()])
-            progress(bucket.payload_bytes)
+        tell_written(session, push, outcome, identities, socket=self._socket, progress=progress)

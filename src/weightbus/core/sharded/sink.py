@@ -5,12 +5,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+import zmq
 
 from weightbus.core.sharded.holdings import Holding
 from weightbus.core.sharded.layout import TrainerLayout
 from weightbus.core.sharded.slots import GroupSlots, SlotsOrder
 from weightbus.core.sharded.steps import PackStep, SlotsStep, Step, WriteStep
-from weightbus.core.sharded.write import GroupWriter, WriteOrder
+from weightbus.core.sharded.write import GroupWriter, WriteOrder, WriteOutcome
 from weightbus.core.transport.base import Progress, PushSession
 from weightbus.core.transport.shm.direct import MappedTarget
 from weightbus.core.transport.shm.sink import SessionReceivers, ShmSink, bucket_message
@@ -27,6 +28,35 @@ class SharedPush:
     announce: Callable[[Step], None]
     deadline: float  # `time.monotonic()` by which the push must be written
     sent_bytes: list[int] = field(default_factory=list)
+
+
+def tell_written(
+    session: PushSession,
+    push: SharedPush,
+    outcome: WriteOutcome,
+    identities: list[bytes],
+    *,
+    socket: zmq.Socket,
+    progress: Progress,
+) -> None:
+    """Record what every trainer rank wrote (digests, bytes), then tell each engine rank, per
+    bucket, which tensors are written and the digests of its slices (`TensorsWritten`)."""
+    session.digests.update(outcome.digests)
+    session.count_sent(sum(outcome.sent_bytes))
+    push.sent_bytes = outcome.sent_bytes
+    for bucket in session.plan.buckets:
+        names = bucket.finished_names()
+        digests = {name: outcome.digests[name] for name in names}
+        for index, identity in enumerate(identities):
+            slices = outcome.slice_digests[index]
+            message = TensorsWritten(
+                session_id=session.session_id,
+                bucket_index=bucket.index,
+                digests=digests,
+                slice_digests={name: slices[name] for name in names if name in slices},
+            )
+            socket.send_multipart([identity, message.encode()])
+        progress(bucket.payload_bytes)
 
 
 class ShardedShmSink(ShmSink):
@@ -110,19 +140,4 @@ class ShardedShmSink(ShmSink):
         push.announce(WriteStep(order=order))
         self.group_writer.write(push.key, order, push.layout, push.holdings, deadline)
         outcome = self.group_writer.outcome(push.key, push.layout, order, deadline)
-        session.digests.update(outcome.digests)
-        session.count_sent(sum(outcome.sent_bytes))
-        push.sent_bytes = outcome.sent_bytes
-        for bucket in session.plan.buckets:
-            names = bucket.finished_names()
-            digests = {name: outcome.digests[name] for name in names}
-            for rank_index, identity in enumerate(identities):
-                slices = outcome.slice_digests[rank_index]
-                message = TensorsWritten(
-                    session_id=session.session_id,
-                    bucket_index=bucket.index,
-                    digests=digests,
-                    slice_digests={name: slices[name] for name in names if name in slices},
-                )
-                self._socket.send_multipart([identity, message.encode()])
-            progress(bucket.payload_bytes)
+        tell_written(session, push, outcome, identities, socket=self._socket, progress=progress)
