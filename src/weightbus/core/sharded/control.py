@@ -137,10 +137,6 @@ class GroupControl:
                 raise TrainerRankError(f"{who(k)} failed ({what}): {message.error}")
         return messages
 
-    def stored_keys(self) -> int:
-        """How many keys the store holds (its growth across pushes, for the tests)."""
-        return self._store.num_keys()
-
 
 def run_all(
     pool: ThreadPoolExecutor,

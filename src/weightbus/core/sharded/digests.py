@@ -34,6 +34,11 @@ class Region:
     box: Box
 
 
+def whole_regions(layout: TrainerLayout) -> list[Region]:
+    """Every tensor of the model, whole: the regions its fingerprint digests."""
+    return [Region(meta.name, Box.whole(meta.shape)) for meta in layout.metas]
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
     """`numel` elements of `rank`'s holding of a tensor, from local element `start`."""

@@ -20,9 +20,8 @@ import torch
 
 from weightbus.core.checkpoint import SAFETENSORS_DTYPES
 from weightbus.core.meta import TensorMeta
-from weightbus.core.sharded.boxes import Box
 from weightbus.core.sharded.control import GroupControl
-from weightbus.core.sharded.digests import BlockDigests, DigestPlan, Region, combine, compute
+from weightbus.core.sharded.digests import BlockDigests, DigestPlan, combine, compute, whole_regions
 from weightbus.core.sharded.holdings import Holding
 from weightbus.core.sharded.layout import TrainerLayout
 from weightbus.core.sharded.sink import SharedPush
@@ -30,10 +29,7 @@ from weightbus.core.sharded.slots import SlotPart, range_parts
 from weightbus.core.sharded.steps import DiskFile, DiskOrder, DiskStep
 from weightbus.core.transport.base import Progress, PushSession, no_progress
 from weightbus.core.transport.disk import (
-    MANIFEST_FORMAT,
-    MANIFEST_NAME,
     DiskDescription,
-    DiskManifest,
     DiskSink,
     ShardRecord,
     shard_names,
@@ -141,7 +137,7 @@ class GroupDisk:
                 ]
                 for file in order.files
             ]
-            regions = [Region(meta.name, Box.whole(meta.shape)) for meta in layout.metas]
+            regions = whole_regions(layout)
             self._compiled = {key: (DigestPlan(layout, regions), parts)}
         return self._compiled[key]
 
@@ -178,13 +174,4 @@ class ShardedDiskSink(DiskSink):
         session.count_sent(sum(sent))
         push.sent_bytes = sent
         progress(sum(sent))
-        manifest = DiskManifest(
-            format=MANIFEST_FORMAT,
-            begin=session.begin_message(),
-            shards=records,
-            digests=dict(session.digests),
-            end=session.end_message(),
-        )
-        (tmp / MANIFEST_NAME).write_bytes(msgspec.json.encode(manifest))
-        (tmp / MANIFEST_NAME).chmod(0o600)
-        return DiskDescription(path=str(self._directories.publish(session.session_id)))
+        return self._publish(tmp, session, records)

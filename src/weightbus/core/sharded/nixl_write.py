@@ -11,7 +11,7 @@ digests are computed as for `shm` (`digests.compute`), and rank 0 answers the en
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -20,13 +20,19 @@ import torch
 
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan.bucket import ALIGN_BYTES
-from weightbus.core.sharded.boxes import Box, matrix_shape
+from weightbus.core.sharded.boxes import matrix_shape
 from weightbus.core.sharded.control import GroupControl
-from weightbus.core.sharded.digests import DigestPlan, Region, compute
+from weightbus.core.sharded.digests import compute
 from weightbus.core.sharded.holdings import Holding
 from weightbus.core.sharded.layout import TrainerLayout
-from weightbus.core.sharded.schedule import Piece, cell_view, make_schedule, schedule_hash
-from weightbus.core.sharded.write import Compiled, WriteOutcome, WriteReport, collect_outcome
+from weightbus.core.sharded.schedule import Piece, cell_view
+from weightbus.core.sharded.write import (
+    COMPILED_KEPT,
+    Compiled,
+    WriteOutcome,
+    WriteReport,
+    collect_outcome,
+)
 from weightbus.core.transport.nixl.agent import DEFAULT_UCX_TLS, publisher_agent
 from weightbus.core.transport.parts.layout import RegionCopy, checked_copies
 from weightbus.core.wire import DirectTarget
@@ -54,9 +60,8 @@ class NixlWriteOrder(msgspec.Struct, frozen=True, kw_only=True):
     ucx_tls: str = DEFAULT_UCX_TLS
 
 
-@dataclass(frozen=True)
-class _Compiled(Compiled):
-    copies: list[dict[str, list[RegionCopy]]]
+# a write's schedule and digests, and each engine rank's checked slice map (its regions)
+_Compiled = tuple[Compiled, list[dict[str, list[RegionCopy]]]]
 
 
 def _runs(piece: Piece, each: RegionCopy, memory: int, meta: TensorMeta) -> np.ndarray:
@@ -106,9 +111,10 @@ class GroupNixlWriter:
             sent = self._post_all(
                 agent, order, compiled=compiled, layout=layout, holdings=holdings, deadline=deadline
             )
-            digests = compute(compiled.digest_plan, holdings, self._control, key, deadline)
+            schedule = compiled[0]
+            digests = compute(schedule.digest_plan, holdings, self._control, key, deadline)
             report = WriteReport(
-                schedule_hash=compiled.schedule_hash, sent_bytes=sent, digests=digests
+                schedule_hash=schedule.schedule_hash, sent_bytes=sent, digests=digests
             )
             return msgspec.msgpack.encode(report)
 
@@ -118,9 +124,9 @@ class GroupNixlWriter:
         self, key: str, layout: TrainerLayout, order: NixlWriteOrder, deadline: float
     ) -> WriteOutcome:
         """Rank 0: every rank's report, checked and combined (`write.collect_outcome`)."""
-        compiled = self._compile(layout, order)
+        schedule, _ = self._compile(layout, order)
         return collect_outcome(
-            self._control, key, layout, compiled, num_targets=len(order.targets), deadline=deadline
+            self._control, key, layout, schedule, num_targets=len(order.targets), deadline=deadline
         )
 
     def _ready_agent(self, order: NixlWriteOrder):
@@ -145,24 +151,9 @@ class GroupNixlWriter:
             metas = {meta.name: meta for meta in plan.metas}
             copies = [checked_copies(t.target, metas) for t in order.targets]
             slices = [{n: [rc.copy for rc in rcs] for n, rcs in c.items()} for c in copies]
-            pieces = make_schedule(layout, slices)
-            regions = [Region(meta.name, Box.whole(meta.shape)) for meta in layout.metas]
-            slice_regions = []
-            if order.verify:
-                for (target, name), box in sorted(
-                    {(p.target, p.name): p.slice_box for p in pieces}.items()
-                ):
-                    regions.append(Region(name, box))
-                    slice_regions.append((target, name))
-            if len(self._compiled) >= 8:
+            if len(self._compiled) >= COMPILED_KEPT:
                 self._compiled.clear()
-            self._compiled[key] = _Compiled(
-                pieces,
-                schedule_hash(layout, pieces),
-                DigestPlan(layout, regions),
-                slice_regions,
-                copies,
-            )
+            self._compiled[key] = (Compiled.of(layout, slices, verify=order.verify), copies)
         return self._compiled[key]
 
     def _post_all(
@@ -175,53 +166,49 @@ class GroupNixlWriter:
         holdings: dict[str, Holding],
         deadline: float,
     ) -> int:
-        """Pack and WRITE this rank's pieces, a send buffer at a time."""
+        """Pack and WRITE this rank's pieces, a send buffer at a time; the bytes sent."""
         metas = {meta.name: meta for meta in layout.metas}
-        mine = [piece for piece in compiled.pieces if piece.owner == self._control.rank]
-        sent, batch, used = 0, [], 0
-        for piece in mine:
+        schedule, copies = compiled
+        mine = [piece for piece in schedule.pieces if piece.owner == self._control.rank]
+        for batch in self._batches(mine, metas):
+            self._write_batch(
+                agent, order, batch, copies=copies, holdings=holdings, metas=metas,
+                deadline=deadline,
+            )  # fmt: skip
+        return sum(piece.cell.numel * metas[piece.name].element_bytes for piece in mine)
+
+    def _batches(
+        self, pieces: list[Piece], metas: dict[str, TensorMeta]
+    ) -> Iterator[list[tuple[Piece, int]]]:
+        """The pieces in batches that fit the send buffer, each with its offset there."""
+        batch: list[tuple[Piece, int]] = []
+        used = 0
+        for piece in pieces:
             nbytes = piece.cell.numel * metas[piece.name].element_bytes
             if nbytes > self._buffer.numel():
                 raise ValueError(
                     f"tensor {piece.name!r}: a piece of {nbytes} bytes exceeds the send buffer"
                 )
             if batch and used + nbytes > self._buffer.numel():
-                self._write_batch(
-                    agent,
-                    order,
-                    batch,
-                    compiled=compiled,
-                    holdings=holdings,
-                    metas=metas,
-                    deadline=deadline,
-                )
+                yield batch
                 batch, used = [], 0
             batch.append((piece, used))
             used = -(-(used + nbytes) // ALIGN_BYTES) * ALIGN_BYTES
-            sent += nbytes
         if batch:
-            self._write_batch(
-                agent,
-                order,
-                batch,
-                compiled=compiled,
-                holdings=holdings,
-                metas=metas,
-                deadline=deadline,
-            )
-        return sent
+            yield batch
 
     def _write_batch(
         self,
         agent: Any,
         order: NixlWriteOrder,
-        batch: list,
+        batch: list[tuple[Piece, int]],
         *,
-        compiled: _Compiled,
+        copies: list[dict[str, list[RegionCopy]]],
         holdings: dict[str, Holding],
-        metas: dict,
+        metas: dict[str, TensorMeta],
         deadline: float,
     ) -> None:
+        """Pack `batch` into the send buffer and WRITE it, one transfer per engine rank."""
         base = self._buffer.data_ptr()
         local: dict[int, list[np.ndarray]] = defaultdict(list)
         remote: dict[int, list[np.ndarray]] = defaultdict(list)
@@ -238,7 +225,7 @@ class GroupNixlWriter:
             )
             packed.copy_(source)
             target = order.targets[piece.target]
-            each = compiled.copies[piece.target][piece.name][piece.copy]
+            each = copies[piece.target][piece.name][piece.copy]
             runs = _runs(piece, each, target.memory_address, meta)
             starts = np.concatenate(([0], np.cumsum(runs[:, 1])[:-1])).astype(np.uint64)
             local[piece.target].append(np.uint64(base + offset) + starts)

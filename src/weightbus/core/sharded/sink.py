@@ -129,8 +129,7 @@ class ShardedShmSink(ShmSink):
         push = self.push
         assert push is not None, "a sharded sink streams only inside a ShardedPublisher push"
         identities = list(receivers.identities)
-        while not set(receivers.identities.values()) <= receivers.direct_ready:
-            self._receive(receivers, deadline, "every rank to confirm direct mode")
+        self._await_direct_ready(receivers, deadline)
         order = WriteOrder(
             targets=[receivers.direct[identity] for identity in identities],
             bucket_bytes=session.plan.bucket_bytes,

@@ -22,10 +22,10 @@ from weightbus.core.sharded.control import GroupControl, run_all
 from weightbus.core.sharded.digests import (
     BlockDigests,
     DigestPlan,
-    Region,
     _cover,
     combine,
     compute,
+    whole_regions,
 )
 from weightbus.core.sharded.holdings import Holding
 from weightbus.core.sharded.layout import TrainerLayout
@@ -124,7 +124,7 @@ class GroupSlots:
             compiled_key = (layout.layout_hash, order.plan_hash)
             if compiled_key not in self._compiled:
                 plan = layout.plan(order.bucket_bytes, order.plan_hash)
-                regions = [Region(meta.name, Box.whole(meta.shape)) for meta in layout.metas]
+                regions = whole_regions(layout)
                 schedule = slot_schedule(layout, plan)
                 self._compiled = {compiled_key: (schedule, DigestPlan(layout, regions))}
             schedule, digest_plan = self._compiled[compiled_key]

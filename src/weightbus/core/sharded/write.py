@@ -14,9 +14,16 @@ import msgspec
 import torch
 
 from weightbus.core.plan import Plan
-from weightbus.core.sharded.boxes import Box
+from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.sharded.control import GroupControl, TrainerRankError, run_all
-from weightbus.core.sharded.digests import BlockDigests, DigestPlan, Region, combine, compute
+from weightbus.core.sharded.digests import (
+    BlockDigests,
+    DigestPlan,
+    Region,
+    combine,
+    compute,
+    whole_regions,
+)
 from weightbus.core.sharded.holdings import Holding
 from weightbus.core.sharded.layout import TrainerLayout
 from weightbus.core.sharded.schedule import (
@@ -30,7 +37,7 @@ from weightbus.core.transport.shm.direct import MappedTarget
 from weightbus.core.wire import DirectTarget
 
 # schedules kept: an atomic engine alternates between two arenas, a fleet has several engines
-_COMPILED_KEPT = 8
+COMPILED_KEPT = 8
 
 
 class WriteOrder(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +109,24 @@ class Compiled:
     schedule_hash: str
     digest_plan: DigestPlan
     slice_regions: list[tuple[int, str]]  # (engine rank, tensor) of each slice region
+
+    @classmethod
+    def of(
+        cls, layout: TrainerLayout, slices: list[dict[str, list[ShardCopy]]], *, verify: bool
+    ) -> "Compiled":
+        """The schedule into engine ranks of `slices` (per rank: tensor -> its copies), and the
+        digests: whole tensors, and with `verify` every engine rank's slices."""
+        pieces = make_schedule(layout, slices)
+        regions, slice_regions = whole_regions(layout), []
+        if verify:
+            for (target, name), box in sorted(
+                {(p.target, p.name): p.slice_box for p in pieces}.items()
+            ):
+                regions.append(Region(name, box))
+                slice_regions.append((target, name))
+        return cls(
+            pieces, schedule_hash(layout, pieces), DigestPlan(layout, regions), slice_regions
+        )
 
 
 class GroupWriter:
@@ -185,22 +210,9 @@ class GroupWriter:
                 {name: [copy for copy, _ in copies] for name, copies in t.copies.items()}
                 for t in targets
             ]
-            pieces = make_schedule(layout, slices)
-            regions = [Region(meta.name, Box.whole(meta.shape)) for meta in layout.metas]
-            slice_regions = []
-            if order.verify:
-                boxes = {(p.target, p.name): p.slice_box for p in pieces}
-                for (target, name), box in sorted(boxes.items()):
-                    regions.append(Region(name, box))
-                    slice_regions.append((target, name))
-            if len(self._compiled) >= _COMPILED_KEPT:  # engines that came and went
+            if len(self._compiled) >= COMPILED_KEPT:  # engines that came and went
                 self._compiled.clear()
-            self._compiled[key] = Compiled(
-                pieces,
-                schedule_hash(layout, pieces),
-                DigestPlan(layout, regions),
-                slice_regions,
-            )
+            self._compiled[key] = Compiled.of(layout, slices, verify=order.verify)
         return self._compiled[key]
 
     def _copy(

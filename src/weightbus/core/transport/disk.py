@@ -96,6 +96,13 @@ class DiskSink(BucketSink):
                 nbytes = sum(tensors[name].nbytes for name in names)
                 session.count_sent(nbytes)
                 progress(nbytes)
+        return self._publish(tmp, session, shards)
+
+    def _publish(
+        self, tmp: Path, session: PushSession, shards: list[ShardRecord]
+    ) -> DiskDescription:
+        """Write the manifest of `shards`, written into `tmp` (with the session's digests),
+        and rename the session into place."""
         manifest = DiskManifest(
             format=MANIFEST_FORMAT,
             begin=session.begin_message(),

@@ -297,9 +297,7 @@ class ShmSink(BucketSink):
         refuse_nonfinite: bool,
     ) -> None:
         identities = list(receivers.identities)
-        # no byte lands in a rank's parameters before the rank knows they are being written
-        while not set(receivers.identities.values()) <= receivers.direct_ready:
-            self._receive(receivers, deadline, "every rank to confirm direct mode")
+        self._await_direct_ready(receivers, deadline)
         nbytes = {bucket.index: bucket.payload_bytes for bucket in session.plan.buckets}
         writes = self._writer.write(
             session.plan,
@@ -330,6 +328,12 @@ class ShmSink(BucketSink):
                     )
                     self._socket.send_multipart([identity, message.encode()])
                 progress(nbytes[bucket_index])
+
+    def _await_direct_ready(self, receivers: SessionReceivers, deadline: float) -> None:
+        """No byte lands in a rank's parameters before the rank knows they are being written:
+        wait until every rank confirmed direct mode."""
+        while not set(receivers.identities.values()) <= receivers.direct_ready:
+            self._receive(receivers, deadline, "every rank to confirm direct mode")
 
     def _receive(
         self, receivers: SessionReceivers, deadline: float, what: str, anyway: bool = False
