@@ -2,12 +2,14 @@
 (HTTP) and a data link (the weights), so a test can cut the data link and keep talking."""
 
 import os
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass
 
 import pytest
+
+from weightbus.apps import netns
+from weightbus.apps.netns import ip
 
 
 @dataclass(frozen=True)
@@ -23,25 +25,19 @@ class Namespaces:
     control_link: str  # this side's interface of the control link
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _ip_quiet(*args: str) -> None:
-    subprocess.run(["ip", *args], check=False, capture_output=True, timeout=30)
-
-
 def create_namespaces() -> Namespaces | None:
     """The engine's namespace and its two links (None where namespaces cannot be made).
 
     Made once per test session, before any test runs: UCX (transport `nixl`) reads the
     routing table once per process, so links made after its first use are unreachable to it.
+    Namespaces that earlier runs left behind (killed before deleting them) are deleted first,
+    and the subnet is one no address or route uses.
     """
-    if os.geteuid() != 0 or shutil.which("ip") is None:
+    if netns.unavailable() is not None:
         return None
-    tag = os.getpid() % 100_000
-    subnet = 20 + os.getpid() % 200  # 10.<subnet>.{1,2}.0/24, distinct per test process
-    name = f"wb-engine-{tag}"
+    netns.reap_stale()
+    tag, subnet = os.getpid(), netns.free_subnet()
+    name = netns.namespace_name("engine")
     links = {"control": (f"wbc{tag}a", f"wbc{tag}b", 1), "data": (f"wbd{tag}a", f"wbd{tag}b", 2)}
     ip("netns", "add", name)
     try:
@@ -68,14 +64,14 @@ def create_namespaces() -> Namespaces | None:
 
 def delete_namespaces(name: str) -> None:
     """Delete the namespace (its veth links go with it)."""
-    _ip_quiet("netns", "del", name)
+    ip("netns", "del", name, check=False)
 
 
 @pytest.fixture
 def namespaces(engine_namespaces: Namespaces | None) -> Namespaces:
     """The session's engine namespace, both links up (tests that cut one bring it back)."""
     if engine_namespaces is None:
-        pytest.skip("network namespaces need root and the ip command (iproute2)")
+        pytest.skip(netns.unavailable() or "the engine's namespace could not be made")
     for link in (engine_namespaces.control_link, engine_namespaces.data_link):
         link_up(link)
     return engine_namespaces

@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import select
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,11 +27,13 @@ from pathlib import Path
 
 import torch
 
+from weightbus.apps import netns
 from weightbus.apps.bench.baselines import BroadcastCase
 from weightbus.apps.bench.dist import DistPusher, write_model
 from weightbus.apps.bench.llama_weights import llama_weights
 from weightbus.apps.bench.timing import Measurement, write_json
 from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.netns import ip
 from weightbus.apps.tables import print_table
 from weightbus.core.publisher import Publisher, PushError
 from weightbus.core.units import byte_size_arg, format_bytes
@@ -70,39 +71,29 @@ class Namespace:
     mtu: int = 1500  # veth's default, an Ethernet link without jumbo frames
 
 
-def _ip(*args: str, check: bool = True) -> None:
-    subprocess.run(["ip", *args], check=check, capture_output=True, timeout=30)  # noqa: S603, S607
-
-
-def namespace_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root (ip netns add)"
-    if shutil.which("ip") is None:
-        return "the ip command (iproute2) is not installed"
-    return None
-
-
 @contextlib.contextmanager
 def namespace() -> Iterator[Namespace]:
-    """A new namespace and veth pair on 10.X.9.0/24, always deleted on exit.
+    """A new namespace and veth pair on 10.X.9.0/24 (a free X), always deleted on exit.
 
     Create it before this process first uses UCX: UCX caches the routes it sees then, and
     finds no route over a link created later."""
-    tag, subnet = os.getpid() % 100_000, f"10.{20 + os.getpid() % 200}.9"
-    ns = Namespace(f"wb-bench-{tag}", f"{subnet}.1", f"{subnet}.2", f"wbn{tag}a", f"wbn{tag}b")
-    _ip("netns", "add", ns.name)
+    netns.reap_stale()
+    tag, subnet = os.getpid(), f"10.{netns.free_subnet()}.9"
+    name = netns.namespace_name("bench")
+    ns = Namespace(name, f"{subnet}.1", f"{subnet}.2", f"wbn{tag}a", f"wbn{tag}b")
+    ip("netns", "add", ns.name)
     try:
-        _ip("link", "add", ns.link, "type", "veth", "peer", "name", ns.engine_link)
-        _ip("link", "set", ns.engine_link, "netns", ns.name)
-        _ip("addr", "add", f"{ns.host}/24", "dev", ns.link)
-        _ip("-n", ns.name, "addr", "add", f"{ns.engine_host}/24", "dev", ns.engine_link)
-        _ip("link", "set", ns.link, "mtu", str(ns.mtu), "up")
-        _ip("-n", ns.name, "link", "set", ns.engine_link, "mtu", str(ns.mtu), "up")
-        _ip("-n", ns.name, "link", "set", "lo", "up")
+        ip("link", "add", ns.link, "type", "veth", "peer", "name", ns.engine_link)
+        ip("link", "set", ns.engine_link, "netns", ns.name)
+        ip("addr", "add", f"{ns.host}/24", "dev", ns.link)
+        ip("-n", ns.name, "addr", "add", f"{ns.engine_host}/24", "dev", ns.engine_link)
+        ip("link", "set", ns.link, "mtu", str(ns.mtu), "up")
+        ip("-n", ns.name, "link", "set", ns.engine_link, "mtu", str(ns.mtu), "up")
+        ip("-n", ns.name, "link", "set", "lo", "up")
         yield ns
     finally:
-        _ip("link", "del", ns.link, check=False)  # gone with the namespace, if not before
-        _ip("netns", "del", ns.name, check=False)
+        ip("link", "del", ns.link, check=False)  # gone with the namespace, if not before
+        ip("netns", "del", ns.name, check=False)
 
 
 def start_engine_in(ns: Namespace, model_dir: Path, tp: int, token: str):
@@ -270,7 +261,7 @@ def _print(result: Result, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     torch.set_num_threads(os.cpu_count() or 1)
-    if reason := namespace_unavailable():
+    if reason := netns.unavailable():
         print(f"skipping the two-namespace setting: {reason}", file=sys.stderr)
     shm = Path("/dev/shm")  # noqa: S108 - the benchmark's checkpoint lives in RAM
     results: list[Result] = []
