@@ -5,10 +5,10 @@ order and writes one JSON line per action to `<out>/rank<r>.jsonl`; after each `
 `save`, rank 0 writes the gathered weights (for the test's checks only) to `<out>/<version>.pt`.
 
 Actions: `train` (steps), `push` (version; `direct`: False packs the slots; `transport`:
-`shm` or `nixl`), `push_2d` (the
+`shm`, `nixl`, `dist` or `disk`), `push_2d` (the
 same weights as DTensors on a 2-D FSDP x TP mesh, row- and column-parallel), `nan` (rank `on`
 holds a NaN), `raise` (rank `on` passes a non-tensor), `kill` (rank `on` dies by SIGKILL as its
-copies start).
+copies start; over `dist`, as it packs its first parts).
 """
 
 import json
@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from weightbus.core.sharded import ShardedPublisher
+from weightbus.core.sharded.dist_send import _Sender
 from weightbus.core.sharded.write import GroupWriter
 
 
@@ -85,7 +86,11 @@ def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, ran
     if action["kind"] == "raise" and rank == action["on"]:
         weights = {**model.state_dict(), "not.a.tensor": 3}
     if action["kind"] == "kill" and rank == action["on"]:
-        GroupWriter._copy = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        die = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        if action.get("transport") == "dist":
+            _Sender._pack = die  # as its first bucket's parts are packed
+        else:
+            GroupWriter._copy = die
     result = publisher.push(weights, version=action["version"], **action.get("options", {}))
     engines = [] if result.result is None else [e.rank_nbytes for e in result.result.engines]
     return {

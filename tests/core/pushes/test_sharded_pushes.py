@@ -34,9 +34,10 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
         {"kind": "push", "version": "fsdp-2", "save": True, "direct": False},
         {"kind": "push", "version": "fsdp-3", "transport": "nixl"},
         {"kind": "push", "version": "fsdp-4", "transport": "disk"},
+        {"kind": "push", "version": "fsdp-5", "transport": "dist"},
     ]
     records = run_trainers(2, "tiny", fleet, actions, tmp_path)
-    assert all(len(r) == 4 and all(x["ok"] for x in r) for r in records), records
+    assert all(len(r) == 5 and all(x["ok"] for x in r) for r in records), records
     for index, version in enumerate(["fsdp-1", "fsdp-2"]):
         weights = normalize_weights(gathered(tmp_path, version))
         expected = fingerprint(weights)
@@ -57,7 +58,13 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
                 trainer_ranks=2, trainer_layout="fsdp")
         for transport in ("shm", "shm-slots") for tp in (2, 1)
     ]  # fmt: skip
-    direct, slots, nixl, disk = records[0]
+    direct, slots, nixl, disk, over_dist = records[0]
+    # dist: every rank sends each engine rank its parts over the weights group, as direct
+    assert (over_dist["sent_bytes"], over_dist["rank_nbytes"]) == (
+        direct["sent_bytes"],
+        direct["rank_nbytes"],
+    )
+    assert {r[4]["fingerprint"] for r in records} == {slots["fingerprint"]}
     # disk: every rank writes its rows into the session's shards, each byte once
     assert disk["sent_bytes"] == slots["sent_bytes"]
     assert {r[3]["fingerprint"] for r in records} == {slots["fingerprint"]}
@@ -75,7 +82,7 @@ def test_fsdp2_ranks_push_to_a_two_engine_fleet_without_a_gather(engines, tmp_pa
     assert tuple(slots["sent_bytes"]) == plans[2].trainer_send_bytes  # packed once for both
     for engine in (engines["tp2"], engines["tp1"]):
         state = weights_state(engine)
-        assert (state["version"], state["fingerprint"]) == ("fsdp-4", expected)
+        assert (state["version"], state["fingerprint"]) == ("fsdp-5", expected)
 
 
 def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_keep_serving(
@@ -119,30 +126,47 @@ def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_ke
     )
     assert choice["token_ids"] == before[1]["token_ids"]
     assert choice["logprobs"]["token_logprobs"] == before[1]["logprobs"]["token_logprobs"]
+    # over dist: the weights group forms on the first push; a rank killed mid-stream fails the
+    # push on rank 0 within the bound, naming it, and the engine keeps what it served
+    dist_actions = [
+        {"kind": "train", "steps": 1},
+        {"kind": "push", "version": "dist-1", "transport": "dist"},
+        {"kind": "kill", "version": "dist-killed", "on": 1, "transport": "dist"},
+    ]
+    landed, killed = run_trainers(2, str(path), [engine.url], dist_actions, tmp_path / "dist", 6)[0]
+    assert landed["ok"], landed
+    assert killed["error"] == "PushError", killed
+    assert "trainer rank 1 sent no report" in killed["message"], killed
+    assert killed["seconds"] < 6 + 5
+    state = weights_state(engine)
+    assert (state["status"], state["version"]) == ("NORMAL", "dist-1")
+    assert state["fingerprint"] == landed["fingerprint"]
 
 
 def test_qwen2_tied_kv1_on_four_ranks_fsdp2_then_a_2d_mesh_serve_like_transformers(
     engine, hf_model, tmp_path
 ):
-    """After the killed rank above, a new group (four ranks) pushes into the same engine: its
+    """After the killed ranks above, a new group (four ranks) pushes into the same engine: its
     FSDP2 shards, then the same weights on a 2x2 FSDP x TP mesh (row-parallel layers split
-    by columns: every digest block crosses ranks); one fingerprint, transformers' tokens."""
+    by columns: every digest block crosses ranks), over shm and over dist (a new weights
+    group: the killed push left the engine's broken); one fingerprint, transformers' tokens."""
     path, _ = hf_model
     actions = [
         {"kind": "train", "steps": 2},
         {"kind": "push", "version": "q-1", "save": True},
         {"kind": "push_2d", "version": "q-1-2d"},
+        {"kind": "push_2d", "version": "q-1-dist", "transport": "dist"},
     ]
     records = run_trainers(4, str(path), [engine.url], actions, tmp_path)
-    assert all(len(r) == 2 and r[0]["ok"] and r[1]["ok"] for r in records), records
+    assert all(len(r) == 3 and all(x["ok"] for x in r) for r in records), records
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.load_state_dict(gathered(tmp_path, "q-1"))
     expected = fingerprint(normalize_weights(model))
-    assert {r[i]["fingerprint"] for r in records for i in (0, 1)} == {expected}
+    assert {r[i]["fingerprint"] for r in records for i in (0, 1, 2)} == {expected}
     state = weights_state(engine)
-    assert (state["version"], state["fingerprint"]) == ("q-1-2d", expected)
+    assert (state["version"], state["fingerprint"]) == ("q-1-dist", expected)
     tokens, logprobs = hf_greedy(model.eval())
     choice = engine_greedy(engine)
     assert choice["token_ids"] == tokens

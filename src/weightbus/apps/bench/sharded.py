@@ -2,7 +2,8 @@
 
 An FSDP2-sharded Llama (bf16, `--size`) on N = 1, 2 trainer processes (gloo CPU mesh) pushes
 into one TP-2 reference engine over `shm` (straight into the engine's parameters, and through
-the slots) and over `nixl` (one-sided WRITEs), each way as a `ShardedPublisher` (every rank
+the slots), over `nixl` (one-sided WRITEs) and over `dist` (every trainer rank a member of the
+weights group), each way as a `ShardedPublisher` (every rank
 sends the bytes it holds) and as users do it today (every parameter `full_tensor()`ed, then one
 `Publisher` push from rank 0, as vLLM's `ModuleSource` does). Reports per row: the median push
 seconds (the gather included), the bytes each trainer rank sent, each rank's shard and the peak
@@ -34,9 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--transports",
         nargs="+",
-        default=["shm", "nixl"],
-        choices=["shm", "nixl"],
-        help="shm: straight into the parameters and through the slots; nixl: one-sided WRITEs",
+        default=["shm", "nixl", "dist"],
+        choices=["shm", "nixl", "dist"],
+        help="shm: straight into the parameters and through the slots; nixl: one-sided WRITEs; "
+        "dist: the weights group (gloo)",
     )
     parser.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed pushes per row (median)")

@@ -108,6 +108,7 @@ _PATHS = (
         {"transport": "shm", "transport_options": {"direct": False}},
     ),
     ("nixl", {"transport": "nixl"}, {"transport": "nixl"}),
+    ("dist", {"transport": "dist"}, {"transport": "dist"}),
 )
 
 
@@ -136,6 +137,8 @@ def _gathered_row(model: torch.nn.Module, args: dict, name: str, options: dict) 
         publisher = Publisher(
             [args["url"]], timeout_s=600, bucket_bytes=args["bucket_bytes"], **options
         )
+        if options["transport"] == "dist":  # the sharded publisher forms its group itself
+            publisher.init_weights_group("127.0.0.1")
 
     def push(index: int) -> int:
         full = {name: p.full_tensor() for name, p in model.state_dict().items()}

@@ -8,6 +8,7 @@ who did not answer; a rank that failed is named with its reason. Payloads are ms
 (`ControlMessage`), never pickle.
 """
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -106,18 +107,39 @@ class GroupControl:
         (message,) = self._collect([key], what, deadline, lambda _: "trainer rank 0").values()
         return message
 
-    def collect(self, key: str, what: str, deadline: float) -> dict[int, ControlMessage]:
-        """Every rank's report on `key`, by rank.
+    def collect(
+        self, key: str, what: str, deadline: float, ranks: Sequence[int] | None = None
+    ) -> dict[int, ControlMessage]:
+        """Every rank's report on `key` (or `ranks`' reports), by rank.
 
         Raises:
             TrainerRankError: a rank did not report by `deadline` (each named), or reported a
                 failure (the first by rank, with its reason).
         """
-        keys = [f"{key}/{rank}" for rank in range(self.world_size)]
+        ranks = range(self.world_size) if ranks is None else ranks
+        keys = [f"{key}/{rank}" for rank in ranks]
         by_key = self._collect(
             keys, what, deadline, lambda k: f"trainer rank {k.rsplit('/', 1)[1]}"
         )
-        return {rank: by_key[k] for rank, k in enumerate(keys)}
+        return {rank: by_key[k] for rank, k in zip(ranks, keys, strict=True)}
+
+    def failures(self, key: str, ranks: Sequence[int], deadline: float) -> dict[int, str | None]:
+        """Rank 0, after a failed step: why each of `ranks` failed on `key` (its reported
+        error, or None when it sent no report by `deadline`: dead or stuck); the ranks that
+        reported success are left out."""
+        keys = {rank: f"{key}/{rank}" for rank in ranks}
+        timeout = timedelta(seconds=max(0.001, deadline - time.monotonic()))
+        with contextlib.suppress(dist.DistError):  # some never reported: named below
+            self._store.wait(list(keys.values()), timeout)
+        found: dict[int, str | None] = {}
+        for rank, k in keys.items():
+            if not self._store.check([k]):
+                found[rank] = None
+                continue
+            message = msgspec.msgpack.decode(self._store.get(k), type=ControlMessage)
+            if not message.ok:
+                found[rank] = message.error
+        return found
 
     def _collect(
         self, keys: list[str], what: str, deadline: float, who

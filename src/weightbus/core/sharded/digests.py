@@ -279,3 +279,16 @@ def combine(plan: DigestPlan, reports: Sequence[BlockDigests]) -> list[str]:
             raise ValueError(f"a block of {region.name!r} was digested by no trainer rank")
         digests.append(combine_blocks(per_block))  # type: ignore[arg-type]
     return digests
+
+
+def collected(plan: DigestPlan, control: GroupControl, key: str, deadline: float) -> dict[str, str]:
+    """Rank 0: the digests of `plan`'s regions (whole tensors: by name) from every rank's
+    `BlockDigests` reported on `key`.
+
+    Raises:
+        TrainerRankError: a rank failed or did not report by `deadline` (named).
+    """
+    reports = control.collect(key, "block digests", deadline)
+    blocks = [msgspec.msgpack.decode(m.body, type=BlockDigests) for m in reports.values()]
+    names = [region.name for region in plan.regions]
+    return dict(zip(names, combine(plan, blocks), strict=True))

@@ -9,6 +9,7 @@ bytes every rank writes (`ShardedShmSink`), and announces the outcome; the other
 their pieces when told and return (or raise) what rank 0 does.
 """
 
+import contextlib
 import itertools
 import logging
 import time
@@ -29,6 +30,8 @@ from weightbus.core.publisher.session import NameMap, SessionFactory
 from weightbus.core.publisher.targets import EngineTarget, HttpEngineTarget
 from weightbus.core.sharded.control import ControlMessage, GroupControl, TrainerRankError
 from weightbus.core.sharded.disk import GroupDisk, ShardedDiskSink
+from weightbus.core.sharded.dist_send import GroupDist
+from weightbus.core.sharded.dist_sink import ShardedDistSink
 from weightbus.core.sharded.holdings import Holding, holdings_of, tied_heads
 from weightbus.core.sharded.layout import HeldMeta, TrainerLayout, held_metas
 from weightbus.core.sharded.nixl_sink import ShardedNixlSink
@@ -38,6 +41,8 @@ from weightbus.core.sharded.slots import GroupSlots
 from weightbus.core.sharded.steps import (
     AnyStep,
     DiskStep,
+    DistJoinStep,
+    DistStep,
     NixlWriteStep,
     OutcomeStep,
     PackStep,
@@ -50,7 +55,7 @@ from weightbus.core.wire import PauseMode, VerifyLevel
 
 logger = logging.getLogger(__name__)
 
-SHARDED_TRANSPORTS = ("shm", "nixl", "disk")
+SHARDED_TRANSPORTS = ("shm", "nixl", "dist", "disk")
 # a follower waits this much longer than the push's bound for rank 0's outcome (rank 0 answers
 # within the bound; a dead rank 0 is noticed at once, through the store's connection)
 _OUTCOME_GRACE_S = 30.0
@@ -95,7 +100,10 @@ class ShardedPublisher:
         engines: the engines (URLs or targets); only rank 0 talks to them (the others may pass
             the same list or nothing).
         group: the trainer's process group (None: the default group).
-        transport: `shm` (engines on this host, shared-memory weights).
+        transport: `shm` (engines on this host, shared-memory weights), `nixl` (each rank
+            writes into the engine ranks' memory), `dist` (each rank a member of the weights
+            group, which forms on the first push: `transport_options` `master_addr`, rank
+            0's address as every engine and rank reaches it) or `disk`.
         control_host: an address of rank 0 that every rank reaches.
         bucket_bytes, token, timeout_s: as `Publisher`.
         direct: write straight into the engine ranks' parameters where every rank offers them
@@ -132,6 +140,7 @@ class ShardedPublisher:
         self._slots = GroupSlots(self._control, self._writer.pool)
         self._nixl: GroupNixlWriter | None = None
         self._disk = GroupDisk(self._control)
+        self._dist = GroupDist(self._control)
         self._layouts: dict[bytes, TrainerLayout] = {}
         self._fleet: Fleet | None = None
         self._last_push: str | None = None
@@ -150,9 +159,11 @@ class ShardedPublisher:
 
     def _make_sink(
         self, transport: str, direct: bool, options: dict[str, Any]
-    ) -> ShardedShmSink | ShardedNixlSink | ShardedDiskSink:
+    ) -> ShardedShmSink | ShardedNixlSink | ShardedDistSink | ShardedDiskSink:
         if transport == "disk":
             return ShardedDiskSink(self._disk, **options)
+        if transport == "dist":
+            return ShardedDistSink(self._dist, self._control, **options)
         if transport == "nixl":
             return ShardedNixlSink(self._nixl_writer(), **options)
         return ShardedShmSink(self._writer, self._slots, direct=direct)
@@ -289,6 +300,8 @@ class ShardedPublisher:
         shared = SharedPush(f"{prefix}/write", layout, holdings, announce, deadline)
         self._sink.push = shared
         try:
+            if isinstance(self._sink, ShardedDistSink):
+                self._sink.ensure_group(self._fleet.targets)
             order = push_options(
                 self._fleet, version=version, step=step, allow_nonfinite=allow_nonfinite, **options
             )
@@ -338,6 +351,14 @@ class ShardedPublisher:
                 if isinstance(step, NixlWriteStep):
                     self._nixl_writer().write(key, step.order, layout, holdings, deadline)
                     continue
+                if isinstance(step, DistJoinStep):
+                    with contextlib.suppress(Exception):  # reported; rank 0's outcome follows
+                        self._dist.join(f"{key}/join", step.order)
+                    continue
+                if isinstance(step, DistStep):
+                    with contextlib.suppress(Exception):  # reported; rank 0's outcome follows
+                        self._dist.run(key, step.order, layout, holdings, deadline)
+                    continue
                 if isinstance(step, DiskStep):
                     self._disk.write(key, step.order, layout, holdings, deadline)
                     continue
@@ -375,6 +396,7 @@ class ShardedPublisher:
             self._http.close()
         self._slots.close()
         self._writer.close()
+        self._dist.close()
 
     def __enter__(self) -> "ShardedPublisher":
         return self

@@ -55,7 +55,7 @@ def slice_box(meta: TensorMeta, copy: ShardCopy) -> Box:
     )
 
 
-def _cells(box: Box, holders: list[tuple[int, Box]]) -> list[Box]:
+def cells(box: Box, holders: list[tuple[int, Box]]) -> list[Box]:
     rows = sorted(
         {box.row_start, box.row_stop}
         | {
@@ -89,7 +89,7 @@ def make_schedule(
             meta, holders = metas[name], layout.holders(name)
             for index, copy in enumerate(copies_by_name[name]):
                 box = slice_box(meta, copy)
-                for cell in _cells(box, holders):
+                for cell in cells(box, holders):
                     if not cell.numel:  # an empty tensor: nothing to copy
                         continue
                     owners = [rank for rank, held in holders if cell.intersect(held) == cell]

@@ -91,7 +91,7 @@ class ShardedShmSink(ShmSink):
         )
         push.announce(SlotsStep(order=order))
         self.group_slots.begin(push.key, order, push.layout, push.holdings, deadline)
-        digests = self.group_slots.digests(push.key, push.layout, deadline)
+        digests = self.group_slots.digests(push.key, deadline)
         session.digests.update(digests)
         sent = [0] * len(push.layout.by_rank)
         for bucket in session.plan.buckets:

@@ -20,10 +20,9 @@ from weightbus.core.plan import Plan
 from weightbus.core.sharded.boxes import Box, held_runs, matrix_shape, runs
 from weightbus.core.sharded.control import GroupControl, run_all
 from weightbus.core.sharded.digests import (
-    BlockDigests,
     DigestPlan,
     _cover,
-    combine,
+    collected,
     compute,
     whole_regions,
 )
@@ -141,13 +140,10 @@ class GroupSlots:
             if name not in self._slots:
                 self._slots[name] = Slot.open(name, order.slot_bytes)
 
-    def digests(self, key: str, layout: TrainerLayout, deadline: float) -> dict[str, str]:
+    def digests(self, key: str, deadline: float) -> dict[str, str]:
         """Rank 0: every tensor's digest from the ranks' block digests."""
         assert self._current is not None
-        reports = self._control.collect(f"{key}/digests", "block digests", deadline)
-        blocks = [msgspec.msgpack.decode(m.body, type=BlockDigests) for m in reports.values()]
-        names = [meta.name for meta in layout.metas]
-        return dict(zip(names, combine(self._current[2], blocks), strict=True))
+        return collected(self._current[2], self._control, f"{key}/digests", deadline)
 
     def pack(
         self, key: str, bucket: int, slot: int, holdings: dict[str, Holding], deadline: float

@@ -1,9 +1,12 @@
 """Rank 0's words to the other trainer ranks during a push, in order on the control store: write
-straight into the engines' parameters (`WriteStep`), or open the slots (`SlotsStep`) and pack
-each bucket (`PackStep`); then the push's outcome (`OutcomeStep`), which may come at any step."""
+straight into the engines' parameters (`WriteStep`, `NixlWriteStep`), join the weights group
+(`DistJoinStep`) and send a session on it (`DistStep`), fill the shards (`DiskStep`), or open
+the slots (`SlotsStep`) and pack each bucket (`PackStep`); then the push's outcome
+(`OutcomeStep`), which may come at any step."""
 
 import msgspec
 
+from weightbus.core.sharded.dist_send import DistOrder, JoinOrder
 from weightbus.core.sharded.nixl_write import NixlWriteOrder
 from weightbus.core.sharded.slots import SlotsOrder
 from weightbus.core.sharded.write import WriteOrder
@@ -19,6 +22,14 @@ class WriteStep(Step, frozen=True, kw_only=True):
 
 class NixlWriteStep(Step, frozen=True, kw_only=True):
     order: NixlWriteOrder
+
+
+class DistJoinStep(Step, frozen=True, kw_only=True):
+    order: JoinOrder
+
+
+class DistStep(Step, frozen=True, kw_only=True):
+    order: DistOrder
 
 
 class DiskFile(msgspec.Struct, frozen=True, array_like=True):
@@ -57,4 +68,13 @@ class OutcomeStep(Step, frozen=True, kw_only=True):
     aborted: list[str] = []
 
 
-AnyStep = WriteStep | NixlWriteStep | DiskStep | SlotsStep | PackStep | OutcomeStep
+AnyStep = (
+    WriteStep
+    | NixlWriteStep
+    | DistJoinStep
+    | DistStep
+    | DiskStep
+    | SlotsStep
+    | PackStep
+    | OutcomeStep
+)

@@ -271,15 +271,31 @@ class RankLayout(Message, kw_only=True):
     slices: list[SliceSpec]
 
 
+class SentPart(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """`dist` from sharded senders: group rank `src` sends rows `[row_start, row_stop)` x
+    columns `[col_start, col_stop)` of the receiving rank's region `entry` of a bucket (the
+    region seen as a matrix, `slices.region_matrix`)."""
+
+    src: NonNegative
+    entry: NonNegative
+    row_start: NonNegative
+    row_stop: NonNegative
+    col_start: NonNegative
+    col_stop: NonNegative
+
+
 @register
 class BucketSent(Message, kw_only=True):
     """`dist`: bucket `bucket_index` follows on the group, as one collective.
 
     `digests` covers the tensors whose last byte is in this bucket; in `scatter` mode
-    `rank_digests` maps each receiving group rank to the xxh3-128 of the bytes sent to it.
+    `rank_digests` maps each receiving group rank to the xxh3-128 of the bytes sent to it; in
+    `sharded` mode `parts` maps each receiving group rank to what each sender sends it (each
+    sender's bytes end with their xxh3-128).
     """
 
     session_id: Hex128
     bucket_index: NonNegative
     digests: dict[TensorName, Hex128] = msgspec.field(default_factory=dict)
     rank_digests: dict[NonNegative, Hex128] = msgspec.field(default_factory=dict)
+    parts: dict[NonNegative, list[SentPart]] = msgspec.field(default_factory=dict)

@@ -1,7 +1,8 @@
 """Weights groups of the `dist` transport: torch.distributed gloo groups by name, per process.
 
-A weights group spans the publisher (group rank 0) and every rank of every engine (rank r of an
-engine is group rank `rank_offset + r`). It rendezvous on its own TCPStore, served by the
+A weights group spans the publisher (group rank 0; a sharded trainer's ranks: group ranks
+`0 .. senders - 1`) and every rank of every engine (rank r of an engine is group rank
+`rank_offset + r`). It rendezvous on its own TCPStore, served by the
 publisher, and is a standalone `ProcessGroupGloo`: the default process group, which carries the
 engine's TP group, is never touched. A group is created once (`/v1/init_weights_group`) and
 reused by every push until it is destroyed or re-initialised.
@@ -58,6 +59,7 @@ class WeightsGroup:
         broken: why the group can no longer be used, or None.
         handshakes: publisher: sessions whose hand-shake keys are still in the store, oldest
             first.
+        senders: the group ranks that send (a sharded trainer's ranks); the rest receive.
     """
 
     name: str
@@ -71,6 +73,12 @@ class WeightsGroup:
     assembly_buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
     broken: str | None = None
     handshakes: deque[str] = field(default_factory=deque)
+    senders: int = 1
+
+    @property
+    def receiving_ranks(self) -> range:
+        """The engine ranks' group ranks."""
+        return range(self.senders, self.world_size)
 
     def check_usable(self) -> None:
         """Raise ValueError naming the fix when the group cannot carry a push."""
@@ -185,9 +193,16 @@ def serve_group(
 
 
 def create_publisher_group(
-    *, name: str, store: TCPStore, master_addr: str, world_size: int, timeout_s: float
+    *,
+    name: str,
+    store: TCPStore,
+    master_addr: str,
+    world_size: int,
+    timeout_s: float,
+    senders: int = 1,
 ) -> WeightsGroup:
-    """Publisher: join as group rank 0 and collect every engine rank's `RankLayout`.
+    """Publisher: join as group rank 0 and collect every engine rank's `RankLayout` (the
+    group ranks from `senders` on).
 
     Raises:
         TimeoutError: not every member joined (or reported its layout) within `timeout_s`.
@@ -203,10 +218,16 @@ def create_publisher_group(
         timeout_s=timeout_s,
     )
     group = WeightsGroup(
-        name=name, group_rank=0, world_size=world_size, timeout_s=timeout_s, pg=pg, store=store
+        name=name,
+        group_rank=0,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        pg=pg,
+        store=store,
+        senders=senders,
     )
     try:
-        for group_rank in range(1, world_size):
+        for group_rank in group.receiving_ranks:
             group.layouts[group_rank] = _recv_layout(group, group_rank, deadline)
     except BaseException:
         _close(group)
@@ -231,9 +252,12 @@ def join_group(
     group_rank: int,
     world_size: int,
     timeout_s: float,
-    layout: RankLayout,
+    layout: RankLayout | None,
+    senders: int = 1,
 ) -> WeightsGroup:
-    """Engine rank: join group `name` (replacing a group of that name) and report `layout`.
+    """Engine rank: join group `name` (replacing a group of that name) and report `layout`;
+    a sharded trainer's rank other than 0 joins with no layout (it sends, and receives only
+    the session's messages).
 
     Raises:
         TimeoutError: the store or a member did not answer within `timeout_s`.
@@ -270,10 +294,12 @@ def join_group(
         timeout_s=timeout_s,
         pg=pg,
         store=store,
-        layouts={group_rank: layout},
+        layouts={} if layout is None else {group_rank: layout},
+        senders=senders,
     )
     try:
-        send_message(group, layout, 0, deadline, _LAYOUT_TAG)
+        if layout is not None:
+            send_message(group, layout, 0, deadline, _LAYOUT_TAG)
     except BaseException:
         _close(group)
         raise

@@ -156,7 +156,7 @@ def start_stream(
         ConnectionError: the store or the group failed (the group is then broken).
     """
     _forget_old_sessions(group, session_id)
-    ranks = range(1, group.world_size)
+    ranks = group.receiving_ranks
     try:
         _await_ranks(
             group, session_id, ranks, deadline, abandoned=abandoned, describe_rank=describe_rank
@@ -172,7 +172,7 @@ def _forget_old_sessions(group: WeightsGroup, session_id: str) -> None:
     group.handshakes.append(session_id)
     while len(group.handshakes) > KEPT_SESSIONS:
         old = group.handshakes.popleft()
-        keys = [_rank_key(old, rank) for rank in range(1, group.world_size)]
+        keys = [_rank_key(old, rank) for rank in group.receiving_ranks]
         for key in [*keys, _key(old, "refused")]:
             _store_call(group, group.store.delete_key, key)
 

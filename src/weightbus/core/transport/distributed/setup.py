@@ -66,20 +66,23 @@ def form_group(
     master_port: int = 0,
     backend: Backend = "gloo",
     timeout_s: float = 60.0,
+    senders: int = 1,
+    store_served: Callable[[int, int], None] | None = None,
 ) -> WeightsGroupInfo:
     """Publisher: form weights group `name` with every rank of `engines`; this process is rank 0.
 
     Serves the group's store on `master_addr:master_port` (0: a free port from the OS), asks
     every engine in parallel to join (rank r of engine i is group rank `offset_i + r`) and
-    joins itself.
+    joins itself. A sharded trainer's group has `senders` ranks before the engines' (told the
+    store's port and the group's size by `store_served(port, world_size)`: they join too).
 
     Raises:
         WeightsGroupError: an engine or this process could not join (each one named); the
             group is left on this process.
     """
     tp_sizes = _tp_sizes(engines, name, timeout_s)
-    offsets = list(accumulate([1, *tp_sizes[:-1]]))
-    world_size = 1 + sum(tp_sizes)
+    offsets = list(accumulate([senders, *tp_sizes[:-1]]))
+    world_size = senders + sum(tp_sizes)
     store = serve_group(
         name=name,
         master_addr=master_addr,
@@ -87,6 +90,8 @@ def form_group(
         world_size=world_size,
         timeout_s=timeout_s,
     )
+    if store_served is not None:
+        store_served(store.port, world_size)
     requests = {
         engine.url: WeightsGroupInit(
             master_addr=master_addr,
@@ -113,6 +118,7 @@ def form_group(
             master_addr=master_addr,
             world_size=world_size,
             timeout_s=timeout_s,
+            senders=senders,
         )
     except (TimeoutError, OSError) as exc:
         failures["publisher"] = str(exc)

@@ -166,10 +166,15 @@ class DistSink(BucketSink):
             master_port=master_port,
             backend=backend,
             timeout_s=timeout_s,
+            **self._senders(),
         )
         self._members = tuple(engines)
         self._engine_at_offset = {offset: url for url, offset in info.rank_offsets.items()}
         return info
+
+    def _senders(self) -> dict[str, Any]:
+        """`form_group`'s options for the group's senders (this process alone here)."""
+        return {}
 
     def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:
         """The engine's ranks leave the group (the group must then be formed again); it is
@@ -206,6 +211,9 @@ class DistSink(BucketSink):
         group.check_usable()
         return group
 
+    def _push_mode(self, group: WeightsGroup) -> Literal["broadcast", "scatter", "sharded"]:
+        return choose_mode(group, self.requested_mode)
+
     def prepare(
         self,
         session: PushSession,
@@ -213,13 +221,14 @@ class DistSink(BucketSink):
         progress: Progress = no_progress,
     ) -> DistDescription:
         group = self._group()
-        mode = choose_mode(group, self.requested_mode)
-        if mode == "scatter":
+        mode = self._push_mode(group)
+        if mode != "broadcast":
             shapes = {meta.name: meta.shape for meta in session.plan.metas}
             for layout in group.layouts.values():
                 check_slices(layout_slices(layout), shapes)
         self._session_mode = (session.session_id, mode)
-        session.ensure_digests(tensors)  # each bucket's message carries its tensors' digests
+        if mode != "sharded":  # sharded: the trainer ranks digest their shards when streaming
+            session.ensure_digests(tensors)  # each bucket's message carries its tensors' digests
         return DistDescription(
             group_name=self.group_name,
             session_id=session.session_id,
@@ -232,8 +241,8 @@ class DistSink(BucketSink):
         return f"dist {self._session_mode[1]}"
 
     def receiver_verify(self, verify: str) -> str:
-        # scatter: no rank holds whole tensors; the transport checks each rank's bytes
-        return "none" if self._session_mode[1] == "scatter" else verify
+        # scatter, sharded: no rank holds whole tensors; the transport checks each rank's bytes
+        return verify if self._session_mode[1] == "broadcast" else "none"
 
     def stream(
         self,
@@ -291,7 +300,7 @@ class _Push:
         self.session = session
         self.tensors = tensors
         self.deadline = deadline
-        self.rank_sent_bytes = dict.fromkeys(range(1, group.world_size), 0)
+        self.rank_sent_bytes = dict.fromkeys(group.receiving_ranks, 0)
         self.in_flight = [_InFlight(), _InFlight()]  # double buffering: pack one, send one
 
     def run(self, mode: str, progress: Progress) -> None:
@@ -315,7 +324,7 @@ class _Push:
         message = BucketSent(
             session_id=self.session.session_id,
             bucket_index=bucket.index,
-            digests=_completed_digests(self.session, bucket),
+            digests=completed_digests(self.session, bucket),
         )
         if targets is None:
             self._broadcast(bucket, buffer, message, pending)
@@ -385,7 +394,7 @@ class _Push:
             self.session.count_sent(payload * len(target.group_ranks))  # one send per rank
 
 
-def _completed_digests(session: PushSession, bucket: BucketPlan) -> dict[str, str]:
+def completed_digests(session: PushSession, bucket: BucketPlan) -> dict[str, str]:
     # digests of the tensors whose last byte is in this bucket
     return {
         e.name: session.digests[e.name]

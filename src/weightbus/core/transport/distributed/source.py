@@ -4,7 +4,8 @@
 `handshake.py`): a push cancelled then moved nothing, and the group stays usable. A background
 thread receives up to `prefetch_depth` buckets ahead of the Receiver, into a pool of reused
 bucket buffers; in scatter mode only this rank's regions arrive, checked against the xxh3-128
-the publisher sent for them.
+the publisher sent for them; in sharded mode they arrive in parts from the trainer ranks that
+hold them, each sender's bytes checked against the xxh3-128 it computed (`parts.py`).
 """
 
 import queue
@@ -27,6 +28,7 @@ from weightbus.core.transport.distributed.group import (
 )
 from weightbus.core.transport.distributed.handshake import join_stream, refuse_stream
 from weightbus.core.transport.distributed.messages import DistDescription
+from weightbus.core.transport.distributed.parts import receive_parts
 from weightbus.core.transport.distributed.slices import (
     layout_slices,
     packed_offsets,
@@ -124,7 +126,10 @@ class DistSource(BucketSource):
                 )
             index = pool.acquire(deadline)
             buffer = pool.buffers[index]
-            if self.mode == "scatter":
+            if self.mode == "sharded":
+                parts = message.parts.get(self.group.group_rank, [])
+                nbytes = receive_parts(self.group, bucket, buffer, parts, deadline)
+            elif self.mode == "scatter":
                 nbytes = self._receive_slices(bucket, buffer, message, deadline)
             else:
                 nbytes = self._receive_whole(bucket, buffer, deadline)
