@@ -126,20 +126,27 @@ def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_ke
     )
     assert choice["token_ids"] == before[1]["token_ids"]
     assert choice["logprobs"]["token_logprobs"] == before[1]["logprobs"]["token_logprobs"]
-    # over dist: the weights group forms on the first push; a rank killed mid-stream fails the
-    # push on rank 0 within the bound, naming it, and the engine keeps what it served
+    # over dist: the weights group forms on the first push, and again after a failed one (the
+    # engine's 409); a rank killed mid-stream fails the push on rank 0 within the bound, naming
+    # it, and the engine keeps what it served
     dist_actions = [
         {"kind": "train", "steps": 1},
         {"kind": "push", "version": "dist-1", "transport": "dist"},
+        {"kind": "push", "version": "dist-1", "transport": "dist"},
+        {"kind": "push", "version": "dist-2", "transport": "dist"},
         {"kind": "kill", "version": "dist-killed", "on": 1, "transport": "dist"},
     ]
-    landed, killed = run_trainers(2, str(path), [engine.url], dist_actions, tmp_path / "dist", 6)[0]
+    first, again, landed, killed = run_trainers(
+        2, str(path), [engine.url], dist_actions, tmp_path / "dist", 6
+    )[0]
+    assert first["ok"], first
+    assert (again["error"], "409" in again["message"]) == ("PushError", True), again
     assert landed["ok"], landed
     assert killed["error"] == "PushError", killed
     assert "trainer rank 1 sent no report" in killed["message"], killed
     assert killed["seconds"] < 6 + 5
     state = weights_state(engine)
-    assert (state["status"], state["version"]) == ("NORMAL", "dist-1")
+    assert (state["status"], state["version"]) == ("NORMAL", "dist-2")
     assert state["fingerprint"] == landed["fingerprint"]
 
 

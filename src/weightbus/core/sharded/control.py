@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+Interrupt = Callable[[], str | None] | None
+_POLL_S = 0.1  # how often an interruptible wait asks whether to stop
 
 
 class ControlMessage(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,18 +110,24 @@ class GroupControl:
         return message
 
     def collect(
-        self, key: str, what: str, deadline: float, ranks: Sequence[int] | None = None
+        self,
+        key: str,
+        what: str,
+        deadline: float,
+        ranks: Sequence[int] | None = None,
+        interrupt: Interrupt = None,
     ) -> dict[int, ControlMessage]:
-        """Every rank's report on `key` (or `ranks`' reports), by rank.
+        """Every rank's report on `key` (or `ranks`' reports), by rank; `interrupt` (asked
+        every `_POLL_S` while waiting) says why to stop waiting, or None.
 
         Raises:
             TrainerRankError: a rank did not report by `deadline` (each named), or reported a
-                failure (the first by rank, with its reason).
+                failure (the first by rank, with its reason), or `interrupt` gave a reason.
         """
         ranks = range(self.world_size) if ranks is None else ranks
         keys = [f"{key}/{rank}" for rank in ranks]
         by_key = self._collect(
-            keys, what, deadline, lambda k: f"trainer rank {k.rsplit('/', 1)[1]}"
+            keys, what, deadline, lambda k: f"trainer rank {k.rsplit('/', 1)[1]}", interrupt
         )
         return {rank: by_key[k] for rank, k in zip(ranks, keys, strict=True)}
 
@@ -142,15 +150,26 @@ class GroupControl:
         return found
 
     def _collect(
-        self, keys: list[str], what: str, deadline: float, who
+        self, keys: list[str], what: str, deadline: float, who, interrupt: Interrupt = None
     ) -> dict[str, ControlMessage]:
-        try:
-            self._store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        except dist.DistError as exc:
-            if time.monotonic() < deadline:  # not a timeout: the store's host is gone
-                raise TrainerRankError(f"trainer rank 0 is unreachable ({what}): {exc}") from exc
+        while True:
+            until = deadline if interrupt is None else min(deadline, time.monotonic() + _POLL_S)
+            try:
+                self._store.wait(keys, timedelta(seconds=max(0.001, until - time.monotonic())))
+                break
+            except dist.DistError as exc:
+                if time.monotonic() < until:  # not a timeout: the store's host is gone
+                    raise TrainerRankError(
+                        f"trainer rank 0 is unreachable ({what}): {exc}"
+                    ) from exc
             missing = [who(k) for k in keys if not self._store.check([k])]
-            raise TrainerRankError(f"{', '.join(missing)} sent no {what} in time") from None
+            if time.monotonic() >= deadline:
+                raise TrainerRankError(f"{', '.join(missing)} sent no {what} in time") from None
+            reason = interrupt() if interrupt is not None else None
+            if reason is not None:
+                raise TrainerRankError(
+                    f"stopped waiting for {', '.join(missing)} ({what}): {reason}"
+                )
         messages = {
             k: msgspec.msgpack.decode(self._store.get(k), type=ControlMessage) for k in keys
         }

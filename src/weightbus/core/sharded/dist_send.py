@@ -185,18 +185,21 @@ class GroupDist:
         if session is None:
             _expect(group, UpdateEnd, order.session_id, deadline)
             return None
-        sent = self._sent(key, compiled, deadline)
+        sent = self._sent(group, key, compiled, deadline)
         for work, _ in broadcast_message(group, session.end_message(), deadline):
             wait(group, work, deadline, "the session's UpdateEnd")
         return sent
 
-    def _sent(self, key: str, compiled: "_Compiled", deadline: float) -> list[int]:
+    def _sent(
+        self, group: WeightsGroup, key: str, compiled: "_Compiled", deadline: float
+    ) -> list[int]:
         """Rank 0: the bytes each rank sent, once every rank reported.
 
         Raises:
             TrainerRankError: a rank failed, did not report, or followed other parts (named).
         """
-        reports = self._control.collect(key, "sent parts", deadline)
+        # a broken group (an engine failed mid-stream: rank 0 aborted) ends the wait at once
+        reports = self._control.collect(key, "sent parts", deadline, interrupt=lambda: group.broken)
         sent = []
         for rank in sorted(reports):
             report = msgspec.msgpack.decode(reports[rank].body, type=SendReport)

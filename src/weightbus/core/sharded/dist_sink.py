@@ -2,9 +2,10 @@
 group, the hand-shake, the session's messages), with every trainer rank a member of the group
 that sends its own parts (`dist_send.GroupDist`).
 
-The group forms on the first push, and again on the push after one that failed midway: every
-trainer rank joins it (told by rank 0) beside every engine rank, so there is nothing to call
-before pushing.
+The group forms on the first push, and again on the push after one that failed (whatever
+failed: a rank that died, an engine that refused or lost its side of the group): every trainer
+rank joins it (told by rank 0) beside every engine rank, so there is nothing to call before
+pushing.
 """
 
 import time
@@ -14,17 +15,17 @@ from typing import Any, Literal
 import torch
 
 from weightbus.core.sharded.control import GroupControl, TrainerRankError
-from weightbus.core.sharded.dist_send import DistOrder, GroupDist, JoinOrder
+from weightbus.core.sharded.dist_send import DistOrder, GroupDist, JoinOrder, abort
 from weightbus.core.sharded.sink import SharedPush
 from weightbus.core.sharded.steps import DistJoinStep, DistStep
 from weightbus.core.transport.base import EngineLink, Progress, PushSession, no_progress
-from weightbus.core.transport.distributed.group import WeightsGroup, group_names
+from weightbus.core.transport.distributed.group import WeightsGroup, get_group, group_names
 from weightbus.core.transport.distributed.handshake import start_stream
 from weightbus.core.transport.distributed.messages import DEFAULT_GROUP_NAME
 from weightbus.core.transport.distributed.sink import DistSink
 
 # how long rank 0 waits, after a failed stream, for the other ranks to say why they stopped
-_CAUSE_WAIT_S = 3.0
+_CAUSE_WAIT_S = 1.0
 
 
 class ShardedDistSink(DistSink):
@@ -53,10 +54,12 @@ class ShardedDistSink(DistSink):
         self.master_addr, self.master_port = master_addr, master_port
         self.group_timeout_s = group_timeout_s
         self.push: SharedPush | None = None
+        self._reform = False  # a push failed: form the group again before the next one
+        self._live_session: str | None = None  # the session the ranks are sending
 
     def ensure_group(self, engines: Sequence[EngineLink]) -> None:
-        """Form the group with every trainer rank and engine rank, unless it is formed and
-        usable.
+        """Form the group with every trainer rank and engine rank, unless it is formed, usable,
+        and the last push did not fail.
 
         Raises:
             WeightsGroupError: an engine or rank 0 could not join (named).
@@ -64,7 +67,8 @@ class ShardedDistSink(DistSink):
         """
         push = self.push
         assert push is not None, "a sharded sink forms its group inside a ShardedPublisher push"
-        if self._members and self.group_name in group_names() and self.setup_broken() is None:
+        formed = self._members and self.group_name in group_names()
+        if formed and not self._reform and self.setup_broken() is None:
             return
         timeout_s = min(self.group_timeout_s, push.deadline - time.monotonic())
         self.setup(
@@ -73,6 +77,7 @@ class ShardedDistSink(DistSink):
         others = range(1, self.control.world_size)
         deadline = time.monotonic() + timeout_s
         self.control.collect(f"{push.key}/join", "join of the weights group", deadline, others)
+        self._reform = False
 
     def _senders(self) -> dict[str, Any]:
         push = self.push
@@ -103,6 +108,17 @@ class ShardedDistSink(DistSink):
     ) -> None:
         push = self.push
         assert push is not None, "a sharded sink streams only inside a ShardedPublisher push"
+        try:
+            self._stream(session, push, timeout_s, progress)
+        except BaseException:
+            # whatever failed (an engine that lost its group, a rank that died), the next push
+            # forms the group anew rather than find out midway
+            self._reform = True
+            raise
+
+    def _stream(
+        self, session: PushSession, push: SharedPush, timeout_s: float, progress: Progress
+    ) -> None:
         group = self._group()
         deadline = time.monotonic() + timeout_s
         start_stream(
@@ -112,6 +128,20 @@ class ShardedDistSink(DistSink):
             abandoned=lambda: session.abandoned,
             describe_rank=lambda group_rank: self._describe_rank(group, group_rank),
         )
+        self._live_session = session.session_id
+        try:
+            self._send(session, push, group, deadline, progress)
+        finally:
+            self._live_session = None
+
+    def _send(
+        self,
+        session: PushSession,
+        push: SharedPush,
+        group: WeightsGroup,
+        deadline: float,
+        progress: Progress,
+    ) -> None:
         order = DistOrder(
             group_name=self.group_name,
             session_id=session.session_id,
@@ -130,6 +160,14 @@ class ShardedDistSink(DistSink):
             if cause is None:
                 raise
             raise cause from exc
+
+    def engine_answered(self, session: PushSession, url: str, reason: str) -> None:
+        """An engine that failed mid-stream (its ranks lost a sender: a trainer rank died)
+        ends every member's pending operation at once, instead of at the push's deadline."""
+        super().engine_answered(session, url, reason)
+        live = session.session_id == self._live_session and self.group_name in group_names()
+        if live and session.at_fault:
+            abort(get_group(self.group_name), f"engine {url} failed mid-stream: {reason}")
 
     def _cause(self, key: str) -> TrainerRankError | None:
         """After a failed stream: the trainer ranks that died or failed on their own (not
