@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 # The fixtures that use the shared tiny-model engines: `engine` (tests/conftest.py, the modules
 # without an `HF_CASE`) and `engines` (tests/core/pushes: conftest.py, test_transfer_counters.py).
+# Modules that borrow them besides (tests/apps: capacity/test_plan_matches_pushes.py,
+# test_demo.py) need not be named: one that runs after the last user stops them at its end.
 TINY_ENGINE_USERS = ("engine", "engines")
 
 

@@ -7,7 +7,6 @@ import sys
 import pytest
 
 from helpers import assert_demo_passed
-from weightbus.apps.launch import start_engine, stop_engine
 
 # every test runs `weightbus demo` and engine processes (tiers: tests/conftest.py)
 pytestmark = pytest.mark.e2e
@@ -35,14 +34,13 @@ def test_demo_with_an_fsdp2_trainer_on_two_processes_pushes_without_a_gather(tmp
     assert result.stdout.count("(no gather)") == 3
 
 
-def test_demo_on_a_running_engine_pushes_the_initial_weights_first(tmp_path):
-    proc, url = start_engine("tiny", 1)
-    try:
-        result, record = _demo(
-            "--steps", "1", "--engine", url, "--transport", "disk", tmp_path=tmp_path
-        )
-    finally:
-        stop_engine(proc)
+def test_demo_on_a_running_engine_pushes_the_initial_weights_first(tmp_path, shared_processes):
+    """The running engine is the TP 1 tiny-model engine other modules share
+    (tests/process_pool.py): whatever it served before, the demo's first push is its own."""
+    engine = shared_processes.tiny_engine("--tp", "1", log_dir=tmp_path)
+    result, record = _demo(
+        "--steps", "1", "--engine", engine.url, "--transport", "disk", tmp_path=tmp_path
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert record["tp"] is None
     assert record["steps"][0]["fingerprint_matched"]

@@ -7,6 +7,7 @@ counted, and its trainer bytes what the publisher's sink counted."""
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from engine_harness import ServedEngine, make_hf_model
@@ -19,6 +20,9 @@ from weightbus.apps.capacity.traffic import traffic
 from weightbus.core.meta import metas_of
 from weightbus.engines.reference.models.config import tiny_config
 from weightbus.engines.reference.models.loader import random_hf_weights
+
+if TYPE_CHECKING:
+    from process_pool import SharedProcesses
 
 pytestmark = pytest.mark.e2e
 
@@ -51,25 +55,30 @@ def _tiny_hf_config() -> dict:
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def served(request, tmp_path_factory) -> Iterator[tuple[Path, list, list[ServedEngine]]]:
-    """A model's config directory, its weights, and a TP 2 and a TP 1 engine serving it."""
+def served(
+    request, tmp_path_factory, shared_processes: "SharedProcesses"
+) -> Iterator[tuple[Path, list, list[ServedEngine]]]:
+    """A model's config directory, its weights, and a TP 2 and a TP 1 engine serving it. The
+    tiny model's are the TP 2 and TP 1 engines other modules share (tests/process_pool.py):
+    every push here carries the whole model and each test's counters are its own push's, so
+    what those engines served before does not matter; the checkpoints' engines are started here."""
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "tiny":
         (folder / "config.json").write_text(json.dumps(_tiny_hf_config()))
-        weights, model_args = list(random_hf_weights(tiny_config(), seed=3)), ["--model", "tiny"]
-    else:
-        make_hf_model(request.param, folder)
-        weights = sorted(
-            (name, tensor)
-            for path in sorted(folder.glob("*.safetensors"))
-            for name, tensor in load_file(path).items()
-        )
-        model_args = ["--model", str(folder)]
+        shared = [shared_processes.tiny_engine("--tp", str(tp), log_dir=folder) for tp in (2, 1)]
+        yield folder, list(random_hf_weights(tiny_config(), seed=3)), shared
+        return
+    make_hf_model(request.param, folder)
+    weights = sorted(
+        (name, tensor)
+        for path in sorted(folder.glob("*.safetensors"))
+        for name, tensor in load_file(path).items()
+    )
     engines: list[ServedEngine] = []
     try:
         for tp in (2, 1):
             log = folder / f"tp{tp}.log"
-            engines.append(ServedEngine(*model_args, "--tp", str(tp), log_path=log))
+            engines.append(ServedEngine("--model", str(folder), "--tp", str(tp), log_path=log))
         yield folder, weights, engines
     finally:
         for engine in engines:
