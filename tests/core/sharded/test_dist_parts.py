@@ -10,11 +10,11 @@ from sharded_layouts import LAYOUTS, engine_slices, holdings, model
 
 from weightbus.core.plan import plan_buckets
 from weightbus.core.plan.bucket import BucketEntry, pack_entries
-from weightbus.core.sharded.dist_parts import bucket_parts, dist_targets
+from weightbus.core.sharded.dist_parts import bucket_parts
 from weightbus.core.sharded.layout import TrainerLayout, held_metas
 from weightbus.core.sharded.schedule import cell_view
 from weightbus.core.transport.distributed.parts import entry_box, region_matrix
-from weightbus.core.transport.distributed.slices import rank_regions
+from weightbus.core.transport.distributed.slices import rank_regions, slice_targets
 from weightbus.core.wire.messages import RankLayout, SentPart, SliceSpec
 
 # smaller than every matrix: tensors split at row boundaries; and smaller than a row of
@@ -49,7 +49,7 @@ def test_parts_give_every_region_byte_once_from_a_holder(layout_name, tp, bucket
     layout = TrainerLayout(tuple(tuple(held_metas(h)) for h in held))
     by_rank = [{h.name: h for h in rank_held} for rank_held in held]
     plan = plan_buckets(layout.metas, bucket_bytes)
-    targets = dist_targets(_rank_layouts(tp))
+    targets = slice_targets(_rank_layouts(tp))
     parts = bucket_parts(layout, plan, targets)
     chunks = [e for b in plan.buckets for e in b.entries if e.is_chunk]
     in_rows = [e for e in chunks if entry_box(e, SliceSpec(e.name, 0, 0, e.shape[0])) is None]

@@ -17,26 +17,8 @@ from weightbus.core.sharded.layout import TrainerLayout
 from weightbus.core.sharded.schedule import cells
 from weightbus.core.sharded.slots import range_parts
 from weightbus.core.transport.distributed.parts import entry_box
-from weightbus.core.transport.distributed.slices import layout_slices
-from weightbus.core.wire.messages import RankLayout, SentPart, SliceSpec
-
-
-@dataclass(frozen=True)
-class DistTarget:
-    """Engine ranks that load the same slices: one payload per sender serves each of them."""
-
-    slices: dict[str, SliceSpec]
-    group_ranks: list[int]
-
-
-def dist_targets(layouts: Sequence[RankLayout]) -> list[DistTarget]:
-    """The engine ranks grouped by slice map, in group-rank order."""
-    targets: dict[tuple, DistTarget] = {}
-    for layout in sorted(layouts, key=lambda layout: layout.group_rank):
-        slices = layout_slices(layout)
-        key = tuple(sorted(slices.items()))
-        targets.setdefault(key, DistTarget(slices, [])).group_ranks.append(layout.group_rank)
-    return list(targets.values())
+from weightbus.core.transport.distributed.slices import SliceTarget
+from weightbus.core.wire.messages import SentPart
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +37,7 @@ class SendPart:
 BucketParts = list[list[list[SendPart]]]
 
 
-def bucket_parts(layout: TrainerLayout, plan: Plan, targets: Sequence[DistTarget]) -> BucketParts:
+def bucket_parts(layout: TrainerLayout, plan: Plan, targets: Sequence[SliceTarget]) -> BucketParts:
     """Every bucket's parts for every target (the same on every trainer rank)."""
     metas = {meta.name: meta for meta in layout.metas}
     load: dict[int, int] = defaultdict(int)

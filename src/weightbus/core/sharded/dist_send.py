@@ -27,10 +27,8 @@ from weightbus.core.sharded.digests import (
 )
 from weightbus.core.sharded.dist_parts import (
     BucketParts,
-    DistTarget,
     SendPart,
     bucket_parts,
-    dist_targets,
     parts_hash,
 )
 from weightbus.core.sharded.holdings import Holding
@@ -50,10 +48,11 @@ from weightbus.core.transport.distributed.group import (
 )
 from weightbus.core.transport.distributed.parts import (
     PART_DIGEST_BYTES,
+    aligned_offsets,
     payload_digest,
-    payload_layout,
 )
 from weightbus.core.transport.distributed.sink import completed_digests
+from weightbus.core.transport.distributed.slices import SliceTarget, slice_targets
 from weightbus.core.wire import Message, ProtocolError, UpdateBegin, UpdateEnd
 from weightbus.core.wire.messages import BucketSent, RankLayout
 
@@ -90,7 +89,7 @@ class SendReport(msgspec.Struct, frozen=True, kw_only=True):
 @dataclass(frozen=True)
 class _Compiled:
     plan: Plan
-    targets: list[DistTarget]
+    targets: list[SliceTarget]
     parts: BucketParts
     parts_hash: str
     digest_plan: DigestPlan
@@ -218,7 +217,7 @@ class GroupDist:
         key = (layout.layout_hash, order.plan_hash, msgspec.msgpack.encode(order.layouts))
         if key not in self._compiled:
             plan = layout.plan(order.bucket_bytes, order.plan_hash)
-            targets = dist_targets(order.layouts)
+            targets = slice_targets(order.layouts)
             parts = bucket_parts(layout, plan, targets)
             digests = DigestPlan(layout, whole_regions(layout))
             if len(self._compiled) >= COMPILED_KEPT:
@@ -331,7 +330,7 @@ class _Sender:
 
     def _pack(self, parts: list[SendPart], key: tuple) -> tuple[torch.Tensor, int]:
         sizes = [part.numel * self.element_bytes[part.name] for part in parts]
-        offsets, end = payload_layout(sizes)
+        offsets, end = aligned_offsets(sizes)
         total = end + PART_DIGEST_BYTES
         rounded = -(-total // _BUFFER_ROUNDING) * _BUFFER_ROUNDING
         payload = self.group.buffer(key, rounded)[:total]

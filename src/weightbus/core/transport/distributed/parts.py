@@ -6,11 +6,10 @@ tensor's matrix rows and columns, a chunk of bytes (a tensor split across bucket
 boundary) as a column of bytes. A part is a rectangle of it. Each sender sends one payload per
 bucket and receiving rank: its parts back to back in the order listed (each at an aligned
 offset), then the xxh3-128 of those bytes. Both ends lay the payload out with
-`payload_layout`, so they agree by construction.
+`slices.aligned_offsets`, so they agree by construction.
 """
 
 from collections import defaultdict
-from collections.abc import Sequence
 from math import prod
 
 import torch
@@ -18,9 +17,13 @@ import xxhash
 
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan import BucketPlan
-from weightbus.core.plan.bucket import BucketEntry, align_up
+from weightbus.core.plan.bucket import BucketEntry
 from weightbus.core.transport.distributed.group import DATA_TAG, WeightsGroup, wait
-from weightbus.core.transport.distributed.slices import layout_slices, rank_regions
+from weightbus.core.transport.distributed.slices import (
+    aligned_offsets,
+    layout_slices,
+    rank_regions,
+)
 from weightbus.core.wire import ProtocolError
 from weightbus.core.wire.messages import SentPart, SliceSpec
 
@@ -76,16 +79,6 @@ def part_nbytes(part: SentPart, element_bytes: int) -> int:
     return (part.row_stop - part.row_start) * (part.col_stop - part.col_start) * element_bytes
 
 
-def payload_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Aligned offsets of parts of `sizes` bytes, and where their digest goes (their end)."""
-    offsets, offset = [], 0
-    for size in sizes:
-        offset = align_up(offset)
-        offsets.append(offset)
-        offset += size
-    return offsets, offset
-
-
 def payload_digest(payload: torch.Tensor, end: int) -> torch.Tensor:
     """The xxh3-128 of `payload[:end]` as 16 bytes."""
     digest = xxhash.xxh3_128_digest(memoryview(payload[:end].numpy()))
@@ -115,7 +108,7 @@ def receive_parts(
     received = []
     for src, src_parts in sorted(by_src.items()):
         sizes = [part_nbytes(p, matrices[p.entry].element_size()) for p in src_parts]
-        offsets, end = payload_layout(sizes)
+        offsets, end = aligned_offsets(sizes)
         payload = group.buffer(("parts", src), end + PART_DIGEST_BYTES)
         work = group.pg.recv([payload], src, DATA_TAG)
         received.append((src, src_parts, offsets, end, payload, work))

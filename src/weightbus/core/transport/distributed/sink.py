@@ -26,7 +26,6 @@ import contextlib
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -57,13 +56,15 @@ from weightbus.core.transport.distributed.messages import (
 )
 from weightbus.core.transport.distributed.setup import form_group, leave_group
 from weightbus.core.transport.distributed.slices import (
+    SliceTarget,
     check_slices,
     layout_slices,
     pack_regions,
     rank_regions,
     regions_nbytes,
+    slice_targets,
 )
-from weightbus.core.wire.messages import BucketSent, SliceSpec
+from weightbus.core.wire.messages import BucketSent
 
 Mode = Literal["auto", "broadcast", "scatter"]
 MODES = ("auto", "broadcast", "scatter")
@@ -77,23 +78,6 @@ def choose_mode(group: WeightsGroup, mode: Mode) -> Literal["broadcast", "scatte
         return mode
     tp_sizes = [layout.tp_size for layout in group.layouts.values()]
     return "scatter" if tp_sizes and min(tp_sizes) > 1 else "broadcast"
-
-
-@dataclass(slots=True)
-class _ScatterTarget:
-    """Ranks that load the same slices: one packed buffer serves them all."""
-
-    slices: dict[str, SliceSpec]
-    group_ranks: list[int]
-
-
-def _scatter_targets(group: WeightsGroup) -> list[_ScatterTarget]:
-    targets: dict[tuple, _ScatterTarget] = {}
-    for group_rank in sorted(group.layouts):
-        slices = layout_slices(group.layouts[group_rank])
-        key = tuple(sorted(slices.items()))
-        targets.setdefault(key, _ScatterTarget(slices, [])).group_ranks.append(group_rank)
-    return list(targets.values())
 
 
 class _InFlight:
@@ -305,7 +289,7 @@ class _Push:
 
     def run(self, mode: str, progress: Progress) -> None:
         group, deadline = self.group, self.deadline
-        targets = _scatter_targets(group) if mode == "scatter" else None
+        targets = slice_targets(group.layouts.values()) if mode == "scatter" else None
         begin = broadcast_message(group, self.session.begin_message(), deadline)
         for bucket in self.session.plan.buckets:
             pending = self.in_flight[bucket.index % 2]
@@ -318,7 +302,7 @@ class _Push:
             wait(group, work, deadline, "the session's messages")
 
     def _send_bucket(
-        self, bucket: BucketPlan, pending: _InFlight, targets: list[_ScatterTarget] | None
+        self, bucket: BucketPlan, pending: _InFlight, targets: list[SliceTarget] | None
     ) -> None:
         buffer = self.group.buffer(("send", bucket.index % 2), self.session.plan.bucket_bytes)
         message = BucketSent(
@@ -363,7 +347,7 @@ class _Push:
         self,
         bucket: BucketPlan,
         buffer: torch.Tensor,
-        targets: list[_ScatterTarget],
+        targets: list[SliceTarget],
         message: BucketSent,
         pending: _InFlight,
     ) -> None:

@@ -8,7 +8,8 @@ and hands the bucket to the Receiver as usual: `load_weights` reads only those r
 function computes the regions on both ends, so they agree by construction.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,24 @@ from weightbus.core.wire.messages import RankLayout, SliceSpec
 def layout_slices(layout: RankLayout) -> dict[str, SliceSpec]:
     """A rank's slice map by tensor name."""
     return {spec.name: spec for spec in layout.slices}
+
+
+@dataclass(slots=True)
+class SliceTarget:
+    """Engine ranks that load the same slices: what is sent to one serves them all."""
+
+    slices: dict[str, SliceSpec]
+    group_ranks: list[int]
+
+
+def slice_targets(layouts: Iterable[RankLayout]) -> list[SliceTarget]:
+    """The engine ranks grouped by slice map, in group-rank order."""
+    targets: dict[tuple, SliceTarget] = {}
+    for layout in sorted(layouts, key=lambda layout: layout.group_rank):
+        slices = layout_slices(layout)
+        key = tuple(sorted(slices.items()))
+        targets.setdefault(key, SliceTarget(slices, [])).group_ranks.append(layout.group_rank)
+    return list(targets.values())
 
 
 def _typed_rows(buffer: torch.Tensor, entry: BucketEntry) -> tuple[torch.Tensor, int] | None:
@@ -71,14 +90,19 @@ def regions_nbytes(regions: Sequence[torch.Tensor]) -> int:
     return sum(region.numel() * region.element_size() for region in regions)
 
 
-def packed_offsets(regions: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Aligned offsets of the regions packed back to back, and the bytes they need."""
+def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Aligned offsets of parts of `sizes` bytes packed back to back, and where they end."""
     offsets, offset = [], 0
-    for region in regions:
+    for size in sizes:
         offset = align_up(offset)
         offsets.append(offset)
-        offset += region.numel() * region.element_size()
+        offset += size
     return offsets, offset
+
+
+def packed_offsets(regions: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Aligned offsets of the regions packed back to back, and the bytes they need."""
+    return aligned_offsets(region.numel() * region.element_size() for region in regions)
 
 
 def _packed_view(packed: torch.Tensor, offset: int, region: torch.Tensor) -> torch.Tensor:
