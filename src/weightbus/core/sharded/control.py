@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 Interrupt = Callable[[], str | None] | None
-_POLL_S = 0.1  # how often an interruptible wait asks whether to stop
+_STORE_CALL_S = 10.0  # a follower's store call with no bound of its own (values <= 4 MiB)
+_POLL_S = 0.01  # how often an interruptible wait looks for the reports
 
 
 class ControlMessage(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +63,10 @@ class GroupControl:
             raise TrainerRankError(f"trainer rank 0 sent no control address within {timeout_s}s")
         if self.rank != 0:
             self._store = dist.TCPStore(host, int(port[0]), is_master=False, timeout=timeout)
+            # every store call a rank makes without a bound of its own (set, get, the end of a
+            # timed-out wait) waits at most this long: over a link that went dead it would
+            # otherwise block for the whole timeout after each wait that already expired
+            self._store.set_timeout(timedelta(seconds=min(timeout_s, _STORE_CALL_S)))
         self._sequence = 0
         self._written: dict[int, list[str]] = {}  # the keys this rank set, by push
 
@@ -152,24 +157,13 @@ class GroupControl:
     def _collect(
         self, keys: list[str], what: str, deadline: float, who, interrupt: Interrupt = None
     ) -> dict[str, ControlMessage]:
-        while True:
-            until = deadline if interrupt is None else min(deadline, time.monotonic() + _POLL_S)
-            try:
-                self._store.wait(keys, timedelta(seconds=max(0.001, until - time.monotonic())))
-                break
-            except dist.DistError as exc:
-                if time.monotonic() < until:  # not a timeout: the store's host is gone
-                    raise TrainerRankError(
-                        f"trainer rank 0 is unreachable ({what}): {exc}"
-                    ) from exc
-            missing = [who(k) for k in keys if not self._store.check([k])]
-            if time.monotonic() >= deadline:
-                raise TrainerRankError(f"{', '.join(missing)} sent no {what} in time") from None
-            reason = interrupt() if interrupt is not None else None
-            if reason is not None:
-                raise TrainerRankError(
-                    f"stopped waiting for {', '.join(missing)} ({what}): {reason}"
-                )
+        try:
+            if interrupt is None:
+                self._wait(keys, what, deadline, who)
+            else:
+                self._poll(keys, what, deadline, who, interrupt)
+        except dist.DistNetworkError as exc:  # the store's host is gone
+            raise TrainerRankError(f"trainer rank 0 is unreachable ({what}): {exc}") from exc
         messages = {
             k: msgspec.msgpack.decode(self._store.get(k), type=ControlMessage) for k in keys
         }
@@ -177,6 +171,32 @@ class GroupControl:
             if not message.ok:
                 raise TrainerRankError(f"{who(k)} failed ({what}): {message.error}")
         return messages
+
+    def _wait(self, keys: list[str], what: str, deadline: float, who) -> None:
+        try:
+            self._store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except dist.DistStoreError:  # the wait timed out
+            raise TrainerRankError(f"{self._missing(keys, who)} sent no {what} in time") from None
+
+    def _poll(self, keys: list[str], what: str, deadline: float, who, interrupt) -> None:
+        """Look for the reports every `_POLL_S` (no timed store waits: each that expires logs
+        a c10d warning), asking `interrupt` in between."""
+        while not self._store.check(keys):
+            if time.monotonic() >= deadline:
+                raise TrainerRankError(f"{self._missing(keys, who)} sent no {what} in time")
+            if (reason := interrupt()) is not None:
+                raise TrainerRankError(
+                    f"stopped waiting for {self._missing(keys, who)} ({what}): {reason}"
+                )
+            time.sleep(_POLL_S)
+
+    def _missing(self, keys: list[str], who) -> str:
+        """Who did not report: asked of the store only when several could be missing (rank 0,
+        whose store is local; a follower waits for one key, and asking a store it cannot reach
+        would block again)."""
+        if len(keys) == 1:
+            return who(keys[0])
+        return ", ".join(who(k) for k in keys if not self._store.check([k]))
 
 
 def run_all(

@@ -23,7 +23,9 @@ from weightbus.core.sharded.control import ControlMessage, GroupControl
 from weightbus.core.sharded.holdings import Holding
 from weightbus.core.sharded.layout import TrainerLayout
 
-ROUND_BYTES = 64 << 20
+# A round's parts travel as one store value per rank: TCPStore (libuv backend) refuses values
+# over 8 MiB ("Invalid payload size"), so a round stays well below.
+ROUND_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,8 +92,8 @@ def collect_outcome(
     digests = combine(compiled.digest_plan, [r.digests for r in reports.values()])
     names = [meta.name for meta in layout.metas]
     slices: list[dict[str, str]] = [{} for _ in range(num_targets)]
-    for (target, name), digest in zip(compiled.slice_regions, digests[len(names) :], strict=True):
-        slices[target][name] = digest
+    for target, name, region in compiled.slice_regions:
+        slices[target][name] = digests[region]
     return WriteOutcome(
         digests=dict(zip(names, digests, strict=False)),
         slice_digests=slices,
@@ -108,22 +108,28 @@ class Compiled:
     pieces: list[Piece]
     schedule_hash: str
     digest_plan: DigestPlan
-    slice_regions: list[tuple[int, str]]  # (engine rank, tensor) of each slice region
+    slice_regions: list[tuple[int, str, int]]  # (engine rank, tensor, its region's index)
 
     @classmethod
     def of(
         cls, layout: TrainerLayout, slices: list[dict[str, list[ShardCopy]]], *, verify: bool
     ) -> "Compiled":
         """The schedule into engine ranks of `slices` (per rank: tensor -> its copies), and the
-        digests: whole tensors, and with `verify` every engine rank's slices."""
+        digests: whole tensors, and with `verify` every engine rank's slices — each distinct
+        region once (a slice that is the whole tensor, or the same slice of every replica,
+        reuses its digest: hashing it again would exchange its cut blocks again)."""
         pieces = make_schedule(layout, slices)
         regions, slice_regions = whole_regions(layout), []
+        index = {region: i for i, region in enumerate(regions)}
         if verify:
             for (target, name), box in sorted(
                 {(p.target, p.name): p.slice_box for p in pieces}.items()
             ):
-                regions.append(Region(name, box))
-                slice_regions.append((target, name))
+                region = Region(name, box)
+                if region not in index:
+                    index[region] = len(regions)
+                    regions.append(region)
+                slice_regions.append((target, name, index[region]))
         return cls(
             pieces, schedule_hash(layout, pieces), DigestPlan(layout, regions), slice_regions
         )
