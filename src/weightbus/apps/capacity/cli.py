@@ -52,6 +52,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="NAME=SECONDS",
         help="replace a fixed cost: tensor, bucket, push",
     )
+    plan.add_argument(
+        "--engine-ranks-per-nic",
+        type=int,
+        default=1,
+        help="engine ranks of a replica sharing one NIC (a host of 2 ranks and one link: 2)",
+    )
+    plan.add_argument(
+        "--delta-bytes",
+        type=byte_size_arg,
+        default=None,
+        help="a delta push: the bytes its encoding carries (e.g. measured by a first push)",
+    )
     plan.add_argument("--bucket-bytes", type=byte_size_arg, default="256MiB")
     plan.add_argument("--same-node", action="store_true", help="no byte crosses a node")
     plan.add_argument(
@@ -116,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
             staged_from_host=args.staged_from_host,
             stage_overlaps=not args.serial_staging,
             verify=args.verify == "full",
+            engine_ranks_per_nic=args.engine_ranks_per_nic,
+            delta_bytes=args.delta_bytes,
         )
         result = forecast(args.model, scenario, args.dtype)
     except (ValueError, FileNotFoundError) as exc:

@@ -6,7 +6,7 @@ from pathlib import Path
 from weightbus.apps.capacity.shapes import ModelTensors, model_tensors
 from weightbus.apps.capacity.sharding import EngineLayout
 from weightbus.apps.capacity.timing import Hardware, Timing, predict
-from weightbus.apps.capacity.traffic import Traffic, traffic
+from weightbus.apps.capacity.traffic import Traffic, as_delta, traffic
 from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
 
 _LOCAL_TRANSPORTS = ("shm", "shm-slots")
@@ -27,6 +27,8 @@ class Scenario:
     staged_from_host: bool = False  # the trainer's bytes wait in host memory
     stage_overlaps: bool = True  # staging bucket k+1 overlaps the wire (see timing.predict)
     verify: bool = True  # engines re-check digests (the Publisher's default, verify="full")
+    engine_ranks_per_nic: int = 1  # engine ranks of a replica sharing one NIC (one host)
+    delta_bytes: int | None = None  # a delta push: the bytes its encoding carries, not the model
 
     @property
     def crosses_nodes(self) -> bool:
@@ -83,12 +85,16 @@ def forecast(
         trainer_layout=scenario.trainer_layout,
         bucket_bytes=scenario.bucket_bytes,
         verify=scenario.verify,
+        engine_ranks_per_nic=scenario.engine_ranks_per_nic,
     )
+    if scenario.delta_bytes is not None:
+        moved = as_delta(moved, scenario.delta_bytes)
     timing = predict(
         moved,
         scenario.hardware,
         cross_node=scenario.crosses_nodes,
         staged_from_host=scenario.staged_from_host,
-        stage_overlaps=scenario.stage_overlaps,
+        # a delta is encoded whole before its stream starts
+        stage_overlaps=scenario.stage_overlaps and scenario.delta_bytes is None,
     )
     return Forecast(model=model, scenario=scenario, traffic=moved, timing=timing)

@@ -82,6 +82,22 @@ PROFILES: dict[str, Hardware] = {
         },
     ),
 }
+# `weightbus bench cluster`'s hosts: this machine's cores (cpu-host's figures) behind links that
+# a rate limit makes the bound (set `--link nic=GB/s`: the link's payload rate). gloo, the
+# `dist` transport's backend on CPU, broadcasts by binomial tree; bytes wait in the links'
+# shapers, not on a core, so the stages overlap.
+PROFILES["cpu-cluster"] = replace(
+    PROFILES["cpu-host"],
+    name="cpu-cluster",
+    nic_gb_per_s=0.125,
+    broadcast_gb_per_s=None,
+    broadcast_algorithm="binomial",
+    shared_cpu=False,
+    sources={
+        **PROFILES["cpu-host"].sources,
+        "nic_gb_per_s": "a 1 Gbit/s link (weightbus bench cluster sets the measured rate)",
+    },
+)
 
 LINK_FIELDS = {
     "nic": "nic_gb_per_s",

@@ -38,6 +38,12 @@ def print_forecast(result: Forecast) -> None:
         ["trainer rank sends", _span(moved.trainer_send_bytes)],
         ["trainer rank buffers", format_bytes(moved.trainer_buffer_bytes)],
     ]
+    if any(moved.trainer_exchange_bytes):
+        rows.append(["trainer rank sends its peers", _span(moved.trainer_exchange_bytes)])
+    if scenario.engine_ranks_per_nic > 1:
+        rows.append(["engine NIC receives (busiest)", format_bytes(moved.nic_receive_bytes)])
+    if scenario.hardware.broadcast_algorithm == "binomial" and moved.pattern == "broadcast":
+        rows.append(["model copies on the busiest NIC", str(moved.broadcast_nic_copies)])
     print_table(["per rank", "bytes"], rows)
     if moved.replicated_by_default:
         print(

@@ -32,9 +32,13 @@ class Hardware:
     """Bandwidths (GB/s = 1e9 bytes/s, one direction, per rank) and fixed costs of a cluster."""
 
     name: str
-    nic_gb_per_s: float  # between nodes, per rank
+    nic_gb_per_s: float  # between nodes, per NIC (one per rank unless ranks share one)
     local_gb_per_s: float  # between ranks of one node (NVLink; on a CPU host: a memcpy)
     broadcast_gb_per_s: float | None = None  # a broadcast's algorithm bandwidth; None: derived
+    # "pipelined" (NCCL: the model crosses each link about once, at `broadcast_gb_per_s`) or
+    # "binomial" (gloo: whole buffers down a binomial tree; the busiest NIC carries
+    # `Traffic.broadcast_nic_copies` copies at the NIC's bandwidth)
+    broadcast_algorithm: str = "pipelined"
     stage_gb_per_s: float | None = None  # host-to-device staging; None: bytes already in place
     copy_gb_per_s: float  # the receiver's copy into its parameters
     hash_gb_per_s: float | None = None  # the trainer's fingerprint pass; None: no hashing
@@ -130,10 +134,19 @@ def _stage_s(traffic: Traffic, hardware: Hardware, staged_from_host: bool) -> fl
 def _wire_s(traffic: Traffic, hardware: Hardware, cross_node: bool) -> float:
     if traffic.pattern == "slots":
         return 0.0
-    if traffic.pattern == "broadcast":
-        return traffic.total_bytes / (hardware.broadcast_bandwidth(cross_node) * GB)
     link = hardware.link_gb_per_s(cross_node) * GB
-    return max(*traffic.trainer_send_bytes, *traffic.receive_bytes) / link
+    if traffic.pattern == "broadcast":
+        if hardware.broadcast_algorithm == "binomial" and cross_node:
+            return traffic.broadcast_nic_copies * traffic.broadcast_bytes / link
+        return traffic.broadcast_bytes / (hardware.broadcast_bandwidth(cross_node) * GB)
+    busiest_engine = traffic.nic_receive_bytes if cross_node else max(traffic.receive_bytes)
+    trainers = [
+        sent + exchanged
+        for sent, exchanged in zip(
+            traffic.trainer_send_bytes, traffic.trainer_exchange_bytes, strict=True
+        )
+    ]
+    return max(*trainers, busiest_engine) / link
 
 
 def _apply_s(traffic: Traffic, hardware: Hardware) -> float:

@@ -10,6 +10,7 @@ Patterns:
   every bucket and copies its share out.
 """
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from weightbus.apps.capacity.sharding import (
     rank_shares,
     unmatched_modules,
 )
+from weightbus.core.digest import DIGEST_BLOCK_BYTES
 from weightbus.core.plan.planner import plan_buckets
 
 TRANSPORTS = ("shm", "shm-slots", "nixl", "dist", "dist-broadcast", "dist-scatter")
@@ -58,16 +60,27 @@ class Traffic:
     sequential_buckets: int  # buckets sent one after another (per trainer rank when in parallel)
     share_bytes: tuple[int, ...]  # by engine TP rank: bytes of the parameters it holds
     receive_bytes: tuple[int, ...]  # by engine TP rank: bytes the transport delivers to it
+    nic_receive_bytes: int  # the busiest engine NIC: bytes into it (its ranks' receive_bytes)
+    broadcast_nic_copies: int  # broadcast by binomial tree: most model copies one NIC carries
     rank_tensors: tuple[int, ...]  # by engine TP rank: tensors it applies
     rank_copy_bytes: tuple[int, ...]  # by engine TP rank: bytes it copies to apply them
     trainer_own_bytes: tuple[int, ...]  # by trainer rank: bytes of the tensors it sends
     trainer_send_bytes: tuple[int, ...]  # by trainer rank: bytes it hands to the transport
+    # by trainer rank: bytes it sends to other trainer ranks so that digest blocks cut by a
+    # shard boundary are hashed whole (`core.sharded.digests`; fsdp layouts)
+    trainer_exchange_bytes: tuple[int, ...]
     pack_bytes: int  # per trainer rank: bytes it copies into send buffers or slots first
     trainer_hash_bytes: int  # per trainer rank: bytes it hashes (fingerprint, transport checks)
     rank_hash_bytes: tuple[int, ...]  # by engine TP rank: bytes it hashes (verify, checks)
     staging_bytes: tuple[int, ...]  # by engine TP rank, atomic pushes: staging copy + buffers
     trainer_buffer_bytes: int  # per trainer rank: transport buffers it allocates
     replicated_by_default: tuple[str, ...]  # decoder modules no rule names (see sharding)
+    delta_bytes: int | None = None  # a delta push (`as_delta`): what its encoding carries
+
+    @property
+    def broadcast_bytes(self) -> int:
+        """What one broadcast of the push carries: the model, or a delta's encoding."""
+        return self.total_bytes if self.delta_bytes is None else self.delta_bytes
 
 
 def traffic(
@@ -80,9 +93,12 @@ def traffic(
     trainer_layout: str = "owners",
     bucket_bytes: int,
     verify: bool = True,
+    engine_ranks_per_nic: int = 1,
 ) -> Traffic:
     """Bytes per rank of one push of `model` into `replicas` engines of `layout`; `verify`:
-    the engines re-check digests (`verify="full"`, the Publisher's default).
+    the engines re-check digests (`verify="full"`, the Publisher's default);
+    `engine_ranks_per_nic`: engine ranks of a replica that share one NIC (a host of several
+    ranks with one link); the trainer ranks have a NIC each.
 
     `trainer_layout`: `owners` (each trainer rank holds and sends whole tensors, the least
     loaded first: replicas splitting the sending, pipeline stages) or `fsdp` (every tensor
@@ -93,9 +109,10 @@ def traffic(
         ValueError: an unknown transport, counts < 1, or a layout the model does not allow
             (`sharding.check_layout`).
     """
-    if replicas < 1 or trainer_ranks < 1:
+    if replicas < 1 or trainer_ranks < 1 or engine_ranks_per_nic < 1:
         raise ValueError(
-            f"replicas and trainer ranks must be >= 1, got {replicas}, {trainer_ranks}"
+            "replicas, trainer ranks and engine ranks per NIC must be >= 1, got "
+            f"{replicas}, {trainer_ranks}, {engine_ranks_per_nic}"
         )
     check_layout(model.config, layout)
     check_block_alignment(model.metas, model.config, layout)
@@ -135,10 +152,20 @@ def traffic(
         sequential_buckets=max(1, in_turn),
         share_bytes=share_bytes,
         receive_bytes=receive,
+        nic_receive_bytes=max(
+            sum(receive[first : first + engine_ranks_per_nic])
+            for first in range(0, layout.tp, engine_ranks_per_nic)
+        ),
+        broadcast_nic_copies=binomial_nic_copies(replicas, layout.tp, engine_ranks_per_nic),
         rank_tensors=tensors,
         rank_copy_bytes=tuple(_copies(transport) * share for share in share_bytes),
         trainer_own_bytes=own,
         trainer_send_bytes=senders,
+        trainer_exchange_bytes=(
+            _digest_exchange(model.metas, trainer_ranks)
+            if trainer_layout == "fsdp"
+            else (0,) * trainer_ranks
+        ),
         pack_bytes=_packed(transport, own, senders),
         trainer_hash_bytes=max(own) + _checked(transport, max(senders), verify),
         rank_hash_bytes=_rank_hashes(transport, share_bytes, receive, verify),
@@ -146,6 +173,81 @@ def traffic(
         trainer_buffer_bytes=_trainer_buffers(transport, bucket_bytes),
         replicated_by_default=tuple(unmatched_modules(model.metas)),
     )
+
+
+# A delta's encode (compare with the base, gather the changed elements) costs about this many
+# memcpys of the model (`weightbus bench delta`: 6.35x and 6.97x at 1 GiB, docs/bench.md).
+DELTA_ENCODE_COPIES = 6.5
+
+
+def as_delta(moved: Traffic, delta_bytes: int) -> Traffic:
+    """`moved` as a delta push whose encoding carries `delta_bytes` instead of the model: every
+    byte on a wire scales by their ratio; the trainer first encodes the whole version against
+    its base (`DELTA_ENCODE_COPIES` memcpys of the model, before the stream: see
+    `forecast`)."""
+    scale = delta_bytes / moved.total_bytes
+
+    def scaled(values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(round(value * scale) for value in values)
+
+    return dataclasses.replace(
+        moved,
+        receive_bytes=scaled(moved.receive_bytes),
+        nic_receive_bytes=round(moved.nic_receive_bytes * scale),
+        trainer_send_bytes=scaled(moved.trainer_send_bytes),
+        rank_copy_bytes=scaled(moved.rank_copy_bytes),
+        rank_hash_bytes=scaled(moved.rank_hash_bytes),
+        pack_bytes=round(DELTA_ENCODE_COPIES * moved.total_bytes),
+        sequential_buckets=max(1, round(moved.sequential_buckets * scale)),
+        delta_bytes=delta_bytes,
+    )
+
+
+def binomial_nic_copies(replicas: int, tp: int, engine_ranks_per_nic: int) -> int:
+    """How many copies of the model the busiest NIC carries (in or out) when one trainer rank
+    broadcasts to every engine rank by a binomial tree, as gloo does: in round i, group ranks
+    0 .. 2**i - 1 each send the whole buffer to rank + 2**i. Group rank 0 is the trainer (its
+    own NIC); engine ranks follow replica by replica, `engine_ranks_per_nic` to a NIC. A copy
+    between two ranks of one NIC crosses no link."""
+    size = 1 + replicas * tp
+    nic = [0] + [
+        1
+        + (rank - 1) // tp * -(-tp // engine_ranks_per_nic)
+        + (rank - 1) % tp // engine_ranks_per_nic
+        for rank in range(1, size)
+    ]
+    out: dict[int, int] = {}
+    into: dict[int, int] = {}
+    step = 1
+    while step < size:
+        for sender in range(min(step, size - step)):
+            receiver = sender + step
+            if nic[sender] != nic[receiver]:
+                out[nic[sender]] = out.get(nic[sender], 0) + 1
+                into[nic[receiver]] = into.get(nic[receiver], 0) + 1
+        step *= 2
+    return max([*out.values(), *into.values(), 0])
+
+
+def _digest_exchange(metas, ranks: int) -> tuple[int, ...]:
+    """Per trainer rank, the bytes it sends so that every digest block cut by an FSDP2 row
+    boundary is hashed whole: at each boundary inside a block, the rank holding the smaller
+    side sends it to the other (`DigestPlan` gives a cut block to the rank holding most)."""
+    sent = [0] * ranks
+    for meta in metas:
+        rows = meta.shape[0] if meta.shape else 1
+        row_bytes = meta.nbytes // rows if rows else 0
+        step = -(-rows // ranks)
+        for rank in range(1, ranks):
+            offset = min(rank * step, rows) * row_bytes
+            if offset in (0, meta.nbytes):
+                continue
+            start = offset // DIGEST_BLOCK_BYTES * DIGEST_BLOCK_BYTES
+            left, right = offset - start, min(start + DIGEST_BLOCK_BYTES, meta.nbytes) - offset
+            if left and right:
+                sender = rank - 1 if left < right else rank
+                sent[sender] += min(left, right)
+    return tuple(sent)
 
 
 def _spread(
