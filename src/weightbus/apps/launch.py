@@ -9,13 +9,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def start_engine(
-    model: str, tp: int, timeout_s: float = 300.0, extra: Sequence[str] = ()
+    model: str,
+    tp: int,
+    timeout_s: float = 300.0,
+    extra: Sequence[str] = (),
+    *,
+    prefix: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Start `weightbus serve --port 0` (quiet) and return the process and its URL.
+
+    `prefix`: what runs the command (`ip netns exec NAME` for a cluster host; it must exec the
+    command, so the server's parent stays this process); `env`: its environment (else ours).
 
     Raises:
         RuntimeError: the server did not print its URL within `timeout_s`.
@@ -23,7 +32,9 @@ def start_engine(
     cmd = [sys.executable, "-m", "weightbus", "--log-level", "WARNING", "serve", "--port", "0"]
     cmd.append("--exit-with-parent")  # a killed bench (OOM, Ctrl-C twice) leaves no engine
     proc = subprocess.Popen(  # noqa: S603 - argv is this interpreter and our own command
-        [*cmd, "--model", model, "--tp", str(tp), *extra], stdout=subprocess.PIPE
+        [*prefix, *cmd, "--model", model, "--tp", str(tp), *extra],
+        stdout=subprocess.PIPE,
+        env=None if env is None else dict(env),
     )
     deadline = time.monotonic() + timeout_s
     while (remaining := deadline - time.monotonic()) > 0:

@@ -12,8 +12,9 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
-_NAME = re.compile(r"^wb-[a-z]+-(\d+)$")
+_NAME = re.compile(r"^wb-[a-z0-9]+-(\d+)$")
 _FIRST_SUBNET, _SUBNETS = 20, 200  # 10.20.0.0/16 .. 10.219.0.0/16
 
 
@@ -33,17 +34,37 @@ def ip(*args: str, check: bool = True) -> str:
     return done.stdout
 
 
-def unavailable() -> str | None:
-    """Why this process cannot make namespaces (one line), or None."""
-    if os.geteuid() != 0:
-        return "network namespaces need root (CAP_NET_ADMIN: ip netns add)"
-    if shutil.which("ip") is None:
-        return "the ip command (iproute2) is not installed"
+# Capability bits (linux/capability.h): `ip netns add` mounts (CAP_SYS_ADMIN), links and
+# qdiscs need CAP_NET_ADMIN.
+_CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}
+
+
+def unavailable(commands: tuple[str, ...] = ("ip",)) -> str | None:
+    """Why this process cannot make namespaces (one line), or None; `commands`: the tools
+    needed besides (`tc` for rate limits)."""
+    missing = [name for name, bit in _CAPABILITIES.items() if not _effective() >> bit & 1]
+    if missing:
+        return (
+            f"network namespaces need {' and '.join(missing)} (run as root), "
+            "which this process lacks"
+        )
+    absent = [command for command in commands if shutil.which(command) is None]
+    if absent:
+        return f"the {', '.join(absent)} command(s) (iproute2) are not installed"
     return None
 
 
+def _effective() -> int:
+    """This process's effective capability set (`CapEff` in /proc/self/status)."""
+    for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
 def namespace_name(role: str) -> str:
-    """`wb-<role>-<pid>`: the name `reap_stale` recognises."""
+    """`wb-<role>-<pid>` (`role`: lower-case letters and digits): the name `reap_stale`
+    recognises."""
     return f"wb-{role}-{os.getpid()}"
 
 

@@ -46,7 +46,7 @@ import torch
 from weightbus.apps.bench.dist import write_model
 from weightbus.apps.bench.llama_weights import llama_weights
 from weightbus.apps.bench.timing import write_json
-from weightbus.apps.demo.task import Rollout, prompts
+from weightbus.apps.demo.onpolicy import GROUP_SIZE, MAX_TOKENS, NUM_PROMPTS, rollouts_of
 from weightbus.apps.demo.trainer import Trainer
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.apps.tables import print_table
@@ -55,7 +55,6 @@ from weightbus.core.units import format_bytes, parse_bytes
 from weightbus.engines.reference.models.config import tiny_config
 
 # Part 1: the demo's batch (`weightbus demo` defaults) and the learning rates compared
-NUM_PROMPTS, GROUP_SIZE, MAX_TOKENS = 4, 8, 16
 DEMO_LR, RL_LR = 3e-3, 1e-6
 TRAINING_RUNS = (  # (name, lr, input embeddings frozen)
     ("demo lr 3e-3", DEMO_LR, False),
@@ -112,32 +111,6 @@ def _bf16_bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _rollouts(trainer: Trainer, seed: int) -> list[Rollout]:
-    """The demo's batch sampled from the trainer's own model; its logprobs as the engine's."""
-    prompt_ids = [p for p in prompts(NUM_PROMPTS) for _ in range(GROUP_SIZE)]
-    ids = torch.tensor(prompt_ids)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        generated = trainer.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,  # the engine's ignore_eos: every completion is full length
-            pad_token_id=tiny_config().eos_token_ids[0],
-        )
-    tokens = generated[:, ids.shape[1] :].tolist()
-    drafts = [Rollout(p, t, [], "trainer") for p, t in zip(prompt_ids, tokens, strict=True)]
-    with torch.no_grad():
-        logprobs = trainer.token_logprobs(drafts).tolist()
-    return [
-        Rollout(p, t, lp, "trainer") for p, t, lp in zip(prompt_ids, tokens, logprobs, strict=True)
-    ]
-
-
 def _unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict:
     """Elements and whole tensors whose bits are the same in both, and the totals."""
     same = {name: int((after[name] == before[name]).sum()) for name in after}
@@ -156,7 +129,7 @@ def _training_run(name: str, lr: float, frozen: bool, steps: int) -> list[StepCh
     before = _bf16_bits(trainer.model)
     changes = []
     for step in range(1, steps + 1):
-        reward, gap = trainer.step(_rollouts(trainer, seed=step), GROUP_SIZE)
+        reward, gap = trainer.step(rollouts_of(trainer, seed=step), GROUP_SIZE)
         after = _bf16_bits(trainer.model)
         counts = _unchanged(before, after)
         changes.append(StepChange(run=name, step=step, reward=reward, logprob_gap=gap, **counts))

@@ -14,11 +14,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from weightbus.apps.cluster.rank import fsdp_model
 from weightbus.core.publisher import Publisher
 from weightbus.core.sharded import ShardedPublisher
 
@@ -57,27 +54,6 @@ class PeakAnon:
     @property
     def extra_bytes(self) -> int:
         return self.peak - self.base
-
-
-def _sharded_model(model_dir: str) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as checkpoint, torch.no_grad():
-        for name, param in model.state_dict().items():
-            shape, offset = compute_local_shape_and_global_offset(
-                param.shape, param.device_mesh, param.placements
-            )
-            rows = slice(offset[0], offset[0] + shape[0])
-            param.to_local().copy_(checkpoint.get_slice(name)[rows])
-    return model
 
 
 def _timed(push, repeat: int) -> dict:
@@ -160,7 +136,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _sharded_model(args["model_dir"])
+    model = fsdp_model(args["model_dir"])
     shard_bytes = sum(p.to_local().nbytes for p in model.state_dict().values())
     results = {"rank": rank, "world_size": world, "shard_bytes": shard_bytes, "rows": {}}
     for name, sharded_options, publisher_options in _PATHS:
