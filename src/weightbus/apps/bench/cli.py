@@ -10,6 +10,10 @@ import importlib
 # suite name -> (module, one-line help); modules are imported only when their suite runs.
 SUITES = {
     "buckets": ("weightbus.apps.bench.buckets", "flat-bucket packing vs a memcpy floor, same run"),
+    "cluster": (
+        "weightbus.apps.bench.cluster.cli",
+        "hosts behind rate-limited links: senders, replicas, deltas beside weightbus plan",
+    ),
     "delta": (
         "weightbus.apps.bench.delta",
         "bits changed between RL steps; full vs tensor-skip vs sparse delta pushes, same run",

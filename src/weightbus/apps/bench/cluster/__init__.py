@@ -1,0 +1,1 @@
+"""`weightbus bench cluster`: pushes across hosts whose links, not the cores, are the bound."""

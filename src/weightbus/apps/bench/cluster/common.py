@@ -1,0 +1,159 @@
+"""What the cluster cases share: a checkpoint, pushes timed with every host's NIC bytes, the
+engines' own fingerprints, and one row of results."""
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from safetensors.torch import save_file
+
+from weightbus.apps.bench.llama_weights import hf_config, llama_shape, llama_weights
+from weightbus.apps.capacity.forecast import Scenario, forecast
+from weightbus.apps.capacity.profiles import hardware
+from weightbus.apps.capacity.shapes import ModelTensors
+from weightbus.apps.cluster.hosts import Cluster, Host
+from weightbus.core.digest import fingerprint
+from weightbus.core.meta import TensorMeta, metas_of
+from weightbus.core.publisher.targets import HttpEngineTarget
+
+GB = 1e9
+T = TypeVar("T")
+_READ_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A Llama-shaped bf16 checkpoint on disk, its tensors' metas and its fingerprint."""
+
+    directory: Path
+    model: ModelTensors
+    fingerprint: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.model.total_bytes
+
+
+def write_checkpoint(directory: Path, size: int) -> Checkpoint:
+    """Llama-shaped bf16 weights of about `size` bytes as a checkpoint in `directory`."""
+    directory.mkdir(parents=True)
+    weights = llama_weights(size)
+    save_file(dict(weights), str(directory / "model.safetensors"))
+    config = hf_config(llama_shape(size))
+    (directory / "config.json").write_text(json.dumps(config))
+    model = ModelTensors(f"llama {size >> 20} MiB", tuple(metas_of(weights)), config)
+    return Checkpoint(directory, model, fingerprint(weights))
+
+
+def read_checkpoint(directory: Path) -> Checkpoint:
+    """A checkpoint's tensors as a bf16 engine serves them (from its safetensors header and
+    config; no tensor is read); no fingerprint."""
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+        metas = tuple(
+            TensorMeta(name, torch.bfloat16, tuple(handle.get_slice(name).get_shape()))
+            for name in handle.keys()  # noqa: SIM118 - a safetensors handle, not a dict
+        )
+    config = json.loads((directory / "config.json").read_text())
+    return Checkpoint(directory, ModelTensors(directory.name, metas, config), "")
+
+
+def served(urls: Sequence[str], token: str) -> list[str]:
+    """The fingerprint each engine says it serves (asked over the gateway)."""
+    prints = []
+    for url in urls:
+        target = HttpEngineTarget(url, token=token)
+        try:
+            prints.append(target.weights(_READ_TIMEOUT_S).fingerprint)
+        finally:
+            target.close()
+    return prints
+
+
+def engine_labels(cluster: Cluster, urls: Sequence[str]) -> dict[str, Host]:
+    """`engine<j>` -> the host engine j listens on (by its URL's address)."""
+    by_address = {host.address: host for host in cluster.hosts}
+    return {
+        f"engine{j}": by_address[url.split("//", 1)[1].rsplit(":", 1)[0]]
+        for j, url in enumerate(urls)
+    }
+
+
+@dataclass
+class Row:
+    """One case, one path: its pushes' seconds, bytes per host and rank, and the prediction."""
+
+    case: str
+    path: str
+    trainer_hosts: int
+    engine_hosts: int
+    model_bytes: int
+    delivered_bytes: int  # model bytes the engines received per push (all replicas)
+    link_bound_gb_per_s: float  # what the links allow this case (see each case)
+    seconds: list[float] = field(default_factory=list)
+    host_bytes: dict[str, list[int]] = field(default_factory=dict)  # host -> [tx, rx] per push
+    sent_bytes: list[int] = field(default_factory=list)  # per trainer rank, one push
+    engine_rank_bytes: list[list[int]] = field(default_factory=list)
+    predicted_s: float = 0.0
+    predicted_bottleneck: str = ""
+    predicted_sent_bytes: list[int] = field(default_factory=list)
+    predicted_engine_nic_bytes: int = 0
+    predicted_nic_bytes: int = 0  # the planner's busiest NIC, one direction
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.delivered_bytes / self.median_s / GB
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "median_s": self.median_s, "gb_per_s": self.gb_per_s}
+
+
+def during(hosts: dict[str, Host], work: Callable[[], T]) -> tuple[T, dict[str, list[int]]]:
+    """`work()`, and the bytes each host's NIC sent and received meanwhile (`[tx, rx]`)."""
+    before = {label: host.nic_bytes() for label, host in hosts.items()}
+    result = work()
+    moved = {
+        label: [after - was for after, was in zip(host.nic_bytes(), before[label], strict=True)]
+        for label, host in hosts.items()
+    }
+    return result, moved
+
+
+def timed_pushes(
+    hosts: dict[str, Host], push: Callable[[str], float], row: Row, repeat: int
+) -> None:
+    """`push(version)` once to warm up, then `repeat` times: each push's seconds, and the bytes
+    every host's NIC moved during the last one, into `row`."""
+    for index in range(repeat + 1):
+        version = f"{row.case}-{row.path}-{row.trainer_hosts}-{row.engine_hosts}-{index}"
+        seconds, moved = during(hosts, lambda v=version: push(v))
+        if index:
+            row.seconds.append(seconds)
+            row.host_bytes = moved
+
+
+def cluster_hardware(link_bits_per_s: float):
+    """`weightbus plan`'s `cpu-cluster` profile at a link's measured payload rate."""
+    return hardware("cpu-cluster", links={"nic": link_bits_per_s / 8 / GB})
+
+
+def predict(row: Row, checkpoint: Checkpoint, link_bits_per_s: float, **scenario) -> None:
+    """`weightbus plan`'s prediction for `row`'s push, from the same layout and link rate."""
+    planned = forecast(
+        checkpoint.model, Scenario(hardware=cluster_hardware(link_bits_per_s), **scenario)
+    )
+    row.predicted_s = planned.timing.seconds
+    row.predicted_bottleneck = planned.timing.bottleneck
+    row.predicted_sent_bytes = list(planned.traffic.trainer_send_bytes)
+    row.predicted_engine_nic_bytes = planned.traffic.nic_receive_bytes
+    row.predicted_nic_bytes = round(planned.timing.wire_s * link_bits_per_s / 8)

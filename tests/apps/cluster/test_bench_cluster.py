@@ -1,0 +1,87 @@
+"""`weightbus bench cluster`, bounded: every case on small models at low link rates (the links,
+not the cores, are the bound), checked for outcomes, never times: every engine serves the pushed
+fingerprint (the bench fails otherwise), every trainer rank sends the bytes `weightbus plan`
+says it does, and the busiest NIC carries the planner's bytes (gloo's binomial broadcast, TP
+slices behind one NIC, FSDP shards to every replica, a delta's encoding)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from weightbus.apps.cluster import unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
+
+# control messages, digests' exchange between trainer ranks, frame headers (GSO: few)
+_OVERHEAD, _CONTROL_BYTES = 1.05, 1 << 20
+RUNS = ("lr 1e-6", "lr 1e-6, frozen embeddings")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "cluster.json"
+    command = [sys.executable, "-m", "weightbus", "bench", "cluster", "--size", "8MiB"]
+    command += ["--trainer-hosts", "1", "2", "--engine-hosts", "2", "--replicas", "1", "2"]
+    command += ["--delta-model", "tiny", "--delta-steps", "1", "--repeat", "1"]
+    command += ["--link", "100mbit", "--delta-links", "200mbit", "--json", str(out)]
+    command += ["--plot", str(out.with_suffix(".png"))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert out.with_suffix(".png").stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+def _rows(bench: dict, case: str) -> list[dict]:
+    return bench["cases"][case]["rows"]
+
+
+def test_every_case_ran_every_path(bench):
+    paths = {
+        case: {(r["path"], r["trainer_hosts"], r["engine_hosts"]) for r in _rows(bench, case)}
+        for case in bench["cases"]
+    }
+    assert paths["senders"] == {(t, n, 2) for t in ("nixl", "dist") for n in (1, 2)}
+    assert paths["replicas"] == {
+        (p, 1, r) for p in ("dist broadcast", "nixl", "routed") for r in (1, 2)
+    }
+    assert {path for path, _, _ in paths["deltas"]} == {
+        f"200 Mbit/s, {run}: {kind}" for run in RUNS for kind in ("delta", "whole")
+    }
+    assert not [
+        r["failures"] for case in bench["cases"] for r in _rows(bench, case) if r["failures"]
+    ]
+
+
+def test_each_trainer_rank_sends_what_the_planner_says(bench):
+    for row in _rows(bench, "senders"):
+        assert row["sent_bytes"] == row["predicted_sent_bytes"], row["path"]
+        assert row["engine_rank_bytes"] == [[row["model_bytes"]]] * row["engine_hosts"]
+    for row in _rows(bench, "replicas"):
+        if row["path"] != "routed":
+            assert row["sent_bytes"] == row["predicted_sent_bytes"], row["path"]
+
+
+def test_the_busiest_nic_carries_the_planners_bytes(bench):
+    rows = [r for case in ("senders", "replicas", "deltas") for r in _rows(bench, case)]
+    for row in rows:
+        if row["path"] == "routed" and row["engine_hosts"] == 1:
+            continue  # one replica on the trainer's own host: nothing crosses a link
+        busiest = max(max(moved) for moved in row["host_bytes"].values())
+        expected = row["predicted_nic_bytes"]
+        assert expected <= busiest <= _OVERHEAD * expected + _CONTROL_BYTES, (
+            row["case"],
+            row["path"],
+            row["engine_hosts"],
+            busiest,
+            expected,
+        )
+
+
+def test_a_delta_carries_a_fraction_of_a_whole_push(bench):
+    rows = {row["path"]: row for row in _rows(bench, "deltas")}
+    for run in RUNS:
+        delta, whole = rows[f"200 Mbit/s, {run}: delta"], rows[f"200 Mbit/s, {run}: whole"]
+        assert whole["sent_bytes"] == [whole["model_bytes"]]
+        assert 0 < delta["sent_bytes"][0] < whole["model_bytes"] / 4
