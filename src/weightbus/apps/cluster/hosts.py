@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightbus.apps import netns
-from weightbus.apps.launch import start_engine
+from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.apps.netns import ip
 
 NIC = "eth0"
@@ -81,6 +81,7 @@ class Cluster:
     # the engines' API token (they listen on the hosts' addresses): pass it to publishers
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     _processes: list[subprocess.Popen] = field(default_factory=list)
+    _engines: list[subprocess.Popen] = field(default_factory=list)
 
     def popen(
         self, host: Host, argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs
@@ -100,7 +101,7 @@ class Cluster:
         env = {**os.environ, **HOST_ENV, "WEIGHTBUS_API_TOKEN": self.token}
         extra = [*extra, "--host", host.address]
         proc, url = start_engine(model, tp, extra=extra, prefix=host.command([]), env=env)
-        self._processes.append(proc)
+        self._engines.append(proc)
         return proc, url
 
     def cut(self, host: Host) -> None:
@@ -121,7 +122,10 @@ class Cluster:
             time.sleep(0.05)
 
     def close(self) -> None:
-        """Kill what runs in the hosts and delete every namespace (with their links)."""
+        """Stop the engines (SIGTERM: they free their shared memory), kill what else runs in
+        the hosts, and delete every namespace (with their links)."""
+        for proc in self._engines:
+            stop_engine(proc)
         for proc in self._processes:
             if proc.poll() is None:
                 proc.kill()
