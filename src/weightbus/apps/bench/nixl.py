@@ -16,8 +16,6 @@ import contextlib
 import logging
 import os
 import secrets
-import select
-import subprocess
 import sys
 import tempfile
 import time
@@ -100,19 +98,9 @@ def start_engine_in(ns: Namespace, model_dir: Path, tp: int, token: str):
     """`weightbus serve` inside `ns`, on its veth address; its UCX on tcp over that veth."""
     ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": ns.engine_link}
     env = {**os.environ, "WEIGHTBUS_API_TOKEN": token, **ucx}
-    cmd = ["ip", "netns", "exec", ns.name, sys.executable, "-m", "weightbus"]
-    cmd += ["--log-level", "WARNING", "serve", "--port", "0", "--exit-with-parent"]
-    cmd += ["--host", ns.engine_host, "--model", str(model_dir), "--tp", str(tp), *_ENGINE_ARGS]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env)  # noqa: S603 - our command
-    deadline = time.monotonic() + 300
-    while select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-        line = proc.stdout.readline().decode()
-        if "serving on " in line:
-            return proc, line.split("serving on ", 1)[1].strip()
-        if not line:
-            break
-    stop_engine(proc)
-    raise RuntimeError(f"weightbus serve --tp {tp} did not start in namespace {ns.name}")
+    extra = [*_ENGINE_ARGS, "--host", ns.engine_host]
+    prefix = ["ip", "netns", "exec", ns.name]
+    return start_engine(str(model_dir), tp, extra=extra, prefix=prefix, env=env)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from safetensors.torch import save_file
 
+from weightbus.apps.bench.dist import write_model
 from weightbus.apps.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.apps.capacity.forecast import Scenario, forecast
 from weightbus.apps.capacity.profiles import hardware
 from weightbus.apps.capacity.shapes import ModelTensors
 from weightbus.apps.cluster.hosts import Cluster, Host
+from weightbus.apps.cluster.ranks import TrainerRanks
 from weightbus.core.digest import fingerprint
 from weightbus.core.meta import TensorMeta, metas_of
 from weightbus.core.publisher.targets import HttpEngineTarget
@@ -40,11 +41,9 @@ class Checkpoint:
 
 def write_checkpoint(directory: Path, size: int) -> Checkpoint:
     """Llama-shaped bf16 weights of about `size` bytes as a checkpoint in `directory`."""
-    directory.mkdir(parents=True)
     weights = llama_weights(size)
-    save_file(dict(weights), str(directory / "model.safetensors"))
+    write_model(weights, size, directory.parent, directory.name)
     config = hf_config(llama_shape(size))
-    (directory / "config.json").write_text(json.dumps(config))
     model = ModelTensors(f"llama {size >> 20} MiB", tuple(metas_of(weights)), config)
     return Checkpoint(directory, model, fingerprint(weights))
 
@@ -140,6 +139,31 @@ def timed_pushes(
         if index:
             row.seconds.append(seconds)
             row.host_bytes = moved
+
+
+def measure_pushes(
+    ranks: TrainerRanks, key: str, hosts: dict[str, Host], row: Row, args
+) -> list[dict]:
+    """`timed_pushes` through publisher `key` of every rank (`ranks.command("open")` made it):
+    the ranks' answers to the last push."""
+    answers: list[dict] = []
+
+    def push(version: str) -> float:
+        answers[:] = ranks.command(
+            "push", key=key, version=version, options={}, timeout_s=args.timeout + 60
+        )
+        return answers[0]["seconds"]
+
+    timed_pushes(hosts, push, row, args.repeat)
+    row.engine_rank_bytes = answers[0]["engine_rank_bytes"]
+    return answers
+
+
+def check_served(row: Row, urls: Sequence[str], token: str, expected: str) -> None:
+    """A failure on `row` unless every engine serves `expected`."""
+    prints = served(urls, token)
+    if set(prints) != {expected}:
+        row.failures.append(f"engines serve {prints}, expected {expected}")
 
 
 def cluster_hardware(link_bits_per_s: float):

@@ -11,10 +11,10 @@ into R replicas (TP 2, each on its own host: two ranks behind one NIC) three way
 from weightbus.apps.bench.cluster.common import (
     Checkpoint,
     Row,
+    check_served,
     engine_labels,
+    measure_pushes,
     predict,
-    served,
-    timed_pushes,
 )
 from weightbus.apps.capacity.sharding import EngineLayout
 from weightbus.apps.cluster.hosts import Cluster
@@ -51,9 +51,7 @@ def run(cluster: Cluster, checkpoint: Checkpoint, link_bits_per_s: float, args) 
                 )
                 _measure(cluster, ranks, urls, row, args)
                 _predict(row, checkpoint, link_bits_per_s, args)
-                prints = served(urls, cluster.token)
-                if set(prints) != {checkpoint.fingerprint}:
-                    row.failures.append(f"engines serve {prints}, not {checkpoint.fingerprint}")
+                check_served(row, urls, cluster.token, checkpoint.fingerprint)
                 rows.append(row)
     return rows
 
@@ -78,18 +76,8 @@ def _measure(cluster: Cluster, ranks: TrainerRanks, urls: list[str], row: Row, a
     address = ranks.hosts[0].address
     opened = _publisher(cluster, urls, row, address, args)
     ranks.command("open", key=key, kind="plain", engines=urls, **opened)
-    answers: list[dict] = []
-
-    def push(version: str) -> float:
-        answers[:] = ranks.command(
-            "push", key=key, version=version, options={}, timeout_s=args.timeout + 60
-        )
-        return answers[0]["seconds"]
-
     labels = {"trainer0": ranks.hosts[0], **engine_labels(cluster, urls)}
-    timed_pushes(labels, push, row, args.repeat)
-    row.sent_bytes = [answers[0]["sent_bytes"]]
-    row.engine_rank_bytes = answers[0]["engine_rank_bytes"]
+    row.sent_bytes = [measure_pushes(ranks, key, labels, row, args)[0]["sent_bytes"]]
 
 
 def _predict(row: Row, checkpoint: Checkpoint, link_bits_per_s: float, args) -> None:

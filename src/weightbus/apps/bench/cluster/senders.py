@@ -6,10 +6,10 @@ trainers' NICs bound it while T < E, the engines' from T = E on."""
 from weightbus.apps.bench.cluster.common import (
     Checkpoint,
     Row,
+    check_served,
     engine_labels,
+    measure_pushes,
     predict,
-    served,
-    timed_pushes,
 )
 from weightbus.apps.capacity.sharding import EngineLayout
 from weightbus.apps.cluster.hosts import Cluster
@@ -60,7 +60,7 @@ def run(cluster: Cluster, checkpoint: Checkpoint, link_bits_per_s: float, args) 
                         bucket_bytes=args.bucket_bytes,
                         cross_node=True,
                     )
-                    _check(row, urls[:engines], checkpoint, cluster.token)
+                    check_served(row, urls[:engines], cluster.token, checkpoint.fingerprint)
                     rows.append(row)
     return rows
 
@@ -81,21 +81,6 @@ def _measure(cluster: Cluster, ranks: TrainerRanks, urls: list[str], row: Row, a
         ),
     }
     ranks.command("open", key=key, kind="sharded", engines=urls, options=options)
-    answers: list[dict] = []
-
-    def push(version: str) -> float:
-        answers[:] = ranks.command(
-            "push", key=key, version=version, options={}, timeout_s=args.timeout + 60
-        )
-        return answers[0]["seconds"]
-
     labels = {f"trainer{i}": host for i, host in enumerate(ranks.hosts)}
-    timed_pushes(labels | engine_labels(cluster, urls), push, row, args.repeat)
+    answers = measure_pushes(ranks, key, labels | engine_labels(cluster, urls), row, args)
     row.sent_bytes = [answer["sent_bytes"] for answer in answers]
-    row.engine_rank_bytes = answers[0]["engine_rank_bytes"]
-
-
-def _check(row: Row, urls: list[str], checkpoint: Checkpoint, token: str) -> None:
-    prints = served(urls, token)
-    if set(prints) != {checkpoint.fingerprint}:
-        row.failures.append(f"engines serve {prints}, expected {checkpoint.fingerprint}")
