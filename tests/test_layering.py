@@ -1,6 +1,6 @@
 """The layering contracts (`[tool.importlinter]` in pyproject.toml) hold, and the checker that
-`make test` runs catches a deliberate bad import against each of them: the three wings
-(library, engines, apps), the library's layers and the transports."""
+`make test` runs catches a deliberate bad import against each of them: the wings (library,
+engines, integrations, apps), the library's layers and the transports."""
 
 import os
 import shutil
@@ -43,7 +43,7 @@ def package_copy(tmp_path: Path) -> Path:
 def test_the_contracts_hold(package_copy: Path):
     result = _lint_imports(package_copy)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 6 kept, 0 broken." in result.stdout
+    assert "Contracts: 7 kept, 0 broken." in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,12 @@ def test_the_contracts_hold(package_copy: Path):
         (
             "core/transport/disk.py",
             "from weightbus.engines.reference.models.loader import create_model",
-            "The library imports neither the engines nor the apps BROKEN",
+            "The library imports neither the engines, the integrations nor the apps BROKEN",
+        ),
+        (
+            "integrations/trl/pushes.py",
+            "from weightbus.apps.launch import start_engine",
+            "An integration imports the library and the engines' targets, not the apps BROKEN",
         ),
         (
             "engines/vllm/staging.py",
@@ -82,6 +87,7 @@ def test_the_contracts_hold(package_copy: Path):
     ],
     ids=[
         "library imports an engine",
+        "integration imports an app",
         "engine imports an app",
         "engine imports engine",
         "apps in a circle",
@@ -97,4 +103,4 @@ def test_a_deliberate_bad_import_fails_the_check(
     result = _lint_imports(package_copy)
     assert result.returncode != 0
     assert contract in result.stdout
-    assert "Contracts: 5 kept, 1 broken." in result.stdout
+    assert "Contracts: 6 kept, 1 broken." in result.stdout

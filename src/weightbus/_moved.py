@@ -17,7 +17,6 @@ MOVED: dict[str, str] = {
     "weightbus.publisher.targets.vllm": "weightbus.engines.vllm.target",
     "weightbus.publisher.cli": "weightbus.apps.push",
     "weightbus.integrations.vllm": "weightbus.engines.vllm",
-    "weightbus.integrations": "weightbus.engines",
     "weightbus.transport.dist": "weightbus.core.transport.distributed",
     **{
         f"weightbus.transport.{name}": f"weightbus.core.transport.parts.{name}"

@@ -178,6 +178,11 @@ class ShardedPublisher:
     def rank(self) -> int:
         return self._control.rank
 
+    @property
+    def targets(self) -> list[EngineTarget]:
+        """The engines, in push order (rank 0; the other ranks talk to none)."""
+        return self._fleet.targets if self._fleet is not None else []
+
     def push(
         self,
         weights: Any,

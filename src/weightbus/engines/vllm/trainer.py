@@ -6,6 +6,7 @@ the vLLM client."""
 from dataclasses import dataclass
 from typing import ClassVar
 
+import httpx
 import msgspec
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
@@ -16,6 +17,20 @@ from weightbus.engines.vllm.messages import VllmInitInfo
 from weightbus.engines.vllm.target import VllmClientTarget
 
 
+def _server_tp_size(client: object, timeout_s: float) -> int:
+    """The workers of the server `client` talks to (`GET /get_world_size`, without DP)."""
+    base_url = getattr(client, "base_url", None)
+    if base_url is None:
+        raise ValueError(
+            f"WeightbusTrainerInitInfo.engine_tp_size: {type(client).__name__} has no base_url "
+            "to ask the server's TP size: give engine_tp_size"
+        )
+    url = f"{base_url}/get_world_size"
+    response = httpx.get(url, params={"include_dp": "false"}, timeout=timeout_s)
+    response.raise_for_status()
+    return int(response.json()["world_size"])
+
+
 @dataclass
 class WeightbusTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info of backend `weightbus`.
@@ -23,12 +38,13 @@ class WeightbusTrainerInitInfo(TrainerInitInfo):
     Attributes:
         transport: the weightbus transport (`shm` on one host; `disk` anywhere a shared
             directory is).
-        engine_tp_size: the engine's number of workers.
+        engine_tp_size: the engine's number of workers (None: asked of the server, through the
+            client's `base_url`, as `HTTPVLLMWeightSyncClient` has).
     """
 
     backend: ClassVar[str] = BACKEND
     transport: str = "shm"
-    engine_tp_size: int = 1
+    engine_tp_size: int | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 120.0
     version_prefix: str = "v"
@@ -47,7 +63,8 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
         engine.publisher = None
         if engine.is_sender:
             client.init_weight_transfer_engine(msgspec.to_builtins(VllmInitInfo()))
-            target = VllmClientTarget(client, tp_size=init_info.engine_tp_size)
+            tp_size = init_info.engine_tp_size or _server_tp_size(client, init_info.timeout_s)
+            target = VllmClientTarget(client, tp_size=tp_size)
             engine.publisher = Publisher(
                 [target],
                 transport=init_info.transport,

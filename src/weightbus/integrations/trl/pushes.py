@@ -1,0 +1,100 @@
+"""Pushing TRL's policy: the model TRL trains, from one process with a `Publisher`, or from every
+process with a `ShardedPublisher` (each sends the bytes it holds: DDP replicas split the model,
+FSDP2 ranks send their shards; nothing is gathered)."""
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightbus.core.publisher import Publisher
+from weightbus.core.sharded import ShardedPublisher
+
+# What weightbus cannot read from a trainer's parameters, and what to use instead.
+_ZERO3 = (
+    "DeepSpeed ZeRO-3 keeps each parameter as a flat partition of the whole model that "
+    "weightbus cannot map to a Hugging Face tensor without gathering it; train with FSDP2 "
+    "(accelerate fsdp_version: 2) and a ShardedPublisher on every process, or with ZeRO-1/2"
+)
+_FSDP1 = (
+    "FSDP1 flattens parameters into FlatParameters weightbus cannot map to Hugging Face "
+    "tensors; use FSDP2 (accelerate fsdp_version: 2) with a ShardedPublisher on every process"
+)
+_PEFT = (
+    "the model is a PEFT (LoRA) model: weightbus pushes whole models here; merge the adapter "
+    "into a plain model first (peft's merge_and_unload) or train without peft_config"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PushRecord:
+    """One push of the policy: its version, the fingerprint the engines committed, how long the
+    push took (the trainer waited that long) and, when sharded, the bytes each trainer process
+    sent (None: one process sent everything)."""
+
+    step: int
+    version: str
+    fingerprint: str
+    push_s: float
+    sent_bytes: list[int] | None = None
+
+
+def _refuse_unmappable(trainer: Any, model: torch.nn.Module) -> None:
+    """Refuse trainers whose parameters are not Hugging Face tensors or DTensor shards."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
+        raise NotImplementedError(_ZERO3)
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        raise NotImplementedError(_FSDP1)
+    if hasattr(model, "peft_config"):
+        raise NotImplementedError(_PEFT)
+
+
+class PolicyPusher:
+    """Pushes `trainer.model` as `<version_prefix><step>`.
+
+    Args:
+        publisher: a `Publisher` (one TRL process), or this process's `ShardedPublisher`
+            (every process of a multi-process run builds one, collectively).
+        version_prefix: versions are this prefix and TRL's global step.
+        push_options: more `push` options (`pause_mode`, `two_phase`, `delta`, ...).
+    """
+
+    def __init__(
+        self,
+        publisher: Publisher | ShardedPublisher,
+        *,
+        version_prefix: str,
+        push_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.publisher = publisher
+        self.version_prefix = version_prefix
+        self.push_options = dict(push_options or {})
+
+    def version_of(self, step: int) -> str:
+        return f"{self.version_prefix}{step}"
+
+    def push(self, trainer: Any, step: int) -> PushRecord:
+        """Push the policy TRL holds at `step` (every process calls it when sharded).
+
+        Raises:
+            NotImplementedError: a trainer weightbus cannot push from (ZeRO-3, FSDP1, PEFT).
+            ValueError: several TRL processes with a `Publisher` (build a `ShardedPublisher`
+                on each).
+            PushError, NonFiniteWeightsError, TrainerRankError: as the publisher's `push`.
+        """
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        _refuse_unmappable(trainer, model)
+        num_processes = trainer.accelerator.num_processes
+        if isinstance(self.publisher, Publisher) and num_processes > 1:
+            raise ValueError(
+                f"TRL runs {num_processes} processes: build a ShardedPublisher on every process "
+                "(each sends the bytes it holds) instead of a Publisher"
+            )
+        version = self.version_of(step)
+        start = time.perf_counter()
+        result = self.publisher.push(model, version=version, **self.push_options)
+        push_s = time.perf_counter() - start
+        sent_bytes = getattr(result, "sent_bytes", None)  # a ShardedPushResult's
+        return PushRecord(step, version, result.fingerprint, push_s, sent_bytes)
