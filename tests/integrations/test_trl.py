@@ -23,7 +23,12 @@ from trl_harness import (
 from vllm_harness import make_vllm_model
 
 from weightbus import Publisher
-from weightbus.integrations.trl import OffPolicyRolloutsError, WeightbusRollouts
+from weightbus.core.finite import NonFiniteWeightsError
+from weightbus.integrations.trl import (
+    EngineCompletionError,
+    OffPolicyRolloutsError,
+    WeightbusRollouts,
+)
 from weightbus.integrations.trl import rollouts as rollouts_module
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,6 +118,28 @@ def _fleet_pushed_every_other_step(engine, second, qwen2, tmp_path, caplog):
         rollouts.close()
         strict.close()
     return rollouts, refused
+
+
+def test_a_diverged_policy_is_refused_and_a_dead_engine_is_named(engine, qwen2, tmp_path):
+    """NaN in the policy: the push is refused before a byte moves, TRL's step fails with the
+    tensor named, and the engine keeps its version. An engine that does not answer fails the
+    step naming its URL."""
+    path, base = qwen2
+    served = engine.client.get("/v1/weights").json()["version"]
+    model = copy.deepcopy(base).train()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    with Publisher([engine.url], transport="shm") as publisher:
+        rollouts = WeightbusRollouts(publisher, version_prefix="nan-")
+        with pytest.raises(NonFiniteWeightsError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+            run_grpo(model, path, tmp_path / "nan", rollouts)
+        assert engine.client.get("/v1/weights").json()["version"] == served
+        dead = f"http://127.0.0.1:{_free_port()}"
+        silent = WeightbusRollouts(publisher, engines=[dead], version_prefix="dead-", timeout_s=5)
+        with pytest.raises(EngineCompletionError, match=f"^{dead}/v1/completions: no answer"):
+            run_grpo(copy.deepcopy(base).train(), path, tmp_path / "dead", silent)
+        rollouts.close()
+        silent.close()
 
 
 def test_two_trl_processes_push_with_a_sharded_publisher(engine, qwen2, tmp_path):

@@ -75,12 +75,13 @@ class EngineCompletions:
     """Samples from one engine (a Publisher's target): `n` completions of a token-id prompt.
 
     Args:
-        target: the engine (`HttpEngineTarget`: the reference engine; `VllmEngineTarget`).
+        target: the engine: a URL or `HttpEngineTarget` (the reference engine), or a
+            `VllmEngineTarget`.
         timeout_s: bound of one request.
     """
 
-    def __init__(self, target: EngineTarget, timeout_s: float) -> None:
-        self.url = target.url
+    def __init__(self, target: str | EngineTarget, timeout_s: float) -> None:
+        self.url = target.rstrip("/") if isinstance(target, str) else target.url
         self.timeout_s = timeout_s
         self._vllm = target if isinstance(target, VllmEngineTarget) else None
         # vLLM samples `n` per request; the reference engine one (each with its own seed)

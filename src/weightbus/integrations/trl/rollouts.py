@@ -11,7 +11,7 @@ from itertools import groupby
 from typing import Any, Literal
 
 from weightbus.core.publisher import Publisher
-from weightbus.core.publisher.targets import EngineTarget, HttpEngineTarget
+from weightbus.core.publisher.targets import EngineTarget
 from weightbus.core.sharded import ShardedPublisher
 from weightbus.integrations.trl.completions import Completion, EngineCompletions, Sampling
 from weightbus.integrations.trl.pushes import PolicyPusher, PushRecord
@@ -215,9 +215,9 @@ class WeightbusRollouts:
 
 def _targets(
     publisher: Publisher | ShardedPublisher, engines: list[str | EngineTarget] | None
-) -> list[EngineTarget]:
+) -> list[str | EngineTarget]:
     if engines is not None:
-        targets = [HttpEngineTarget(e) if isinstance(e, str) else e for e in engines]
+        targets = list(engines)
     elif isinstance(publisher, Publisher):
         targets = publisher.targets
     else:
