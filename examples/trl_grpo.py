@@ -44,7 +44,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate")
     parser.add_argument("--tp", type=int, default=2, help="the engine's TP size")
-    parser.add_argument("--transport", default="shm", help="weightbus transport")
+    parser.add_argument(
+        "--transport", default="shm", choices=["shm", "disk"], help="weightbus transport"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the run's record here")
     return parser.parse_args()

@@ -18,8 +18,6 @@ from trl_harness import check_rollouts_came_from_their_step, run_grpo
 from vllm_harness import hf_greedy
 
 from weightbus import Publisher
-from weightbus.core.digest import fingerprint
-from weightbus.core.publisher import normalize_weights
 from weightbus.engines.vllm.target import VllmEngineTarget
 from weightbus.integrations.trl import WeightbusRollouts
 
@@ -71,7 +69,6 @@ def test_trl_server_mode_syncs_through_weightbus_with_the_patch(tied_tp1, tmp_pa
     assert version == "trl-server-3"
     model = copy.deepcopy(served.model)
     model.load_state_dict(torch.load(tmp_path / "step2.pt"))
-    assert fingerprint(normalize_weights(model)) == record["fingerprints"][2]
     assert served.server.complete([5, 17, 99])["token_ids"] == hf_greedy(model, [5, 17, 99])
     # TRL's importance-sampling check: vLLM's logprobs are the trained policy's
     differences = [e["sampling/sampling_logp_difference/max"] for e in record["log"][:-1]]

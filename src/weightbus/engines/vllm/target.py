@@ -118,6 +118,7 @@ class VllmEngineTarget(EngineTarget):
         self.skip_unchanged = skip_unchanged
         self._owns_client = client is None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = headers  # what other clients of this server send (its API key)
         # no keep-alive: uvicorn drops a kept-alive connection after a route raised (500)
         self._http = client or httpx.Client(
             headers=headers, limits=httpx.Limits(max_keepalive_connections=0)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import httpx
 
 from weightbus.core.publisher.targets import EngineTarget
+from weightbus.core.transport.base import EngineRequestError
 from weightbus.engines.vllm.target import VllmEngineTarget
 
 
@@ -61,6 +62,7 @@ class Sampling:
         }
 
     def vllm_body(self) -> dict:
+        """vLLM's request fields (all of TRL's sampling settings)."""
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -75,8 +77,9 @@ class EngineCompletions:
     """Samples from one engine (a Publisher's target): `n` completions of a token-id prompt.
 
     Args:
-        target: the engine: a URL or `HttpEngineTarget` (the reference engine), or a
-            `VllmEngineTarget`.
+        target: the engine: a URL or `HttpEngineTarget` (weightbus's reference engine), or a
+            `VllmEngineTarget` (a vLLM server must be given as one: its completions carry no
+            version, and its requests need the served model's name).
         timeout_s: bound of one request.
     """
 
@@ -84,11 +87,13 @@ class EngineCompletions:
         self.url = target.rstrip("/") if isinstance(target, str) else target.url
         self.timeout_s = timeout_s
         self._vllm = target if isinstance(target, VllmEngineTarget) else None
-        # vLLM samples `n` per request; the reference engine one (each with its own seed)
-        self.samples_per_request = None if self._vllm is not None else 1
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        # vLLM samples the n of a group in one request; the reference engine one per request
+        self.batches_groups = self._vllm is not None
+        headers = self._vllm.headers if self._vllm is not None else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
     def close(self) -> None:
+        """Close the connections to the engine."""
         self._http.close()
 
     def sample(
@@ -98,30 +103,44 @@ class EngineCompletions:
         engine, one request each; one request with `n` on vLLM).
 
         Raises:
-            EngineCompletionError: the engine did not answer in `timeout_s`, or refused (its
-                URL and message included).
+            EngineCompletionError: the engine timed out, was unreachable, refused, aborted a
+                completion or answered in another API than expected (its URL named).
         """
         if self._vllm is None:
             return [self._reference(prompt_ids, sampling, seed + k) for k in range(n)]
         return self._vllm_batch(prompt_ids, n, sampling, seed)
 
     def _post(self, body: dict) -> list[dict]:
+        where = f"{self.url}/v1/completions"
         try:
             response = self._http.post("/v1/completions", json=body)
+        except httpx.TimeoutException as exc:
+            raise EngineCompletionError(
+                f"{where}: no answer within {self.timeout_s:g} s ({type(exc).__name__})"
+            ) from None
         except httpx.HTTPError as exc:
             raise EngineCompletionError(
-                f"{self.url}/v1/completions: no answer within {self.timeout_s:g} s "
-                f"({type(exc).__name__}: {exc})"
+                f"{where}: unreachable ({type(exc).__name__}: {exc})"
             ) from None
         if response.status_code != 200:
             raise EngineCompletionError(
-                f"{self.url}/v1/completions: HTTP {response.status_code}: {response.text[:500]}"
+                f"{where}: HTTP {response.status_code}: {response.text[:500]}"
             )
-        return response.json()["choices"]
+        choices = response.json()["choices"]
+        for choice in choices:
+            if choice.get("finish_reason") == "abort":
+                reason = choice.get("abort_reason") or "no reason given"
+                raise EngineCompletionError(f"{where}: a completion was aborted ({reason})")
+        return choices
 
     def _reference(self, prompt_ids: list[int], sampling: Sampling, seed: int) -> Completion:
         body = {"prompt": prompt_ids, "seed": seed, "logprobs": 0, **sampling.reference_body()}
         (choice,) = self._post(body)
+        if "weight_versions" not in choice:
+            raise EngineCompletionError(
+                f"{self.url}: not a weightbus reference engine (its completions carry no "
+                "weight_versions); give a vLLM server as a VllmEngineTarget"
+            )
         spans = choice["weight_versions"] or [{"version": choice["weight_version"]}]
         return Completion(
             token_ids=choice["token_ids"],
@@ -130,14 +149,25 @@ class EngineCompletions:
             engine=self.url,
         )
 
+    def _served_version(self) -> str:
+        assert self._vllm is not None
+        try:
+            return self._vllm.weights(self.timeout_s).version
+        except EngineRequestError as exc:
+            raise EngineCompletionError(f"{self.url}: {exc}") from None
+
     def _vllm_batch(
         self, prompt_ids: list[int], n: int, sampling: Sampling, seed: int
     ) -> list[Completion]:
         # vLLM does not stamp completions: the version it reports before and after the batch
         assert self._vllm is not None
-        before = self._vllm.weights(self.timeout_s).version
+        before = self._served_version()
+        try:
+            model = self._vllm.served_model()
+        except EngineRequestError as exc:
+            raise EngineCompletionError(f"{self.url}: {exc}") from None
         body = {
-            "model": self._vllm.served_model(),
+            "model": model,
             "prompt": prompt_ids,
             "n": n,
             "seed": seed,
@@ -146,7 +176,7 @@ class EngineCompletions:
             **sampling.vllm_body(),
         }
         choices = self._post(body)
-        after = self._vllm.weights(self.timeout_s).version
+        after = self._served_version()
         versions = (before,) if before == after else (before, after)
         return [
             Completion(

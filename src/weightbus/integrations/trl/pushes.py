@@ -42,10 +42,14 @@ class PushRecord:
 
 def _refuse_unmappable(trainer: Any, model: torch.nn.Module) -> None:
     """Refuse trainers whose parameters are not Hugging Face tensors or DTensor shards."""
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    accelerator = trainer.accelerator
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
         raise NotImplementedError(_ZERO3)
-    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+    # unwrap_model strips a top-level FSDP1 wrapper: ask accelerate, and look inside too
+    fsdp1 = accelerator.distributed_type.name == "FSDP" and not accelerator.is_fsdp2
+    wrapped = getattr(trainer, "model_wrapped", model)
+    if fsdp1 or any(type(m).__name__ == "FullyShardedDataParallel" for m in wrapped.modules()):
         raise NotImplementedError(_FSDP1)
     if hasattr(model, "peft_config"):
         raise NotImplementedError(_PEFT)
@@ -73,6 +77,7 @@ class PolicyPusher:
         self.push_options = dict(push_options or {})
 
     def version_of(self, step: int) -> str:
+        """The version of the policy at TRL step `step`."""
         return f"{self.version_prefix}{step}"
 
     def push(self, trainer: Any, step: int) -> PushRecord:

@@ -29,11 +29,13 @@ class OffPolicyRolloutsError(RuntimeError):
 
 @dataclass(slots=True)
 class RolloutStep:
-    """What one rollout call generated: TRL's step, the policy's version at that step, the push
-    made for it (None: the engines kept an earlier version), how many completions each version
-    and each engine generated, and how many came from another version than the policy's."""
+    """What one rollout call generated: TRL's step, `train` or `eval` (TRL's evaluation calls
+    the rollout function too), the policy's version at that step, the push made for it (None:
+    the engines kept an earlier version), how many completions each version and each engine
+    generated, and how many came from another version than the policy's."""
 
     step: int
+    mode: str
     policy_version: str
     push: PushRecord | None
     versions: Counter = field(default_factory=Counter)
@@ -42,6 +44,19 @@ class RolloutStep:
 
 
 def _sampling_of(trainer: Any) -> Sampling:
+    """TRL's sampling settings, refusing those the engines' requests cannot carry."""
+    unsupported = {
+        "max_completion_length=None": trainer.max_completion_length is None,
+        "generation_kwargs": bool(getattr(trainer.args, "generation_kwargs", None)),
+        "tools": bool(getattr(trainer, "tools", None)),
+    }
+    for name, present in unsupported.items():
+        if present:
+            raise ValueError(
+                f"GRPOConfig/GRPOTrainer {name}: WeightbusRollouts samples token-id prompts "
+                "with TRL's temperature, top_p, top_k, min_p, repetition_penalty and "
+                "max_completion_length only"
+            )
     return Sampling(
         max_tokens=trainer.max_completion_length,
         temperature=trainer.temperature,
@@ -85,11 +100,15 @@ class WeightbusRollouts:
             and counted (`warn`) or fail the step (`raise`).
         push_options: more `push` options (`pause_mode`, `two_phase`, `delta`, ...).
         timeout_s: bound of one completion request.
-        seed: sampling seeds derive from it, the step and the process.
+        seed: sampling seeds derive from it, the call's index and the process.
         max_concurrency: requests in flight at once from this process.
 
     Attributes:
         steps: one `RolloutStep` per call, in order.
+
+    Raises:
+        ValueError: `push_every_steps` < 1, `max_concurrency` < 1 or an unknown `off_policy`;
+            a `ShardedPublisher` other than rank 0's without `engines`.
     """
 
     def __init__(
@@ -107,6 +126,8 @@ class WeightbusRollouts:
     ) -> None:
         if push_every_steps < 1:
             raise ValueError(f"push_every_steps must be >= 1, got {push_every_steps}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if off_policy not in ("warn", "raise"):
             raise ValueError(f"off_policy must be 'warn' or 'raise', got {off_policy!r}")
         self._pusher = PolicyPusher(
@@ -133,8 +154,15 @@ class WeightbusRollouts:
 
         Returns:
             `prompt_ids`, `completion_ids`, `logprobs` (the engine's, per completion token) and
-            `weight_version` (the version that generated each completion; TRL hands extra keys
-            to the reward functions).
+            `weight_version` (the last version each completion was generated under; TRL hands
+            extra keys to the reward functions).
+
+        Raises:
+            OffPolicyRolloutsError: `off_policy="raise"` and a completion came from another
+                version than the step's policy.
+            EngineCompletionError: an engine timed out, was unreachable or refused (named).
+            ValueError: settings the engines' requests cannot carry (the field named).
+            NotImplementedError, PushError, NonFiniteWeightsError: as `PolicyPusher.push`.
         """
         step = trainer.state.global_step
         push = self._maybe_push(trainer, step)
@@ -144,7 +172,8 @@ class WeightbusRollouts:
         call_seed = self.seed + call_index * _SEED_STRIDE
         sampling = _sampling_of(trainer)
         completions = self._sample(prompt_ids, sampling, call_seed, accelerator.process_index)
-        record = self._record(step, push, completions)
+        mode = "train" if trainer.model.training else "eval"
+        record = self._record(step, mode, push, completions)
         self.steps.append(record)
         return {
             "prompt_ids": prompt_ids,
@@ -156,7 +185,11 @@ class WeightbusRollouts:
     def sync(self, trainer: Any) -> PushRecord | None:
         """Push the policy TRL holds now unless it was pushed already: after `train()`, the last
         optimizer step's weights reach the engines only through this (every process calls it
-        when sharded). Returns the push made, or None."""
+        when sharded).
+
+        Returns:
+            The push made, or None (the engines serve this step's policy already).
+        """
         step = trainer.state.global_step
         if self._pushed is not None and self._pushed.step == step:
             return None
@@ -164,9 +197,7 @@ class WeightbusRollouts:
         return self._pushed
 
     def _maybe_push(self, trainer: Any, step: int) -> PushRecord | None:
-        due = self._pushed is None or (
-            step != self._pushed.step and step - self._pushed.step >= self.push_every_steps
-        )
+        due = self._pushed is None or step - self._pushed.step >= self.push_every_steps
         if not due:
             return None
         self._pushed = self._pusher.push(trainer, step)
@@ -182,20 +213,25 @@ class WeightbusRollouts:
         for index, (_, run) in enumerate(groupby(prompt_ids)):
             n = len(list(run))
             sampler = self._samplers[(first_engine + index) % len(self._samplers)]
-            per_request = sampler.samples_per_request or n
+            per_request = n if sampler.batches_groups else 1
             for offset in range(0, n, per_request):
                 count = min(per_request, n - offset)
                 job_seed = seed + start + offset
                 args = (prompt_ids[start], count, sampling, job_seed)
                 jobs.append(self._pool.submit(sampler.sample, *args))
             start += n
-        return [completion for job in jobs for completion in job.result()]
+        try:
+            return [completion for job in jobs for completion in job.result()]
+        except BaseException:
+            for job in jobs:  # one failed: the step fails, the rest need not run
+                job.cancel()
+            raise
 
     def _record(
-        self, step: int, push: PushRecord | None, completions: list[Completion]
+        self, step: int, mode: str, push: PushRecord | None, completions: list[Completion]
     ) -> RolloutStep:
         policy = self._pusher.version_of(step)
-        record = RolloutStep(step, policy, push)
+        record = RolloutStep(step, mode, policy, push)
         for completion in completions:
             record.versions.update(completion.versions)
             record.engines[completion.engine] += 1
