@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from weightbus.core.digest import fingerprint
 from weightbus.core.publisher import normalize_weights
+from weightbus.core.publisher.probe import LogprobProbe
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
 
@@ -120,13 +121,11 @@ def run_grpo(
     return run
 
 
-@torch.no_grad()
 def hf_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> list[float]:
-    """transformers' logprob of each completion token after the prompt and those before it."""
-    ids = torch.tensor([prompt + completion])
-    logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    positions = range(len(prompt) - 1, len(prompt) + len(completion) - 1)
-    return [logprobs[p, t].item() for p, t in zip(positions, completion, strict=True)]
+    """transformers' logprob of each completion token after the prompt and those before it
+    (the Publisher's probe of the whole sequence, from the first completion token on)."""
+    probe = LogprobProbe.of_model(model, prompt + completion, tolerance=LOGPROB_ATOL)
+    return list(probe.logprobs[len(prompt) - 1 :])
 
 
 def check_rollouts_came_from_their_step(run: GrpoRun, version_prefix: str) -> None:

@@ -6,7 +6,6 @@ the vLLM client."""
 from dataclasses import dataclass
 from typing import ClassVar
 
-import httpx
 import msgspec
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
@@ -14,21 +13,22 @@ from weightbus.core.plan import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher import Publisher
 from weightbus.engines.vllm import BACKEND
 from weightbus.engines.vllm.messages import VllmInitInfo
-from weightbus.engines.vllm.target import VllmClientTarget
+from weightbus.engines.vllm.target import VllmClientTarget, VllmEngineTarget
 
 
 def _server_tp_size(client: object, timeout_s: float) -> int:
-    """The workers of the server `client` talks to (`GET /get_world_size`, without DP)."""
+    """The workers of the server `client` talks to (`VllmEngineTarget.tp_size` on its URL)."""
     base_url = getattr(client, "base_url", None)
     if base_url is None:
         raise ValueError(
             f"WeightbusTrainerInitInfo.engine_tp_size: {type(client).__name__} has no base_url "
             "to ask the server's TP size: give engine_tp_size"
         )
-    url = f"{base_url}/get_world_size"
-    response = httpx.get(url, params={"include_dp": "false"}, timeout=timeout_s)
-    response.raise_for_status()
-    return int(response.json()["world_size"])
+    target = VllmEngineTarget(base_url)
+    try:
+        return target.tp_size(timeout_s)
+    finally:
+        target.close()
 
 
 @dataclass

@@ -2,13 +2,17 @@
 OpenAI-style `/v1/completions`, by token ids, with the engine's logprob of every sampled token
 and the weight version that generated it."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 
 from weightbus.core.publisher.targets import EngineTarget
 from weightbus.core.transport.base import EngineRequestError
 from weightbus.engines.vllm.target import VllmEngineTarget
+
+T = TypeVar("T")
 
 
 class EngineCompletionError(RuntimeError):
@@ -149,12 +153,16 @@ class EngineCompletions:
             engine=self.url,
         )
 
-    def _served_version(self) -> str:
-        assert self._vllm is not None
+    def _ask_vllm(self, question: Callable[[], T]) -> T:
+        """One control read of the vLLM target, its failure naming the engine."""
         try:
-            return self._vllm.weights(self.timeout_s).version
+            return question()
         except EngineRequestError as exc:
             raise EngineCompletionError(f"{self.url}: {exc}") from None
+
+    def _served_version(self) -> str:
+        assert self._vllm is not None
+        return self._ask_vllm(lambda: self._vllm.weights(self.timeout_s).version)
 
     def _vllm_batch(
         self, prompt_ids: list[int], n: int, sampling: Sampling, seed: int
@@ -162,10 +170,7 @@ class EngineCompletions:
         # vLLM does not stamp completions: the version it reports before and after the batch
         assert self._vllm is not None
         before = self._served_version()
-        try:
-            model = self._vllm.served_model()
-        except EngineRequestError as exc:
-            raise EngineCompletionError(f"{self.url}: {exc}") from None
+        model = self._ask_vllm(self._vllm.served_model)
         body = {
             "model": model,
             "prompt": prompt_ids,
