@@ -1,5 +1,6 @@
-"""Real vLLM servers (each takes ~40-65 s to start on 2 cores): `tied_tp1` is shared by the
-modules that use it (test_vllm_backend.py, test_vllm_draft.py), `untied_tp2` is the module's."""
+"""Real vLLM servers (each takes ~40-65 s to start on 2 cores), each shared by the modules that
+use it: `tied_tp1` (test_vllm_backend.py, test_vllm_draft.py, ...), `untied_tp2`
+(test_vllm_backend.py, test_vllm_fleet.py)."""
 
 import contextlib
 from collections.abc import Iterator
@@ -49,5 +50,9 @@ def tied_tp1(tmp_path_factory: pytest.TempPathFactory, shared_processes: SharedP
 
 
 @pytest.fixture(scope="module")
-def untied_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    yield from _serve("untied_tp2", tmp_path_factory)
+def untied_tp2(
+    tmp_path_factory: pytest.TempPathFactory, shared_processes: SharedProcesses
+) -> Served:
+    """One TP-2 server for every module, as `tied_tp1`."""
+    start = contextlib.contextmanager(lambda: _serve("untied_tp2", tmp_path_factory))
+    return shared_processes.get(("vllm", "untied_tp2"), ("untied_tp2",), start)

@@ -265,7 +265,8 @@ class PushRun:
         specs = {} if self._delta is None else self._delta.specs
         carries_draft = any(is_draft_name(meta.name) for meta in session.plan.metas)
         orders = {}
-        urls = self._fleet.urls if options.two_phase else []
+        # the peers an engine left undecided asks: the members that can answer
+        urls = [t.url for t in self._fleet.targets if t.answers_peers] if options.two_phase else []
         for index, target in enumerate(self._fleet.targets):
             orders[target.url] = engine_order(
                 session,

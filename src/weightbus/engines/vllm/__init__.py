@@ -20,6 +20,9 @@ import logging
 logger = logging.getLogger(__name__)
 
 BACKEND = "weightbus"
+# `--worker-extension-cls` of a vLLM server whose workers answer `weightbus_state` and
+# `weightbus_layout` on `/collective_rpc` (extension.py): what a target reads back.
+WORKER_EXTENSION = f"{__name__}.extension.WeightbusWorkerExtension"
 
 
 def register() -> None:

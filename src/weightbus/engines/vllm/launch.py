@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from weightbus.engines.vllm import BACKEND
+from weightbus.engines.vllm import BACKEND, WORKER_EXTENSION
 
 START_TIMEOUT_S = 300.0
 
@@ -89,6 +89,7 @@ class VllmServer:
             "--tensor-parallel-size", str(tp_size),
             "--enforce-eager",
             "--weight-transfer-config", f'{{"backend": "{BACKEND}"}}',
+            "--worker-extension-cls", WORKER_EXTENSION,
             *extra_args,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:

@@ -33,16 +33,45 @@ class VllmTransportSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     request: dict[str, Any]
 
 
+class VllmDecision(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The second phase of a two-phase push or rollback: load the staged `version` (commit; its
+    `fingerprint` when known) or discard it (abort, for `reason`)."""
+
+    version: str
+    fingerprint: str | None = None
+    reason: str = ""
+
+
+class VllmRollback(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Load the previous version again, expected to be `version` (`fingerprint`); with
+    `two_phase`, stage it for a commit within `timeout_s` instead."""
+
+    version: str
+    fingerprint: str | None
+    two_phase: bool = False
+    timeout_s: float = 60.0
+
+
 class VllmInitInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`init_info` of `/init_weight_transfer_engine` for backend `weightbus`.
+    """`init_info` of `/init_weight_transfer_engine` for backend `weightbus`: the backend's
+    options, and at most one action.
 
     Attributes:
         retie_tied_heads: rebuild a tied LM head's repacked weight after each load (the fix of
             the stale-head case; off only to show what the logprob probe catches).
+        keep_previous: each worker keeps two staging copies, so the version served before the
+            last push stays held for a rollback (twice the staging memory).
         setup: a transport set-up to run on every worker (`Publisher.setup_transport`).
-        push: a whole push to receive, verify and load (`VllmEngineTarget.update`).
+        push: a push to receive and verify, then load (or, two-phase, stage).
+        commit: load the staged version.
+        abort: discard the staged version.
+        rollback: load (or stage) the previous version again.
     """
 
     retie_tied_heads: bool = True
+    keep_previous: bool = False
     setup: VllmTransportSetup | None = None
     push: VllmUpdateInfo | None = None
+    commit: VllmDecision | None = None
+    abort: VllmDecision | None = None
+    rollback: VllmRollback | None = None

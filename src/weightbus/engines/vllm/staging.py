@@ -3,15 +3,20 @@ verified it, so a killed, corrupted or refused push never reaches vLLM's paramet
 
 Staging costs one copy of the pushed tensors per rank (full, unsharded: vLLM's loaders narrow
 them to the rank's shard), allocated by the first push and reused by every later push of the
-same layout, so later pushes copy at memcpy speed instead of faulting fresh pages in.
+same layout, so later pushes copy at memcpy speed instead of faulting fresh pages in. A set of
+buffers that holds a whole verified version says which (`HeldVersion`): the base of a delta, a
+staged two-phase version, or the previous version a rollback loads again.
 """
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from weightbus.core.checkpoint import safetensors_files, safetensors_metas
+from weightbus.core.delta.bits import scatter
+from weightbus.core.digest import tensor_digest
 from weightbus.core.meta import TensorMeta
 
 # The head of a tied model is its embedding: checkpoints may or may not carry it, pushes do not.
@@ -37,11 +42,32 @@ def checkpoint_metas(
     return metas
 
 
+@dataclass(frozen=True, slots=True)
+class HeldVersion:
+    """A verified version, every tensor of which a set of staging buffers holds whole."""
+
+    version: str
+    step: int | None
+    fingerprint: str
+    digests: dict[str, str]
+
+    def summary(self) -> dict:
+        """What the control plane reports of it (a rollback's target: version, step,
+        fingerprint)."""
+        return {"version": self.version, "step": self.step, "fingerprint": self.fingerprint}
+
+
 class StagingBuffers:
-    """One reusable buffer per tensor name; `put` is a `Receiver` loader that copies into them."""
+    """One reusable buffer per tensor name; `put` is a `Receiver` loader that copies into them,
+    `apply` and `digest` make the buffers a delta's `SliceWriter` (each tensor held whole).
+
+    Attributes:
+        held: the verified version the buffers hold (None: none, or overwritten since).
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self.held: HeldVersion | None = None
 
     def put(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         names = []
@@ -56,12 +82,25 @@ class StagingBuffers:
     def pairs(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
         return [(name, self._buffers[name]) for name in names]
 
+    def copy_from(self, other: "StagingBuffers") -> None:
+        """Hold what `other` holds (the base of a delta received into these buffers)."""
+        self.put(other.pairs(list(other._buffers)))
+        self.held = other.held
+
+    # a delta's SliceWriter: every tensor is held whole
+    def apply(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        scatter(self._buffers[name], indices, values)
+
+    def digest(self, name: str) -> str:
+        return tensor_digest(self._buffers[name])
+
     @property
     def nbytes(self) -> int:
         return sum(buffer.nbytes for buffer in self._buffers.values())
 
     def release(self) -> None:
         self._buffers.clear()
+        self.held = None
 
 
 def load_group(name: str) -> str:

@@ -41,13 +41,19 @@ from weightbus.core.publisher.targets.base import (
     EngineTarget,
     EngineWeights,
     PushOrder,
+    RollbackOrder,
 )
 from weightbus.core.publisher.targets.http import HTTP_MARGIN_S, request_json
 from weightbus.core.transport.base import EngineRequestError
 from weightbus.core.wire import PauseMode
+from weightbus.core.wire.delta import DELTA_BASE_REFUSAL, DeltaSpec
+from weightbus.core.wire.messages import SliceSpec
+from weightbus.engines.vllm import WORKER_EXTENSION
 from weightbus.engines.vllm.messages import (
     UNTOUCHED,
+    VllmDecision,
     VllmInitInfo,
+    VllmRollback,
     VllmTransportSetup,
     VllmUpdateInfo,
 )
@@ -76,16 +82,51 @@ def _refuse_contradictory_draft(order: PushOrder) -> None:
         )
 
 
-def _committed(url: str, version: str, start: float, phases: dict[str, float]) -> EngineResult:
-    """A vLLM engine's result: its ranks verified the fingerprint but cannot report it."""
+def _committed(
+    url: str,
+    version: str,
+    start: float,
+    phases: dict[str, float],
+    *,
+    fingerprint: str | None = None,
+    staged: bool = False,
+) -> EngineResult:
+    """A vLLM engine's result (`fingerprint`: what its workers report they serve or staged;
+    None from a server without weightbus's worker extension: its ranks verified it)."""
     return EngineResult(
         url=url,
         version=version,
-        fingerprint=None,
+        fingerprint=fingerprint,
         nbytes=0,
         seconds=time.perf_counter() - start,
         phases=phases,
+        staged=staged,
     )
+
+
+class WorkerStates(msgspec.Struct, frozen=True):
+    """What every worker of a vLLM engine holds (`weightbus_state`, in rank order)."""
+
+    ranks: list[dict[str, Any]]
+
+    def agreed(self, key: str) -> dict | None:
+        """The ranks' common `key` entry (`served`, `staged`, `previous`); None when any rank
+        holds none or the ranks disagree."""
+        values = [rank.get(key) for rank in self.ranks]
+        first = values[0] if values else None
+        return first if all(value == first for value in values) else None
+
+    def fingerprint(self, key: str = "served") -> str | None:
+        held = self.agreed(key)
+        return None if held is None else held["fingerprint"]
+
+    def previous_unavailable(self) -> str:
+        reasons = sorted({rank.get("previous_unavailable", "") for rank in self.ranks} - {""})
+        if reasons:
+            return "; ".join(reasons)
+        if self.agreed("previous") is None:
+            return "the workers hold different previous versions"
+        return ""
 
 
 class VllmEngineTarget(EngineTarget):
@@ -101,8 +142,9 @@ class VllmEngineTarget(EngineTarget):
         client: an HTTP client to use (the target then does not close it).
     """
 
-    reports_fingerprint = False  # vLLM has no route for it: its ranks verify it instead
+    reports_fingerprint = False  # None without the worker extension: its ranks verify it
     scores_probes = True
+    supports_two_phase = True
 
     def __init__(
         self,
@@ -124,6 +166,8 @@ class VllmEngineTarget(EngineTarget):
             headers=headers, limits=httpx.Limits(max_keepalive_connections=0)
         )
         self._model: str | None = None
+        self._pending: PushOrder | RollbackOrder | None = None  # staged, awaiting commit
+        self._extension: bool | None = None  # the workers answer `weightbus_state`
 
     # requests
     def _request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
@@ -141,11 +185,72 @@ class VllmEngineTarget(EngineTarget):
         body = {"init_info": msgspec.to_builtins(init_info)}
         self._request("POST", "/init_weight_transfer_engine", timeout_s + HTTP_MARGIN_S, json=body)
 
+    def worker_states(self, timeout_s: float) -> WorkerStates | None:
+        """Every worker's `weightbus_state` (None: the server runs without weightbus's worker
+        extension, `--worker-extension-cls` `WORKER_EXTENSION`).
+
+        Raises:
+            EngineRequestError: the server did not answer, or a worker failed.
+        """
+        if self._extension is False:
+            return None
+        try:
+            ranks = self._worker_call("weightbus_state", timeout_s)
+        except EngineRequestError as exc:
+            if "weightbus_state" not in str(exc) or self._extension:
+                raise
+            logger.warning(
+                "%s: the workers cannot report what they serve: start vLLM with "
+                "--worker-extension-cls %s (%s)",
+                self.url,
+                WORKER_EXTENSION,
+                exc,
+            )
+            self._extension = False
+            return None
+        self._extension = True
+        return WorkerStates(ranks)
+
+    def _worker_call(self, method: str, timeout_s: float) -> list:
+        body = {"method": method, "timeout": timeout_s}
+        answer = self._request("POST", "/collective_rpc", timeout_s + HTTP_MARGIN_S, json=body)
+        results = answer.get("results")
+        if not isinstance(results, list) or not all(isinstance(r, dict | list) for r in results):
+            raise EngineRequestError(f"/collective_rpc {method}: unreadable answer {answer}")
+        return results
+
+    def _served_fingerprint(self, key: str = "served") -> str | None:
+        """The fingerprint every worker reports for `key` (`served`, `staged`); None without
+        the worker extension.
+
+        Raises:
+            EngineRequestError: the workers report none or different ones (vLLM is paused).
+        """
+        states = self.worker_states(_CONTROL_TIMEOUT_S)
+        if states is None:
+            return None
+        fingerprint = states.fingerprint(key)
+        if fingerprint is None:
+            self._pause("abort", _CONTROL_TIMEOUT_S)
+            held = [rank.get(key) for rank in states.ranks]
+            raise EngineRequestError(
+                f"{self.url}: the vLLM workers do not report one {key} version: {held} (vLLM "
+                "stays paused until a good push)"
+            )
+        return fingerprint
+
     # the EngineTarget seam
     def update(self, order: PushOrder) -> EngineResult:
         start = time.perf_counter()
         _refuse_contradictory_draft(order)
+        if order.two_phase and order.carries_draft:
+            raise EngineRequestError(
+                f"{self.url}: a push that carries a draft model ({DRAFT_PREFIX!r} tensors) is "
+                "one-phase only (two_phase=False); nothing was changed"
+            )
         self._refuse_served_version(order)
+        if order.delta is not None:
+            self._refuse_foreign_base(order.delta)
         info = update_info(order, skip_unchanged=self.skip_unchanged)
         phases: dict[str, float] = {"version_check_s": time.perf_counter() - start}
         with self._draft_session(order.carries_draft, phases):
@@ -155,20 +260,126 @@ class VllmEngineTarget(EngineTarget):
             tick = time.perf_counter()
             self._load(info, order.timeout_s)
             phases["update_s"] = time.perf_counter() - tick
+        if order.two_phase:
+            # the workers staged it; vLLM serves the previous weights until the commit
+            tick = time.perf_counter()
+            self._resume()
+            phases["resume_s"] = time.perf_counter() - tick
+            self._pending = order
+            fingerprint = self._served_fingerprint("staged")
+            return _committed(
+                self.url, order.version, start, phases, fingerprint=fingerprint, staged=True
+            )
+        return self._serve(order.version, order.probe, start, phases)
+
+    def _serve(
+        self,
+        version: str,
+        probe: LogprobProbe | None,
+        start: float,
+        phases: dict[str, float],
+    ) -> EngineResult:
+        """The workers loaded `version`: name it in vLLM, resume, check the probe, and read
+        back what the workers serve."""
         # vLLM's version: a start/finish pair (the backend's are no-ops: nothing can fail)
         tick = time.perf_counter()
         self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
-        body = {"weight_version": order.version}
+        body = {"weight_version": version}
         self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json=body)
         phases["version_s"] = time.perf_counter() - tick
         tick = time.perf_counter()
         self._resume()
         phases["resume_s"] = time.perf_counter() - tick
-        if order.probe is not None:
+        if probe is not None:
             tick = time.perf_counter()
-            self._check_probe(order.probe, order.version)
+            self._check_probe(probe, version)
             phases["probe_s"] = time.perf_counter() - tick
-        return _committed(self.url, order.version, start, phases)
+        tick = time.perf_counter()
+        fingerprint = self._served_fingerprint()
+        phases["report_s"] = time.perf_counter() - tick
+        return _committed(self.url, version, start, phases, fingerprint=fingerprint)
+
+    def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
+        """Load the version every worker staged, pausing vLLM as its push asked. A refusal
+        (nothing staged, expired) leaves vLLM serving the previous weights; a load that fails
+        leaves it paused (fail closed)."""
+        start = time.perf_counter()
+        pending, self._pending = self._pending, None
+        if pending is None or pending.version != version:
+            raise EngineRequestError(f"{self.url}: nothing of version {version!r} is staged")
+        tick = time.perf_counter()
+        self._pause(pending.pause_mode, timeout_s)
+        phases = {"pause_s": time.perf_counter() - tick}
+        tick = time.perf_counter()
+        decision = VllmDecision(version=version, fingerprint=fingerprint)
+        self._decide(timeout_s, commit=decision)
+        phases["load_s"] = time.perf_counter() - tick
+        probe = pending.probe if isinstance(pending, PushOrder) else None
+        return self._serve(version, probe, start, phases)
+
+    def abort(self, version: str, reason: str, timeout_s: float) -> None:
+        """Discard the staged version on every worker (vLLM kept serving the previous one)."""
+        if self._pending is not None and self._pending.version == version:
+            self._pending = None
+        self._init(timeout_s, abort=VllmDecision(version=version, reason=reason[:1000]))
+
+    def rollback(self, order: RollbackOrder) -> EngineResult:
+        """Load the previous version again from the workers' second staging copy
+        (`VllmInitInfo.keep_previous`); two-phase: stage it for `commit`."""
+        start = time.perf_counter()
+        rollback = VllmRollback(
+            version=order.version,
+            fingerprint=order.fingerprint,
+            two_phase=order.two_phase,
+            timeout_s=order.timeout_s,
+        )
+        if order.two_phase:
+            self._init(order.timeout_s, rollback=rollback)
+            self._pending = order
+            return _committed(
+                self.url, order.version, start, {}, fingerprint=order.fingerprint, staged=True
+            )
+        tick = time.perf_counter()
+        self._pause(order.pause_mode, order.timeout_s)
+        phases = {"pause_s": time.perf_counter() - tick}
+        tick = time.perf_counter()
+        self._decide(order.timeout_s, rollback=rollback)
+        phases["load_s"] = time.perf_counter() - tick
+        return self._serve(order.version, None, start, phases)
+
+    def _decide(self, timeout_s: float, **action: Any) -> None:
+        """A commit or rollback on every worker, vLLM paused: resume when the workers refused
+        untouched, else stay paused (fail closed)."""
+        try:
+            self._init(timeout_s, **action)
+        except EngineRequestError as exc:
+            if UNTOUCHED in str(exc):
+                self._resume()
+                raise
+            raise EngineRequestError(f"{exc} (vLLM stays paused until a good push)") from None
+
+    def slice_maps(self, timeout_s: float) -> list[list[SliceSpec]] | None:
+        """Each worker's part of every tensor (`weightbus_layout`); None without the worker
+        extension (no delta can be checked then)."""
+        if self.worker_states(timeout_s) is None:
+            return None
+        ranks = self._worker_call("weightbus_layout", timeout_s)
+        try:
+            return msgspec.convert(ranks, list[list[SliceSpec]])
+        except msgspec.ValidationError as exc:
+            raise EngineRequestError(f"{self.url}: unreadable worker layout: {exc}") from None
+
+    def _refuse_foreign_base(self, delta: DeltaSpec) -> None:
+        """A delta's base must be what every worker serves and still holds a copy of (a push
+        that failed overwrote the copy of workers with one staging set)."""
+        states = self.worker_states(_CONTROL_TIMEOUT_S)
+        bases = None if states is None else {rank.get("delta_base") for rank in states.ranks}
+        if bases != {delta.base_fingerprint}:
+            raise EngineRequestError(
+                f"{DELTA_BASE_REFUSAL} {delta.base_version!r} ({delta.base_fingerprint}) is not "
+                f"what every vLLM worker at {self.url} serves and holds a copy of (they hold "
+                f"{sorted(map(str, bases or ()))}); nothing was changed"
+            )
 
     @contextmanager
     def _draft_session(self, carries_draft: bool, phases: dict[str, float]) -> Iterator[None]:
@@ -270,10 +481,24 @@ class VllmEngineTarget(EngineTarget):
         return self._model
 
     def weights(self, timeout_s: float) -> EngineWeights:
+        """vLLM's version and pause state, and what the workers report they serve and hold for
+        a rollback (without the worker extension: no fingerprint, no rollback)."""
         version = self._request("GET", "/weight_info", timeout_s)["weight_version"]
         paused = self._request("GET", "/is_paused", timeout_s).get("is_paused", False)
+        states = self.worker_states(timeout_s)
+        if states is None:
+            fingerprint, previous = None, None
+            unavailable = f"start vLLM with --worker-extension-cls {WORKER_EXTENSION}"
+        else:
+            fingerprint, previous = states.fingerprint(), states.agreed("previous")
+            unavailable = states.previous_unavailable()
         return EngineWeights(
-            url=self.url, version=version, fingerprint=None, status="PAUSED" if paused else "NORMAL"
+            url=self.url,
+            version=version,
+            fingerprint=fingerprint,
+            status="PAUSED" if paused else "NORMAL",
+            rollback=previous,
+            rollback_unavailable=unavailable,
         )
 
     def tp_size(self, timeout_s: float) -> int:

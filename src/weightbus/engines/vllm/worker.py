@@ -20,7 +20,8 @@ unless the push keeps the draft (`keep_draft`).
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -36,13 +37,23 @@ from weightbus.core.receiver import RankResult, Receiver
 from weightbus.core.transport import decode_setup_request, open_source, rank_setup
 from weightbus.engines.vllm.messages import (
     UNTOUCHED,
+    VllmDecision,
     VllmInitInfo,
+    VllmRollback,
     VllmTransportSetup,
     VllmUpdateInfo,
 )
 from weightbus.engines.vllm.reload import reload_weights, unloaded
-from weightbus.engines.vllm.staging import StagingBuffers, changed_tensors, checkpoint_metas
+from weightbus.engines.vllm.staging import (
+    HeldVersion,
+    StagingBuffers,
+    changed_tensors,
+    checkpoint_metas,
+)
 from weightbus.engines.vllm.verdicts import gather_verdicts
+from weightbus.engines.vllm.versions import WorkerVersions
+
+T = TypeVar("T")
 
 # a child of vLLM's logger: vLLM configures handlers for its own tree only
 logger = logging.getLogger("vllm.weightbus")
@@ -87,11 +98,9 @@ class WeightbusWeightTransferEngine(
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.options = VllmInitInfo()
-        self._staging = StagingBuffers()
+        self._versions = WorkerVersions()
         self._main_metas: dict[str, TensorMeta] | None = None
         self._draft_metas: dict[str, TensorMeta] | None = None  # `draft.` names
-        # digests of what the model holds, by name; None: not loaded by weightbus (start-up)
-        self._loaded_digests: dict[str, str] | None = None
 
     # typed parsing (vLLM's default is `cls(**dict)`)
     def parse_init_info(self, init_dict: dict[str, Any]) -> VllmInitInfo:
@@ -103,10 +112,17 @@ class WeightbusWeightTransferEngine(
     # lifecycle
     def init_transfer_engine(self, init_info: VllmInitInfo) -> None:
         self.options = init_info
+        self._versions.resize(keep_previous=init_info.keep_previous)
         if init_info.setup is not None:
             self._setup_transport(init_info.setup)
         if init_info.push is not None:
             self.receive_weights(init_info.push)
+        if init_info.commit is not None:
+            self._commit(init_info.commit)
+        if init_info.abort is not None:
+            self._abort(init_info.abort)
+        if init_info.rollback is not None:
+            self._rollback(init_info.rollback)
 
     def _setup_transport(self, setup: VllmTransportSetup) -> None:
         """Run a transport's rank set-up (`dist`: join the weights group). vLLM's loaders take
@@ -134,10 +150,11 @@ class WeightbusWeightTransferEngine(
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: VllmUpdateInfo) -> None:
+        """Receive and verify a push on every rank; then load it, or (two-phase) stage it."""
         tp = get_tp_group()
         version = update_info.version
         start = time.perf_counter()
-        result = self._receive(update_info, tp.rank_in_group, tp.world_size)
+        buffers, result = self._receive(update_info, tp.rank_in_group, tp.world_size)
         verdicts = gather_verdicts(result.ok, "; ".join(result.errors), tp.cpu_group)
         received_s = time.perf_counter() - start
         refusals = _failures(verdicts)
@@ -146,16 +163,22 @@ class WeightbusWeightTransferEngine(
                 WeightbusRefusedError(f"{UNTOUCHED}: version {version!r}: {refusals}")
             )
             return
-        tick = time.perf_counter()
-        try:
-            skip = update_info.skip_unchanged and not update_info.force
-            loaded, error = self._load(result, skip_unchanged=skip), ""
-        except WeightbusLoadError as exc:
-            loaded, error = 0, str(exc)
-        failures = _failures(gather_verdicts(not error, error, tp.cpu_group))
-        if failures:
-            _raise_on_last_rank(WeightbusLoadError(f"version {version!r}: {failures}"))
+        assert result.fingerprint is not None
+        held = HeldVersion(version, update_info.step, result.fingerprint, result.digests)
+        if update_info.two_phase:
+            self._versions.stage(buffers, held, update_info.timeout_s)
+            logger.info(
+                "weightbus: version %s: received %d bytes in %.3f s; staged for its commit",
+                version,
+                result.nbytes,
+                received_s,
+            )
             return
+        tick = time.perf_counter()
+        skip = (update_info.skip_unchanged or update_info.delta is not None) and not (
+            update_info.force
+        )
+        loaded = self._load_verified(buffers, held, only_changed=skip)
         logger.info(
             "weightbus: version %s: received %d bytes in %.3f s (wait %.3f s, verify %.3f s, "
             "staging %.3f s); vLLM loaded %d of %d tensors in %.3f s",
@@ -170,25 +193,113 @@ class WeightbusWeightTransferEngine(
             time.perf_counter() - tick,
         )
 
+    def _commit(self, decision: VllmDecision) -> None:
+        """Load the staged version on every rank, once every rank has it staged."""
+        found = _agreed(
+            lambda: self._versions.take_staged(decision.version, decision.fingerprint),
+            f"{UNTOUCHED}: commit",
+        )
+        if found is not None:
+            self._load_verified(*found, only_changed=False)
+            logger.info("weightbus: version %s committed", decision.version)
+
+    def _abort(self, decision: VllmDecision) -> None:
+        if _agreed(lambda: self._versions.discard(decision.version), "abort") is not None:
+            logger.info("weightbus: version %s discarded: %s", decision.version, decision.reason)
+
+    def _rollback(self, order: VllmRollback) -> None:
+        """Load (or, two-phase, stage) the previous version again, from its staging copy."""
+
+        def find() -> tuple[StagingBuffers, HeldVersion]:
+            self._refuse_with_draft("a rollback")
+            return self._versions.find_previous(order.version, order.fingerprint)
+
+        found = _agreed(find, f"{UNTOUCHED}: rollback")
+        if found is None:
+            return
+        if order.two_phase:
+            self._versions.stage(*found, order.timeout_s)
+            return
+        self._load_verified(*found, only_changed=True)
+        logger.info("weightbus: rolled back to version %s", order.version)
+
+    def _load_verified(
+        self, buffers: StagingBuffers, held: HeldVersion, *, only_changed: bool
+    ) -> int:
+        """Load what every rank verified; a failure on any rank fails them all, and vLLM must
+        then not serve. Returns how many tensors were loaded."""
+        try:
+            loaded, error = self._load(buffers, held, only_changed=only_changed), ""
+        except WeightbusLoadError as exc:
+            loaded, error = 0, str(exc)
+        failures = _failures(gather_verdicts(not error, error, get_tp_group().cpu_group))
+        if failures:
+            self._versions.untrusted()
+            _raise_on_last_rank(WeightbusLoadError(f"version {held.version!r}: {failures}"))
+        return loaded
+
     def finish_weight_update(self) -> None:
         """Nothing left: the push was loaded whole once every rank verified it."""
 
     def shutdown(self) -> None:
-        self._staging.release()
+        for buffers in self._versions.sets:
+            buffers.release()
+
+    def state(self) -> dict:
+        """What this rank holds (`WorkerVersions.report`), for `weightbus_state`."""
+        tp = get_tp_group()
+        return {"rank": tp.rank_in_group, **self._versions.report()}
+
+    def layout(self) -> list[list]:
+        """The part of each main-model tensor this rank receives, `[name, dim, start, length]`
+        (every tensor whole: vLLM's loaders narrow them), for `weightbus_layout`."""
+        if self._main_metas is None:
+            self._main_metas = _metas(self._default_model_config)
+        return [
+            [name, 0, 0, meta.shape[0] if meta.shape else 1]
+            for name, meta in self._main_metas.items()
+        ]
 
     # steps
-    def _receive(self, info: VllmUpdateInfo, rank: int, tp_size: int) -> RankResult:
+    def _receive(
+        self, info: VllmUpdateInfo, rank: int, tp_size: int
+    ) -> tuple[StagingBuffers, RankResult]:
+        """Receive `info` into staging buffers (for a delta: holding its base). A push this
+        rank refuses upfront is still read to its end, so no sender waits on this rank."""
         try:
             expected = self._expected_metas(info)
             source = open_source(info.transport, info.source, rank=rank, tp_size=tp_size)
         except (ValueError, OSError) as exc:
-            return RankResult(ok=False, errors=[str(exc)])
+            return StagingBuffers(), RankResult(ok=False, errors=[str(exc)])
+        refusal = ""
+        try:
+            if info.two_phase or info.delta is not None:
+                self._refuse_with_draft("a two-phase push" if info.two_phase else "a delta")
+            base = None if info.delta is None else info.delta.base_fingerprint
+            buffers = self._versions.receiving(base)
+        except ValueError as exc:
+            buffers, refusal = StagingBuffers(), str(exc)  # read into nothing that is kept
         receiver = Receiver(
-            load_weights=self._staging.put, expected=expected, rank=rank, tp_size=tp_size
+            load_weights=buffers.put,
+            expected=expected,
+            rank=rank,
+            tp_size=tp_size,
+            slices=buffers if info.delta is not None and not refusal else None,
         )
         result = receiver.receive(source, info)
+        if refusal:
+            result.ok = False
+            result.errors.insert(0, refusal)
         _explain_draft_names(result)
-        return result
+        return buffers, result
+
+    def _refuse_with_draft(self, what: str) -> None:
+        """Raises: ValueError: this server serves a draft model (`what` is not supported)."""
+        if _served_draft_config(self.vllm_config) is not None:
+            raise ValueError(
+                f"{what} into a vLLM server that serves a draft model is not supported: push "
+                "both models whole, one-phase"
+            )
 
     @property
     def _drafting(self) -> bool:
@@ -225,37 +336,36 @@ class WeightbusWeightTransferEngine(
             }
         return {**self._main_metas, **self._draft_metas}
 
-    def _load(self, result: RankResult, *, skip_unchanged: bool) -> int:
-        previous = self._loaded_digests if skip_unchanged else None
-        names = changed_tensors(result.digests, previous)
-        if not names:
-            return 0
-        # a push that keeps the draft leaves what is known of it as it was
-        kept = {
-            name: digest
-            for name, digest in (self._loaded_digests or {}).items()
-            if is_draft_name(name) and name not in result.digests
-        }
-        # from here on the models are touched: a failure must keep them from serving
-        self._loaded_digests = None
-        main = [name for name in names if not is_draft_name(name)]
-        draft = [name for name in names if is_draft_name(name)]
-        # the draft session retargeted `self.model`: the main model is the default one
-        self._reload(self._default_model, self._default_model_config, main, main)
-        if draft:
-            assert self._drafting, "draft tensors are expected in a draft session only"
-            local = [name.removeprefix(DRAFT_PREFIX) for name in draft]
-            self._reload(self.model, self.model_config, draft, local)
-        self._loaded_digests = {**kept, **result.digests}
+    def _load(self, buffers: StagingBuffers, held: HeldVersion, *, only_changed: bool) -> int:
+        served = self._versions.served
+        previous = served.digests if only_changed and served is not None else None
+        names = changed_tensors(held.digests, previous)
+        if names:
+            # from here on the models are touched: a failure must keep them from serving
+            self._versions.untrusted()
+            main = [name for name in names if not is_draft_name(name)]
+            draft = [name for name in names if is_draft_name(name)]
+            # the draft session retargeted `self.model`: the main model is the default one
+            self._reload(self._default_model, self._default_model_config, buffers, main, main)
+            if draft:
+                assert self._drafting, "draft tensors are expected in a draft session only"
+                local = [name.removeprefix(DRAFT_PREFIX) for name in draft]
+                self._reload(self.model, self.model_config, buffers, draft, local)
+        self._versions.loaded(buffers, held)
         return len(names)
 
     def _reload(
-        self, model: torch.nn.Module, model_config: Any, staged: list[str], names: list[str]
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        buffers: StagingBuffers,
+        staged: list[str],
+        names: list[str],
     ) -> None:
         """Load the staged tensors `staged` into `model` under its own names `names`."""
         if not staged:
             return
-        tensors = [tensor for _, tensor in self._staging.pairs(staged)]
+        tensors = [tensor for _, tensor in buffers.pairs(staged)]
         pairs = list(zip(names, tensors, strict=True))
         try:
             loaded = reload_weights(
@@ -295,6 +405,20 @@ def _explain_draft_names(result: RankResult) -> None:
         result.errors.insert(0, DRAFT_OUTSIDE_SESSION)
     elif any(error.startswith("missing tensors") for error in result.errors):
         result.errors.insert(0, DRAFT_SESSION_WITHOUT_DRAFT)
+
+
+def _agreed(action: Callable[[], T], what: str) -> T | None:
+    """Run `action` on every rank; its result once every rank succeeded, else None (the last
+    rank raises `WeightbusRefusedError` prefixed with `what`, naming each rank's reason)."""
+    try:
+        value, error = action(), ""
+    except ValueError as exc:
+        value, error = None, str(exc)
+    failures = _failures(gather_verdicts(not error, error, get_tp_group().cpu_group))
+    if failures:
+        _raise_on_last_rank(WeightbusRefusedError(f"{what}: {failures}"))
+        return None
+    return value
 
 
 def _failures(verdicts: list[tuple[bool, str]]) -> str:

@@ -104,6 +104,9 @@ class EngineTarget(ABC):
             serves on, untouched until the swap; a stream that fails midway then changes
             nothing there (the Publisher may check NaN/inf in the stream's copies instead of
             before it). False (vLLM): the engine pauses to receive.
+        answers_peers: the engine answers its two-phase peers' question on a version left
+            undecided (`POST /v1/weights/outcome`): the Publisher lists it in the other
+            engines' `peers` (docs/fleet.md).
     """
 
     url: str
@@ -111,6 +114,7 @@ class EngineTarget(ABC):
     scores_probes: bool = False
     supports_two_phase: bool = False
     stages_while_serving: bool = False
+    answers_peers: bool = False
 
     @abstractmethod
     def update(self, order: PushOrder) -> EngineResult:

@@ -72,6 +72,7 @@ class HttpEngineTarget(EngineTarget):
 
     supports_two_phase = True
     stages_while_serving = True
+    answers_peers = True
 
     def __init__(
         self, url: str, *, token: str | None = None, client: httpx.Client | None = None

@@ -1,0 +1,215 @@
+"""What one vLLM worker holds of weightbus versions: the one vLLM serves, one staged for a
+two-phase commit, the previous one a rollback can load again, and in which staging buffers.
+
+With one set of buffers (the default) every push overwrites the copy of the served version:
+a delta applies to it in place, and no previous version is kept. With two sets
+(`VllmInitInfo.keep_previous`) a push lands in the set that does not hold the served version,
+so the served version's copy stays: a delta starts from a copy of it, and after the swap it is
+the previous version a rollback loads. Only buffers whose every tensor is verified are held
+(`StagingBuffers.held`); buffers a push started to overwrite hold nothing until it verified.
+"""
+
+import time
+from dataclasses import dataclass
+
+from weightbus.core.wire.delta import DELTA_BASE_REFUSAL
+from weightbus.engines.vllm.staging import HeldVersion, StagingBuffers
+
+NO_PREVIOUS_ONE_SET = (
+    "this vLLM server keeps one staging copy, the served version's (start weightbus's backend "
+    "with keep_previous to hold the previous version too)"
+)
+NO_PREVIOUS_YET = "no earlier weightbus version was served by this vLLM server since it started"
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A verified version waiting for its commit in buffers `index` until `deadline`
+    (`time.monotonic()`)."""
+
+    index: int
+    held: HeldVersion
+    deadline: float
+
+
+class WorkerVersions:
+    """The versions one worker holds, and the staging buffers that hold them.
+
+    Args:
+        keep_previous: two sets of buffers (twice the staging memory) so the previous version
+            stays held for a rollback.
+    """
+
+    def __init__(self, *, keep_previous: bool = False) -> None:
+        self.sets = [StagingBuffers() for _ in range(2 if keep_previous else 1)]
+        self.served: HeldVersion | None = None  # what vLLM's parameters hold, by weightbus
+        self.served_index: int | None = None  # the buffers that hold the served version
+        self.staged: Staged | None = None
+
+    @property
+    def keeps_previous(self) -> bool:
+        return len(self.sets) == 2
+
+    def resize(self, *, keep_previous: bool) -> None:
+        """Keep one or two sets of buffers (the served version's copy stays)."""
+        if keep_previous == self.keeps_previous:
+            return
+        if keep_previous:
+            self.sets.append(StagingBuffers())
+            return
+        keep = self.served_index or 0
+        for index, buffers in enumerate(self.sets):
+            if index != keep:
+                buffers.release()
+        self.sets = [self.sets[keep]]
+        self.served_index = 0 if self.served_index is not None else None
+        self.staged = None
+
+    # receiving
+    def receiving(self, base_fingerprint: str | None) -> StagingBuffers:
+        """The buffers a push receives into, holding nothing from now on; for a delta
+        (`base_fingerprint`), holding the base the delta applies to.
+
+        Raises:
+            ValueError: a delta whose base is not served or not held (the publisher then pushes
+                the whole version).
+        """
+        self.staged = None  # a new push replaces a staged one that was never decided
+        index = self._free_index()
+        buffers = self.sets[index]
+        if base_fingerprint is not None:
+            self._hold_base(buffers, base_fingerprint)
+        buffers.held = None
+        return buffers
+
+    def _free_index(self) -> int:
+        if not self.keeps_previous or self.served_index is None:
+            return 0
+        return 1 - self.served_index
+
+    def _hold_base(self, buffers: StagingBuffers, base_fingerprint: str) -> None:
+        served = self.served
+        if served is None or served.fingerprint != base_fingerprint:
+            serves = "no weightbus version" if served is None else repr(served.version)
+            raise ValueError(
+                f"{DELTA_BASE_REFUSAL} {base_fingerprint} is not served by this worker "
+                f"(it serves {serves})"
+            )
+        assert self.served_index is not None
+        source = self.sets[self.served_index]
+        if source.held is None or source.held.fingerprint != base_fingerprint:
+            raise ValueError(
+                f"{DELTA_BASE_REFUSAL} {base_fingerprint} is served but its staging copy was "
+                "overwritten by a push that did not land"
+            )
+        if source is not buffers:
+            buffers.copy_from(source)
+
+    def stage(self, buffers: StagingBuffers, held: HeldVersion, timeout_s: float) -> None:
+        """`buffers` verified `held`: wait for the commit for at most `timeout_s`."""
+        buffers.held = held
+        self.staged = Staged(self.sets.index(buffers), held, time.monotonic() + timeout_s)
+
+    # deciding
+    def take_staged(
+        self, version: str, fingerprint: str | None
+    ) -> tuple[StagingBuffers, HeldVersion]:
+        """The staged version to load on a commit (no longer staged).
+
+        Raises:
+            ValueError: nothing of that version (and fingerprint) is staged, or it expired.
+        """
+        staged, self.staged = self.staged, None
+        if staged is None:
+            raise ValueError(f"nothing is staged to commit as version {version!r}")
+        held = staged.held
+        if held.version != version or fingerprint not in (None, held.fingerprint):
+            raise ValueError(
+                f"the staged version is {held.version!r} ({held.fingerprint}), not {version!r} "
+                f"({fingerprint})"
+            )
+        if time.monotonic() > staged.deadline:
+            self.sets[staged.index].held = None
+            raise ValueError(
+                f"version {version!r} was staged but no commit came within its timeout: discarded"
+            )
+        return self.sets[staged.index], held
+
+    def discard(self, version: str) -> HeldVersion:
+        """Drop the staged `version` (an abort); returns what was staged.
+
+        Raises:
+            ValueError: nothing of that version is staged.
+        """
+        staged = self.staged
+        if staged is None or staged.held.version != version:
+            raise ValueError(f"nothing is staged as version {version!r}")
+        self.staged = None
+        self.sets[staged.index].held = None
+        return staged.held
+
+    def loaded(self, buffers: StagingBuffers, held: HeldVersion) -> None:
+        """vLLM's parameters now hold `held`, from `buffers`."""
+        buffers.held = held
+        self.served, self.served_index = held, self.sets.index(buffers)
+
+    def untrusted(self) -> None:
+        """A load failed midway: nothing is known of what vLLM's parameters hold."""
+        self.served = self.served_index = None
+
+    def delta_base(self) -> str | None:
+        """The fingerprint a delta may apply to: the served version's, while a copy of it is
+        held (None: none)."""
+        if self.served is None or self.served_index is None:
+            return None
+        held = self.sets[self.served_index].held
+        return held.fingerprint if held == self.served else None
+
+    # rolling back
+    def previous(self) -> tuple[StagingBuffers | None, str]:
+        """The buffers that hold the previous version (None: none, and why)."""
+        if self.served is None:
+            return None, NO_PREVIOUS_YET
+        if not self.keeps_previous:
+            return None, NO_PREVIOUS_ONE_SET
+        index = self._free_index()
+        buffers = self.sets[index]
+        if buffers.held is None or index == self.served_index:
+            return None, NO_PREVIOUS_YET
+        if self.staged is not None and self.staged.index == index:
+            return None, f"version {self.staged.held.version!r} is staged in its place"
+        return buffers, ""
+
+    def find_previous(
+        self, version: str, fingerprint: str | None
+    ) -> tuple[StagingBuffers, HeldVersion]:
+        """The previous version, checked to be `version` (and `fingerprint`).
+
+        Raises:
+            ValueError: no previous version is held, or another one.
+        """
+        buffers, why = self.previous()
+        if buffers is None:
+            raise ValueError(f"no previous version is held: {why}")
+        held = buffers.held
+        assert held is not None
+        if held.version != version or fingerprint not in (None, held.fingerprint):
+            raise ValueError(
+                f"the previous version held is {held.version!r} ({held.fingerprint}), not "
+                f"{version!r} ({fingerprint})"
+            )
+        return buffers, held
+
+    def report(self) -> dict:
+        """What the control plane reads of this worker (`weightbus_state`)."""
+        buffers, why = self.previous()
+        staged = self.staged
+        live = staged is not None and time.monotonic() <= staged.deadline
+        return {
+            "served": None if self.served is None else self.served.summary(),
+            "delta_base": self.delta_base(),
+            "staged": staged.held.summary() if live and staged is not None else None,
+            "previous": None if buffers is None or buffers.held is None else buffers.held.summary(),
+            "previous_unavailable": why,
+            "staging_bytes": sum(buffers.nbytes for buffers in self.sets),
+        }

