@@ -190,9 +190,8 @@ def test_a_fault_before_the_commit_point_commits_nowhere(untied_tp2, reference, 
         assert UNTOUCHED in failures[untied_tp2.url]
         assert reference.url in failed.value.aborted  # it had staged: told to discard
     else:
-        assert f"HTTP 409: step {next_step} is not above the current step {step}" in (
-            failures[reference.url]
-        )
+        refusal = f"HTTP 409: step {next_step} is not above the current step {step}"
+        assert refusal in failures[reference.url]
         assert untied_tp2.url in failed.value.aborted
     # neither serves the new version: both serve the previous one, token for token
     assert _both(untied_tp2, reference) == before
@@ -210,7 +209,8 @@ def test_rollback_returns_vllm_and_the_reference_engine_together(untied_tp2, ref
         assert _vllm_tokens(untied_tp2) == hf_greedy(newer) != before[0]
         result = publisher.rollback()
     assert result.two_phase
-    assert result.version == _vllm_weights(untied_tp2).version == weights_state(reference)["version"]
+    assert result.version == _vllm_weights(untied_tp2).version
+    assert result.version == weights_state(reference)["version"]
     assert _both(untied_tp2, reference) == before
     held = _vllm_weights(untied_tp2).rollback
     assert held is not None
