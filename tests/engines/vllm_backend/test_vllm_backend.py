@@ -5,6 +5,7 @@ greedy tokens with transformers' on the same weights (float32: exact agreement).
 """
 
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -206,14 +207,30 @@ def test_dist_pushes_reach_every_worker_over_a_weights_group(untied_tp2, dist_mo
     options = {"mode": dist_mode}
     with Publisher([target], transport="dist", timeout_s=60, transport_options=options) as pub:
         pub.init_weights_group("127.0.0.1")  # every worker joins: group ranks 1 and 2
-        pub.push(model, version=f"over-dist-{dist_mode}", probe=probe)
-        if dist_mode == "scatter":  # vLLM's workers report no slices: each gets all, whole
-            total_bytes = sum(t.nbytes for t in model.state_dict().values())
-            assert sorted(pub.sink.rank_sent_bytes) == [1, 2]
-            assert all(sent >= total_bytes for sent in pub.sink.rank_sent_bytes.values())
+        result = pub.push(model, version=f"over-dist-{dist_mode}", probe=probe)
+    total_bytes = sum(t.nbytes for t in model.state_dict().values())
+    received = result.engines[0].rank_nbytes  # each worker's own count of what arrived
+    if dist_mode == "scatter":  # each worker gets only the part of each tensor it loads
+        assert received == _planned_rank_bytes(untied_tp2, model, tp=2)
+        assert sum(received) < 2 * total_bytes
+    else:
+        assert received == [total_bytes, total_bytes]
     assert _served_version(untied_tp2) == f"over-dist-{dist_mode}"
     assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
     untied_tp2.model = model
+
+
+def _planned_rank_bytes(served, model, tp: int) -> list[int]:
+    """The bytes each engine rank loads, as `weightbus plan` counts them."""
+    from weightbus.apps.capacity.sharding import EngineLayout, rank_shares
+    from weightbus.core.meta import TensorMeta
+
+    config = json.loads((served.server.model_dir / "config.json").read_text())
+    per_rank = [0] * tp
+    for name, tensor in model.state_dict().items():
+        shares = rank_shares(TensorMeta.of(name, tensor), config, EngineLayout(tp=tp))
+        per_rank = [total + share for total, share in zip(per_rank, shares, strict=True)]
+    return per_rank
 
 
 @pytest.mark.parametrize("pause_mode", ["drain", "in_place", "abort"])

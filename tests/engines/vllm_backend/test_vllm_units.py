@@ -15,7 +15,13 @@ from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.receiver import RankResult
 from weightbus.engines.vllm.messages import UNTOUCHED, VllmUpdateInfo
 from weightbus.engines.vllm.reload import tied_modules, unloaded
-from weightbus.engines.vllm.staging import StagingBuffers, changed_tensors, load_group
+from weightbus.engines.vllm.staging import (
+    HeldVersion,
+    StagingBuffers,
+    changed_tensors,
+    load_group,
+)
+from weightbus.engines.vllm.versions import NO_PREVIOUS_ONE_SET, NO_PREVIOUS_YET, WorkerVersions
 from weightbus.engines.vllm.verdicts import REASON_BYTES, _decode, _encode
 from weightbus.engines.vllm.worker import (
     DRAFT_OUTSIDE_SESSION,
@@ -152,3 +158,69 @@ def test_draft_names_the_session_does_not_expect_are_explained():
 def test_only_a_draft_model_counts_as_a_served_draft(speculative, served):
     config = SimpleNamespace(speculative_config=speculative)
     assert (_served_draft_config(config) is not None) is served
+
+
+def _held(version: str, tensor: torch.Tensor) -> HeldVersion:
+    from weightbus.core.digest import tensor_digest
+
+    return HeldVersion(version, None, f"fp-{version}", {"w": tensor_digest(tensor)})
+
+
+def _land(versions: WorkerVersions, version: str, tensor: torch.Tensor) -> None:
+    buffers = versions.receiving(None)
+    buffers.put([("w", tensor)])
+    versions.loaded(buffers, _held(version, tensor))
+
+
+def test_one_staging_copy_holds_no_previous_version_and_a_failed_push_loses_the_delta_base():
+    versions = WorkerVersions()
+    assert versions.previous() == (None, NO_PREVIOUS_YET)
+    _land(versions, "v1", torch.ones(4))
+    assert versions.previous() == (None, NO_PREVIOUS_ONE_SET)
+    assert versions.delta_base() == "fp-v1"
+    # a delta applies to the served copy in place
+    assert versions.receiving("fp-v1") is versions.sets[0]
+    # that push did not land: the copy is overwritten, the served version unchanged
+    assert versions.served.version == "v1"
+    assert versions.delta_base() is None
+    with pytest.raises(ValueError, match="delta base fp-v1 is served but its staging copy"):
+        versions.receiving("fp-v1")
+    with pytest.raises(ValueError, match=r"delta base fp-v0 is not served .* serves 'v1'"):
+        versions.receiving("fp-v0")
+
+
+def test_two_staging_copies_keep_the_previous_version_and_copy_a_deltas_base():
+    versions = WorkerVersions(keep_previous=True)
+    _land(versions, "v1", torch.ones(4))
+    _land(versions, "v2", torch.full((4,), 2.0))
+    buffers, why = versions.previous()
+    assert (why, buffers.held.version) == ("", "v1")
+    assert versions.find_previous("v1", "fp-v1")[1].version == "v1"
+    with pytest.raises(ValueError, match=r"previous version held is 'v1' \(fp-v1\), not 'v0'"):
+        versions.find_previous("v0", None)
+    # a delta on v2 lands in the other copy, starting from v2's bytes; v1 is given up
+    receiving = versions.receiving("fp-v2")
+    assert torch.equal(receiving.pairs(["w"])[0][1], torch.full((4,), 2.0))
+    assert versions.previous() == (None, NO_PREVIOUS_YET)
+
+
+def test_a_staged_version_commits_once_by_name_and_expires_or_is_discarded():
+    versions = WorkerVersions()
+    buffers = versions.receiving(None)
+    buffers.put([("w", torch.ones(2))])
+    versions.stage(buffers, _held("v1", torch.ones(2)), timeout_s=60)
+    assert versions.report()["staged"]["version"] == "v1"
+    with pytest.raises(ValueError, match=r"staged version is 'v1' \(fp-v1\), not 'v9'"):
+        versions.take_staged("v9", None)
+    with pytest.raises(ValueError, match="nothing is staged to commit as version 'v1'"):
+        versions.take_staged("v1", None)  # a refused commit drops it: the publisher aborts
+    versions.stage(buffers, _held("v1", torch.ones(2)), timeout_s=60)
+    assert versions.take_staged("v1", "fp-v1")[1].version == "v1"
+    versions.stage(buffers, _held("v2", torch.ones(2)), timeout_s=0)
+    assert versions.report()["staged"] is None  # past its deadline
+    with pytest.raises(ValueError, match="no commit came within its timeout: discarded"):
+        versions.take_staged("v2", None)
+    versions.stage(buffers, _held("v3", torch.ones(2)), timeout_s=60)
+    assert versions.discard("v3").version == "v3"
+    with pytest.raises(ValueError, match="nothing is staged as version 'v3'"):
+        versions.discard("v3")

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 
 from weightbus.core.checkpoint import safetensors_files, safetensors_metas
-from weightbus.core.delta.bits import scatter
+from weightbus.core.delta import apply_to_slice, slice_of
 from weightbus.core.digest import tensor_digest
 from weightbus.core.meta import TensorMeta
+from weightbus.core.plan.shard import ShardCopy
+from weightbus.core.wire.messages import SliceSpec
 
 # The head of a tied model is its embedding: checkpoints may or may not carry it, pushes do not.
 TIED_HEAD = "lm_head.weight"
@@ -58,15 +60,19 @@ class HeldVersion:
 
 
 class StagingBuffers:
-    """One reusable buffer per tensor name; `put` is a `Receiver` loader that copies into them,
-    `apply` and `digest` make the buffers a delta's `SliceWriter` (each tensor held whole).
+    """One reusable buffer per tensor name, full-shaped; of a tensor this worker loads a part of
+    (`slices`) only that part is copied and held, where vLLM's loader narrows to it (the rest
+    of the buffer is never written). `put` is a `Receiver` loader that copies into them,
+    `apply` and `digest` make the buffers a delta's `SliceWriter`.
 
     Attributes:
+        slices: the part of each tensor this worker loads (absent: all of it).
         held: the verified version the buffers hold (None: none, or overwritten since).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, slices: dict[str, SliceSpec] | None = None) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self.slices = slices or {}
         self.held: HeldVersion | None = None
 
     def put(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -75,7 +81,11 @@ class StagingBuffers:
             buffer = self._buffers.get(name)
             if buffer is None or buffer.dtype != tensor.dtype or buffer.shape != tensor.shape:
                 buffer = self._buffers[name] = torch.empty_like(tensor, device="cpu")
-            buffer.copy_(tensor)
+            spec = self.slices.get(name)
+            if spec is None:
+                buffer.copy_(tensor)
+            else:
+                slice_of(buffer, spec).copy_(slice_of(tensor, spec))
             names.append(name)
         return names
 
@@ -87,12 +97,19 @@ class StagingBuffers:
         self.put(other.pairs(list(other._buffers)))
         self.held = other.held
 
-    # a delta's SliceWriter: every tensor is held whole
+    # a delta's SliceWriter
     def apply(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
-        scatter(self._buffers[name], indices, values)
+        buffer, spec = self._buffers[name], self.slices.get(name)
+        if spec is None:
+            copy = ShardCopy.whole(tuple(buffer.shape))
+        else:
+            copy = ShardCopy(spec.dim, spec.start, spec.dim, 0, spec.length)
+        destination = buffer if spec is None else slice_of(buffer, spec)
+        apply_to_slice(destination, tuple(buffer.shape), copy, indices, values)
 
     def digest(self, name: str) -> str:
-        return tensor_digest(self._buffers[name])
+        buffer, spec = self._buffers[name], self.slices.get(name)
+        return tensor_digest(buffer if spec is None else slice_of(buffer, spec))
 
     @property
     def nbytes(self) -> int:

@@ -88,19 +88,22 @@ def _committed(
     start: float,
     phases: dict[str, float],
     *,
-    fingerprint: str | None = None,
+    reported: tuple[str | None, list[int]] = (None, []),
     staged: bool = False,
 ) -> EngineResult:
-    """A vLLM engine's result (`fingerprint`: what its workers report they serve or staged;
-    None from a server without weightbus's worker extension: its ranks verified it)."""
+    """A vLLM engine's result; `reported`: the fingerprint its workers report they serve (or
+    staged) and the bytes each received (None, []: a server without weightbus's worker
+    extension, whose ranks verified the fingerprint)."""
+    fingerprint, rank_nbytes = reported
     return EngineResult(
         url=url,
         version=version,
         fingerprint=fingerprint,
-        nbytes=0,
+        nbytes=sum(rank_nbytes),
         seconds=time.perf_counter() - start,
         phases=phases,
         staged=staged,
+        rank_nbytes=rank_nbytes,
     )
 
 
@@ -219,16 +222,16 @@ class VllmEngineTarget(EngineTarget):
             raise EngineRequestError(f"/collective_rpc {method}: unreadable answer {answer}")
         return results
 
-    def _served_fingerprint(self, key: str = "served") -> str | None:
-        """The fingerprint every worker reports for `key` (`served`, `staged`); None without
-        the worker extension.
+    def _reported(self, key: str = "served") -> tuple[str | None, list[int]]:
+        """The fingerprint every worker reports for `key` (`served`, `staged`) and the bytes
+        each received in the last push; None, [] without the worker extension.
 
         Raises:
             EngineRequestError: the workers report none or different ones (vLLM is paused).
         """
         states = self.worker_states(_CONTROL_TIMEOUT_S)
         if states is None:
-            return None
+            return None, []
         fingerprint = states.fingerprint(key)
         if fingerprint is None:
             self._pause("abort", _CONTROL_TIMEOUT_S)
@@ -237,7 +240,7 @@ class VllmEngineTarget(EngineTarget):
                 f"{self.url}: the vLLM workers do not report one {key} version: {held} (vLLM "
                 "stays paused until a good push)"
             )
-        return fingerprint
+        return fingerprint, [int(rank.get("received_bytes", 0)) for rank in states.ranks]
 
     # the EngineTarget seam
     def update(self, order: PushOrder) -> EngineResult:
@@ -266,9 +269,9 @@ class VllmEngineTarget(EngineTarget):
             self._resume()
             phases["resume_s"] = time.perf_counter() - tick
             self._pending = order
-            fingerprint = self._served_fingerprint("staged")
+            reported = self._reported("staged")
             return _committed(
-                self.url, order.version, start, phases, fingerprint=fingerprint, staged=True
+                self.url, order.version, start, phases, reported=reported, staged=True
             )
         return self._serve(order.version, order.probe, start, phases)
 
@@ -295,9 +298,9 @@ class VllmEngineTarget(EngineTarget):
             self._check_probe(probe, version)
             phases["probe_s"] = time.perf_counter() - tick
         tick = time.perf_counter()
-        fingerprint = self._served_fingerprint()
+        reported = self._reported()
         phases["report_s"] = time.perf_counter() - tick
-        return _committed(self.url, version, start, phases, fingerprint=fingerprint)
+        return _committed(self.url, version, start, phases, reported=reported)
 
     def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
         """Load the version every worker staged, pausing vLLM as its push asked. A refusal
@@ -336,9 +339,8 @@ class VllmEngineTarget(EngineTarget):
         if order.two_phase:
             self._init(order.timeout_s, rollback=rollback)
             self._pending = order
-            return _committed(
-                self.url, order.version, start, {}, fingerprint=order.fingerprint, staged=True
-            )
+            reported = (order.fingerprint, [])
+            return _committed(self.url, order.version, start, {}, reported=reported, staged=True)
         tick = time.perf_counter()
         self._pause(order.pause_mode, order.timeout_s)
         phases = {"pause_s": time.perf_counter() - tick}

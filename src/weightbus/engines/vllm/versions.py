@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from weightbus.core.wire.delta import DELTA_BASE_REFUSAL
+from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.vllm.staging import HeldVersion, StagingBuffers
 
 NO_PREVIOUS_ONE_SET = (
@@ -41,6 +42,7 @@ class WorkerVersions:
     """
 
     def __init__(self, *, keep_previous: bool = False) -> None:
+        self.slices: dict[str, SliceSpec] = {}
         self.sets = [StagingBuffers() for _ in range(2 if keep_previous else 1)]
         self.served: HeldVersion | None = None  # what vLLM's parameters hold, by weightbus
         self.served_index: int | None = None  # the buffers that hold the served version
@@ -55,7 +57,7 @@ class WorkerVersions:
         if keep_previous == self.keeps_previous:
             return
         if keep_previous:
-            self.sets.append(StagingBuffers())
+            self.sets.append(StagingBuffers(self.slices))
             return
         keep = self.served_index or 0
         for index, buffers in enumerate(self.sets):
@@ -64,6 +66,12 @@ class WorkerVersions:
         self.sets = [self.sets[keep]]
         self.served_index = 0 if self.served_index is not None else None
         self.staged = None
+
+    def use_slices(self, slices: dict[str, SliceSpec]) -> None:
+        """Hold only this worker's part of the tensors in `slices` from now on."""
+        self.slices = slices
+        for buffers in self.sets:
+            buffers.slices = slices
 
     # receiving
     def receiving(self, base_fingerprint: str | None) -> StagingBuffers:

@@ -44,6 +44,7 @@ from weightbus.engines.vllm.messages import (
     VllmUpdateInfo,
 )
 from weightbus.engines.vllm.reload import reload_weights, unloaded
+from weightbus.engines.vllm.slices import SliceMap, worker_slice_map
 from weightbus.engines.vllm.staging import (
     HeldVersion,
     StagingBuffers,
@@ -99,6 +100,8 @@ class WeightbusWeightTransferEngine(
         super().__init__(config, vllm_config, device, model)
         self.options = VllmInitInfo()
         self._versions = WorkerVersions()
+        self._slice_map: SliceMap | None = None
+        self._received_bytes = 0  # what the last push's transport brought this rank
         self._main_metas: dict[str, TensorMeta] | None = None
         self._draft_metas: dict[str, TensorMeta] | None = None  # `draft.` names
 
@@ -125,13 +128,14 @@ class WeightbusWeightTransferEngine(
             self._rollback(init_info.rollback)
 
     def _setup_transport(self, setup: VllmTransportSetup) -> None:
-        """Run a transport's rank set-up (`dist`: join the weights group). vLLM's loaders take
-        whole tensors, so this rank reports no slices: a scatter sends it every tensor whole."""
+        """Run a transport's rank set-up (`dist`: join the weights group, reporting the part of
+        each tensor this rank loads, so a scatter sends it only that)."""
         tp = get_tp_group()
         try:
             request = decode_setup_request(setup.transport, setup.request)
+            slices = self._slices().specs()
             rank_setup(setup.transport)(
-                request, tp_rank=tp.rank_in_group, tp_size=tp.world_size, slices=[]
+                request, tp_rank=tp.rank_in_group, tp_size=tp.world_size, slices=slices
             )
             error = ""
         except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
@@ -155,6 +159,7 @@ class WeightbusWeightTransferEngine(
         version = update_info.version
         start = time.perf_counter()
         buffers, result = self._receive(update_info, tp.rank_in_group, tp.world_size)
+        self._received_bytes = result.nbytes
         verdicts = gather_verdicts(result.ok, "; ".join(result.errors), tp.cpu_group)
         received_s = time.perf_counter() - start
         refusals = _failures(verdicts)
@@ -217,6 +222,7 @@ class WeightbusWeightTransferEngine(
         found = _agreed(find, f"{UNTOUCHED}: rollback")
         if found is None:
             return
+        self._received_bytes = 0  # a rollback moves no bytes: the copy is held
         if order.two_phase:
             self._versions.stage(*found, order.timeout_s)
             return
@@ -248,17 +254,35 @@ class WeightbusWeightTransferEngine(
     def state(self) -> dict:
         """What this rank holds (`WorkerVersions.report`), for `weightbus_state`."""
         tp = get_tp_group()
-        return {"rank": tp.rank_in_group, **self._versions.report()}
+        slice_map = self._slices()
+        return {
+            "rank": tp.rank_in_group,
+            **self._versions.report(),
+            "received_bytes": self._received_bytes,
+            "whole_fallback": slice_map.whole,
+        }
 
     def layout(self) -> list[list]:
         """The part of each main-model tensor this rank receives, `[name, dim, start, length]`
-        (every tensor whole: vLLM's loaders narrow them), for `weightbus_layout`."""
+        (its slice, or the whole tensor), for `weightbus_layout`."""
+        slices = self._slices().slices
+        return [
+            list(slices.get(name) or (name, 0, 0, meta.shape[0] if meta.shape else 1))
+            for name, meta in self._metas_of_main().items()
+        ]
+
+    def _metas_of_main(self) -> dict[str, TensorMeta]:
         if self._main_metas is None:
             self._main_metas = _metas(self._default_model_config)
-        return [
-            [name, 0, 0, meta.shape[0] if meta.shape else 1]
-            for name, meta in self._main_metas.items()
-        ]
+        return self._main_metas
+
+    def _slices(self) -> SliceMap:
+        """The part of each main-model tensor this rank loads (read once from vLLM's layers),
+        which its staging buffers hold from then on."""
+        if self._slice_map is None:
+            self._slice_map = worker_slice_map(self._default_model, self._metas_of_main())
+            self._versions.use_slices(self._slice_map.slices)
+        return self._slice_map
 
     # steps
     def _receive(
@@ -313,15 +337,14 @@ class WeightbusWeightTransferEngine(
         Raises:
             ValueError: the push's draft settings do not fit the draft served (the reason).
         """
-        if self._main_metas is None:
-            self._main_metas = _metas(self._default_model_config)
+        self._slices()  # the staging buffers hold this rank's parts from the first push on
         draft_served = _served_draft_config(self.vllm_config) is not None
         if self._drafting and info.keep_draft:
             raise ValueError("keep_draft is set inside a draft session")
         if not self._drafting:
             if draft_served and not info.keep_draft:
                 raise ValueError(DRAFT_MISSING)
-            return self._main_metas
+            return self._metas_of_main()
         if not draft_served:
             method = self.vllm_config.speculative_config.method
             raise ValueError(
@@ -334,7 +357,7 @@ class WeightbusWeightTransferEngine(
                 DRAFT_PREFIX + name: TensorMeta(DRAFT_PREFIX + name, meta.dtype, meta.shape)
                 for name, meta in metas.items()
             }
-        return {**self._main_metas, **self._draft_metas}
+        return {**self._metas_of_main(), **self._draft_metas}
 
     def _load(self, buffers: StagingBuffers, held: HeldVersion, *, only_changed: bool) -> int:
         served = self._versions.served
