@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightbus.core.meta import DRAFT_PREFIX, TensorMeta, is_draft_name
 from weightbus.core.receiver import RankResult, Receiver
 from weightbus.core.transport import decode_setup_request, open_source, rank_setup
+from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.vllm.messages import (
     UNTOUCHED,
     VllmDecision,
@@ -266,10 +267,11 @@ class WeightbusWeightTransferEngine(
         """The part of each main-model tensor this rank receives, `[name, dim, start, length]`
         (its slice, or the whole tensor), for `weightbus_layout`."""
         slices = self._slices().slices
-        return [
-            list(slices.get(name) or (name, 0, 0, meta.shape[0] if meta.shape else 1))
+        whole = {
+            name: SliceSpec(name, 0, 0, meta.shape[0] if meta.shape else 1)
             for name, meta in self._metas_of_main().items()
-        ]
+        }
+        return msgspec.to_builtins([slices.get(name, spec) for name, spec in whole.items()])
 
     def _metas_of_main(self) -> dict[str, TensorMeta]:
         if self._main_metas is None:
