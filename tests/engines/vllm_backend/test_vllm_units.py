@@ -21,8 +21,8 @@ from weightbus.engines.vllm.staging import (
     changed_tensors,
     load_group,
 )
-from weightbus.engines.vllm.versions import NO_PREVIOUS_ONE_SET, NO_PREVIOUS_YET, WorkerVersions
 from weightbus.engines.vllm.verdicts import REASON_BYTES, _decode, _encode
+from weightbus.engines.vllm.versions import NO_PREVIOUS_ONE_SET, NO_PREVIOUS_YET, WorkerVersions
 from weightbus.engines.vllm.worker import (
     DRAFT_OUTSIDE_SESSION,
     DRAFT_SESSION_WITHOUT_DRAFT,

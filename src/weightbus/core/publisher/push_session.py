@@ -366,14 +366,16 @@ class PushRun:
 def stream_refuses_nonfinite(fleet: Fleet, options: PushOrder, *, delta: bool) -> bool:
     """Whether a push's NaN/inf check runs in the sink's copies instead of a pre-pass over every
     byte (`refuse_nonfinite`): the sink checks as it copies (`refuses_nonfinite_in_stream`:
-    `shm`), the push refuses non-finite values, and a failed stream serves nothing of them and
-    disturbs no engine: it is atomic into engines that stage while they serve (bytes land in
-    staging memory they discard on an abort; in place they would land in the live weights, and
-    vLLM pauses to receive) and a whole version (a delta streams XOR-encoded bits, which no
-    check of its bytes can judge)."""
+    `shm`), the push refuses non-finite values, and a failed stream serves nothing of them: it
+    is atomic into engines that stage before they load (bytes land in staging memory they
+    discard on a refusal; in place they would land in the live weights) and a whole version (a
+    delta streams XOR-encoded bits, which no check of its bytes can judge). A vLLM server
+    pauses while it receives, so such a push pauses it for the stream's length; a pass over
+    every byte before the stream would cost every push instead (measured 1.0 s of a 1.4 s
+    300 MiB push beside vLLM's busy workers)."""
     return (
         bool(getattr(fleet.sink, "refuses_nonfinite_in_stream", False))
-        and all(target.stages_while_serving for target in fleet.targets)
+        and all(target.stages_before_loading for target in fleet.targets)
         and options.atomic
         and not options.allow_nonfinite
         and not delta

@@ -148,6 +148,7 @@ class VllmEngineTarget(EngineTarget):
     reports_fingerprint = False  # None without the worker extension: its ranks verify it
     scores_probes = True
     supports_two_phase = True
+    stages_before_loading = True  # it pauses to receive, and resumes untouched on a refusal
 
     def __init__(
         self,
@@ -541,6 +542,7 @@ class VllmClientTarget(EngineTarget):
     """
 
     reports_fingerprint = False
+    stages_before_loading = True
 
     def __init__(self, client: WeightSyncClient, *, tp_size: int, name: str = "vllm") -> None:
         self.url = name

@@ -100,10 +100,11 @@ class EngineTarget(ABC):
         scores_probes: `update` checks an order's `probe` (`LogprobProbe`).
         supports_two_phase: `update` honours `order.two_phase`, and `commit`, `abort` and
             `rollback` work.
-        stages_while_serving: an atomic update receives into staging memory while the engine
-            serves on, untouched until the swap; a stream that fails midway then changes
-            nothing there (the Publisher may check NaN/inf in the stream's copies instead of
-            before it). False (vLLM): the engine pauses to receive.
+        stages_before_loading: an atomic update receives into staging memory and loads only
+            once every rank verified it, so a stream that fails midway changes nothing the
+            engine serves (the Publisher may then check NaN/inf in the stream's copies instead
+            of in a pass before it). The reference engine serves on meanwhile; vLLM pauses
+            while it receives, and resumes on its previous weights after a refusal.
         answers_peers: the engine answers its two-phase peers' question on a version left
             undecided (`POST /v1/weights/outcome`): the Publisher lists it in the other
             engines' `peers` (docs/fleet.md).
@@ -113,7 +114,7 @@ class EngineTarget(ABC):
     reports_fingerprint: bool = True
     scores_probes: bool = False
     supports_two_phase: bool = False
-    stages_while_serving: bool = False
+    stages_before_loading: bool = False
     answers_peers: bool = False
 
     @abstractmethod

@@ -71,7 +71,7 @@ class HttpEngineTarget(EngineTarget):
     """
 
     supports_two_phase = True
-    stages_while_serving = True
+    stages_before_loading = True
     answers_peers = True
 
     def __init__(
