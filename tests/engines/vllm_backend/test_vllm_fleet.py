@@ -277,3 +277,32 @@ def _checksums(served) -> dict[str, str]:
     response = httpx.post(f"{served.url}/weight_checker", json={"action": "checksum"}, timeout=60)
     response.raise_for_status()
     return response.json()["checksums"]
+
+
+def test_vllm_stamps_each_tokens_weightbus_version_on_its_generate_route(untied_tp2):
+    """vLLM's token-in/token-out route returns the weight version of every span of sampled
+    tokens: a completion running across an in-place push names both versions."""
+    model = trained(untied_tp2.model, seed=90)
+    before = _vllm_weights(untied_tp2).version
+    max_tokens = 256 - len(PROMPT)  # the server's whole context: the push lands midway
+    body = {
+        "token_ids": PROMPT,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        "stream": True,
+    }
+    target = VllmEngineTarget(untied_tp2.url)
+    with (
+        Publisher([target], transport="shm", timeout_s=TIMEOUT_S) as publisher,
+        httpx.Client(base_url=untied_tp2.url, timeout=TIMEOUT_S) as http,
+        http.stream("POST", "/inference/v1/generate", json=body) as stream,
+    ):
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # tokens flow
+        publisher.push(model, version="mid-completion", pause_mode="in_place")
+        chunks = [first, *(line for line in lines if line.startswith("data: {"))]
+    spans = msgspec.json.decode(chunks[-1].removeprefix("data: "))["choices"][0]["weight_versions"]
+    assert [span["version"] for span in spans] == [before, "mid-completion"]
+    assert spans[0]["start"] == 0
+    assert spans[0]["end"] == spans[1]["start"] > 0
+    assert spans[1]["end"] == max_tokens
+    untied_tp2.model = model

@@ -90,6 +90,8 @@ class VllmServer:
             "--enforce-eager",
             "--weight-transfer-config", f'{{"backend": "{BACKEND}"}}',
             "--worker-extension-cls", WORKER_EXTENSION,
+            # `/inference/v1/generate`: each completion's weight-version spans
+            "--enable-scale-out",
             *extra_args,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:
