@@ -26,6 +26,12 @@ from safetensors.torch import save_file
 
 from weightbus.apps.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.apps.bench.timing import Measurement, measure_interleaved, write_json
+from weightbus.apps.bench.vllm_parity import (
+    ParityFigures,
+    measure_deltas,
+    parity_operations,
+    report_parity,
+)
 from weightbus.apps.tables import print_table
 from weightbus.core.units import format_bytes
 
@@ -63,6 +69,8 @@ class _Bench:
         write_word_tokenizer(model_dir, hf_config(llama_shape(size_bytes, 2))["vocab_size"])
         self.model_dir = model_dir
         self.served = (0, 0)  # (set of attention/embeddings, set of MLP/norms)
+        self.history: list[tuple[int, int]] = []  # what weightbus served before (rollbacks)
+        self.shm_rank_bytes: list[int] = []
         self.count = 0
         self.splits: dict[str, list[dict]] = {"full": [], "partial": []}
         self.baseline: dict[str, list[float]] = {"save_s": [], "reload_s": []}
@@ -81,10 +89,9 @@ def _is_mlp(name: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from weightbus.core.publisher import Publisher
     from weightbus.engines.vllm.launch import VllmServer
-    from weightbus.engines.vllm.target import VllmEngineTarget
 
+    figures = ParityFigures()
     with tempfile.TemporaryDirectory(prefix="weightbus-bench-vllm-", dir="/dev/shm") as tmp:
         bench = _Bench(Path(tmp), args.size_mib * MIB)
         floor = measure_interleaved([_floor(bench)], max(5, args.repeat))
@@ -93,21 +100,40 @@ def run(args: argparse.Namespace) -> int:
         )
         try:
             bench.server.wait_ready()
-            full = Publisher(
-                [VllmEngineTarget(bench.server.url)], transport="shm", timeout_s=_TIMEOUT_S
-            )
-            # the frozen-attention push follows a weightbus push in every round: the
-            # workers' record of what they loaded is current (the reload row changes it)
-            skipping = VllmEngineTarget(bench.server.url, skip_unchanged=True)
-            partial = Publisher([skipping], transport="shm", timeout_s=_TIMEOUT_S)
-            with full, partial:
-                results = floor + measure_interleaved(
-                    _operations(bench, full, partial), args.repeat
-                )
+            results = floor + _measure(bench, args.repeat, figures)
         finally:
             bench.server.stop()
     _report(bench, results, args)
+    report_parity(figures, bench.shm_rank_bytes)
     return 0
+
+
+def _measure(bench: "_Bench", repeat: int, figures: ParityFigures) -> list[Measurement]:
+    from weightbus.core.publisher import Publisher
+    from weightbus.engines.vllm.messages import VllmInitInfo
+    from weightbus.engines.vllm.target import VllmEngineTarget
+
+    # every target keeps the previous version (the rollback row): the workers hold two copies
+    init_info = VllmInitInfo(keep_previous=True)
+
+    def publisher(transport: str = "shm", skip_unchanged: bool = False, **options) -> Publisher:
+        target = VllmEngineTarget(
+            bench.server.url, init_info=init_info, skip_unchanged=skip_unchanged
+        )
+        return Publisher([target], transport=transport, timeout_s=_TIMEOUT_S, **options)
+
+    # the frozen-attention push follows a weightbus push in every round: the workers' record
+    # of what they loaded is current (the reload row changes it)
+    full, partial, two_phase = publisher(), publisher(skip_unchanged=True), publisher()
+    dist = publisher("dist", transport_options={"mode": "scatter"})
+    delta, whole = publisher(delta="always"), publisher(delta="never")
+    with full, partial, two_phase, dist, delta, whole:
+        dist.init_weights_group("127.0.0.1")
+        operations = _operations(bench, full, partial)
+        operations[2:2] = parity_operations(bench, two_phase, dist, figures)
+        results = measure_interleaved(operations, repeat)
+        measure_deltas(bench, delta, whole, repeat, figures)
+    return results
 
 
 def _floor(bench: _Bench) -> tuple[str, int, Callable[[], object]]:
@@ -127,8 +153,10 @@ def _operations(bench: _Bench, full, partial) -> list[tuple[str, int, Callable[[
             served = (1 - attention, 1 - mlp) if kind == "full" else (attention, 1 - mlp)
             version = bench.version()
             publisher = full if kind == "full" else partial
-            publisher.push(bench.state(served), version=version)
+            result = publisher.push(bench.state(served), version=version)
+            bench.history.append(bench.served)
             bench.served = served
+            bench.shm_rank_bytes = result.engines[0].rank_nbytes
             bench.splits[kind].append(_worker_split(bench, version))
 
         return run_push
