@@ -50,11 +50,14 @@ def drafted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def drafted_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """The same at TP 2 (the draft sharded like the model)."""
-    yield from _drafted_server(tmp_path_factory, tp_size=2)
+    """The same at TP 2 (the draft sharded like the model), started without weightbus's worker
+    extension: pushes work, the workers cannot be asked what they serve."""
+    yield from _drafted_server(tmp_path_factory, tp_size=2, worker_extension=False)
 
 
-def _drafted_server(tmp_path_factory: pytest.TempPathFactory, tp_size: int) -> Iterator[Served]:
+def _drafted_server(
+    tmp_path_factory: pytest.TempPathFactory, tp_size: int, worker_extension: bool = True
+) -> Iterator[Served]:
     path = tmp_path_factory.mktemp(f"drafted_tp{tp_size}")
     model = make_vllm_model("llama_untied", path / "model", torch.float32)
     make_vllm_model("llama_untied", path / "draft", torch.float32, seed=1)
@@ -69,6 +72,7 @@ def _drafted_server(tmp_path_factory: pytest.TempPathFactory, tp_size: int) -> I
         dtype="float32",
         log_path=path / "vllm.log",
         extra_args=("--speculative-config", json.dumps(speculative)),
+        worker_extension=worker_extension,
     )
     try:
         server.wait_ready()
@@ -133,6 +137,9 @@ def test_one_push_updates_the_main_model_and_its_draft_as_one_version(served_nam
     assert result.fingerprint == fingerprint  # of every tensor, the `draft.` ones included
     assert result.version == _served_version(drafted) == "both-v1"
     assert not _paused(drafted)
+    # what the workers report (drafted_tp2 runs without weightbus's worker extension: none)
+    reported = result.engines[0].rank_nbytes
+    assert (reported != []) == (served_name == "drafted"), reported
     tokens, num_drafted, num_accepted = _generate(drafted)
     assert tokens == hf_greedy(model, max_tokens=MAX_TOKENS)  # lossless: the main model's
     # draft == main now: every drafted token is the main model's own greedy choice (float32;

@@ -66,11 +66,8 @@ def _fleet(served, engine, tmp_path: Path, vllm_target=None, **options) -> Publi
 
 
 def _vllm_weights(served):
-    target = VllmEngineTarget(served.url)
-    try:
+    with VllmEngineTarget(served.url) as target:
         return target.weights(10)
-    finally:
-        target.close()
 
 
 class CorruptingVllmTarget(VllmEngineTarget):
@@ -155,18 +152,19 @@ def test_a_trainer_killed_before_its_commits_leaves_both_on_the_previous_version
     _trainer_dies_at_commit(untied_tp2, reference, model, step, tmp_path)
     # both staged it; vLLM resumed on the previous weights at once, the reference engine
     # serves them while it waits for a decision
-    states = VllmEngineTarget(untied_tp2.url).worker_states(10)
-    assert {rank["staged"]["version"] for rank in states.ranks} == {"never-committed"}
-    assert _both(untied_tp2, reference) == before
-    # no decision within the push's timeout: each discards on its own
-    wait_until(
-        lambda: weights_state(reference)["staged_version"] is None,
-        "the reference engine discarded the undecided version",
-    )
-    wait_until(
-        lambda: VllmEngineTarget(untied_tp2.url).worker_states(10).agreed("staged") is None,
-        "vLLM's workers let the undecided version expire",
-    )
+    with VllmEngineTarget(untied_tp2.url) as target:
+        states = target.worker_states(10)
+        assert {rank["staged"]["version"] for rank in states.ranks} == {"never-committed"}
+        assert _both(untied_tp2, reference) == before
+        # no decision within the push's timeout: each discards on its own
+        wait_until(
+            lambda: weights_state(reference)["staged_version"] is None,
+            "the reference engine discarded the undecided version",
+        )
+        wait_until(
+            lambda: target.worker_states(10).agreed("staged") is None,
+            "vLLM's workers let the undecided version expire",
+        )
     assert _both(untied_tp2, reference) == before
 
 
@@ -217,10 +215,24 @@ def test_rollback_returns_vllm_and_the_reference_engine_together(untied_tp2, ref
     assert held["version"] == "rollback-newer"  # the version rolled back from is held in turn
 
 
+def test_a_lone_vllm_server_rolls_back_in_one_phase(untied_tp2, tmp_path):
+    before = _vllm_tokens(untied_tp2)
+    model = trained(untied_tp2.model, seed=65)
+    target = VllmEngineTarget(untied_tp2.url, init_info=KEEP_PREVIOUS)
+    with Publisher([target], transport="shm", timeout_s=TIMEOUT_S) as publisher:
+        publisher.push(model, version="lone-newer")
+        assert _vllm_tokens(untied_tp2) == hf_greedy(model)
+        result = publisher.rollback()
+    assert not result.two_phase
+    assert result.engines[0].fingerprint == result.fingerprint  # what the workers report
+    assert _vllm_tokens(untied_tp2) == before
+
+
 def test_deltas_land_in_vllm_bit_exactly_and_a_stale_base_gets_the_whole_version(
     untied_tp2, tmp_path
 ):
-    target = VllmEngineTarget(untied_tp2.url)  # one staging copy: a failed push overwrites it
+    # one staging copy: a failed push overwrites it
+    target = VllmEngineTarget(untied_tp2.url, init_info=VllmInitInfo(keep_previous=False))
     model = trained(untied_tp2.model, seed=70)
     with Publisher([target], transport="shm", timeout_s=TIMEOUT_S, delta="always") as publisher:
         publisher.push(model, version="delta-base")

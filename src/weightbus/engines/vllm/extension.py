@@ -7,7 +7,11 @@ backend's state, so this is how a publisher (or anyone) asks each worker what it
   what it received, verified and loaded), the one staged for a two-phase commit, the previous
   one held for a rollback (or why none), and its staging memory.
 - `weightbus_layout`: per worker, the part of each checkpoint tensor it receives
-  (`[name, dim, start, length]`; today every tensor whole).
+  (`[name, dim, start, length]`: its slice, or the whole tensor).
+
+Neither raises: a failure is answered as `{"error": ...}` by every worker. vLLM's executor
+reads the workers' answers in rank order and stops at the first that raised, leaving the
+others queued for the next call, which would then read this one's answers.
 """
 
 from typing import Any
@@ -32,12 +36,19 @@ def _backend(worker: Any) -> Any:
     return engine
 
 
+def _answer(worker: Any, method: str) -> Any:
+    try:
+        return getattr(_backend(worker), method)()
+    except Exception as exc:  # noqa: BLE001 - every failure must be an answer, never a raise
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 class WeightbusWorkerExtension:
     """Mixed into vLLM's worker class by vLLM (`worker_extension_cls`): each public method is
     a `collective_rpc` method, answered by every worker."""
 
     def weightbus_state(self) -> dict:
-        return _backend(self).state()
+        return _answer(self, "state")
 
-    def weightbus_layout(self) -> list[list]:
-        return _backend(self).layout()
+    def weightbus_layout(self) -> list[list] | dict:
+        return _answer(self, "layout")

@@ -57,6 +57,8 @@ class VllmServer:
         dtype: `bfloat16`, `float32`, ...
         log_path: where the server's output goes.
         extra_args: more `vllm serve` flags.
+        worker_extension: start the workers with weightbus's worker extension (they report
+            what they serve: `weightbus.engines.vllm.extension`).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class VllmServer:
         dtype: str,
         log_path: Path,
         extra_args: tuple[str, ...] = (),
+        worker_extension: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = free_port()
@@ -89,9 +92,9 @@ class VllmServer:
             "--tensor-parallel-size", str(tp_size),
             "--enforce-eager",
             "--weight-transfer-config", f'{{"backend": "{BACKEND}"}}',
-            "--worker-extension-cls", WORKER_EXTENSION,
             # `/inference/v1/generate`: each completion's weight-version spans
             "--enable-scale-out",
+            *(("--worker-extension-cls", WORKER_EXTENSION) if worker_extension else ()),
             *extra_args,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:

@@ -60,7 +60,8 @@ class VllmInitInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         retie_tied_heads: rebuild a tied LM head's repacked weight after each load (the fix of
             the stale-head case; off only to show what the logprob probe catches).
         keep_previous: each worker keeps two staging copies, so the version served before the
-            last push stays held for a rollback (twice the staging memory).
+            last push stays held for a rollback (twice the staging memory); False: one copy;
+            None (the default): as the last init that said.
         setup: a transport set-up to run on every worker (`Publisher.setup_transport`).
         push: a push to receive and verify, then load (or, two-phase, stage).
         commit: load the staged version.
@@ -69,7 +70,7 @@ class VllmInitInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     retie_tied_heads: bool = True
-    keep_previous: bool = False
+    keep_previous: bool | None = None
     setup: VllmTransportSetup | None = None
     push: VllmUpdateInfo | None = None
     commit: VllmDecision | None = None

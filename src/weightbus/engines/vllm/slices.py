@@ -94,11 +94,15 @@ def _slice(
     Raises:
         _UnmappedError: `module` is a parallel layer of a kind or setting not mapped here.
     """
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    if module is None:
-        return None  # not a layer of the model (vLLM's loader decides): nothing to narrow
+    if module is None or isinstance(module, ReplicatedLinear):
+        return None  # replicated, or not a layer of the model (vLLM's loader decides)
     if isinstance(module, VocabParallelEmbedding):
         indices = module.shard_indices
         start = indices.org_vocab_start_index
@@ -106,9 +110,9 @@ def _slice(
     tp_size = getattr(module, "tp_size", 1)
     if tp_size == 1:
         return None
-    if isinstance(module, RowParallelLinear):
+    if type(module) is RowParallelLinear:
         length = module.input_size_per_partition
-        is_bias = name.endswith(".bias")  # added once, after the reduction: every rank has it
+        is_bias = name.endswith(".bias")  # not split: rank 0 adds it before the reduction
         return None if is_bias else _rows(name, module.tp_rank * length, length, shape, dim=1)
     if isinstance(module, ColumnParallelLinear):
         return _column_slice(name, shape, module, part)
@@ -127,9 +131,10 @@ def _column_slice(
         QKVParallelLinear,
     )
 
-    if isinstance(module, QKVParallelLinear):
+    # exact types: subclasses (fused indexers, gates) bring loaders of their own
+    if type(module) is QKVParallelLinear:
         return _qkv_slice(name, shape, module, part)
-    if isinstance(module, MergedColumnParallelLinear):
+    if type(module) is MergedColumnParallelLinear:
         if part is None:
             raise _UnmappedError("a merged layer loaded from one checkpoint tensor")
         length = module.output_sizes[part] // module.tp_size

@@ -27,7 +27,7 @@ until a good push lands.
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -88,7 +88,7 @@ def _committed(
     start: float,
     phases: dict[str, float],
     *,
-    reported: tuple[str | None, list[int]] = (None, []),
+    reported: tuple[str | None, Sequence[int]] = (None, ()),
     staged: bool = False,
 ) -> EngineResult:
     """A vLLM engine's result; `reported`: the fingerprint its workers report they serve (or
@@ -103,7 +103,7 @@ def _committed(
         seconds=time.perf_counter() - start,
         phases=phases,
         staged=staged,
-        rank_nbytes=rank_nbytes,
+        rank_nbytes=list(rank_nbytes),
     )
 
 
@@ -143,6 +143,11 @@ class VllmEngineTarget(EngineTarget):
             else writes the engine's weights).
         api_key: vLLM's `--api-key`, if set.
         client: an HTTP client to use (the target then does not close it).
+        worker_extension: the server runs weightbus's worker extension (`WORKER_EXTENSION`):
+            its workers report what they serve. None: read from the server's configuration
+            (`GET /server_info`, once). Never probed by calling it: on a server without it
+            every worker would fail the call, and vLLM would answer later calls with the
+            queued failures.
     """
 
     reports_fingerprint = False  # None without the worker extension: its ranks verify it
@@ -158,6 +163,7 @@ class VllmEngineTarget(EngineTarget):
         skip_unchanged: bool = False,
         api_key: str | None = None,
         client: httpx.Client | None = None,
+        worker_extension: bool | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.init_info = init_info or VllmInitInfo()
@@ -171,7 +177,7 @@ class VllmEngineTarget(EngineTarget):
         )
         self._model: str | None = None
         self._pending: PushOrder | RollbackOrder | None = None  # staged, awaiting commit
-        self._extension: bool | None = None  # the workers answer `weightbus_state`
+        self._extension = worker_extension  # the workers answer `weightbus_state`
 
     # requests
     def _request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
@@ -194,33 +200,41 @@ class VllmEngineTarget(EngineTarget):
         extension, `--worker-extension-cls` `WORKER_EXTENSION`).
 
         Raises:
-            EngineRequestError: the server did not answer, or a worker failed.
+            EngineRequestError: the server did not answer, or a worker failed (named).
         """
-        if self._extension is False:
+        if not self._has_extension(timeout_s):
             return None
-        try:
-            ranks = self._worker_call("weightbus_state", timeout_s)
-        except EngineRequestError as exc:
-            if "weightbus_state" not in str(exc) or self._extension:
-                raise
-            logger.warning(
-                "%s: the workers cannot report what they serve: start vLLM with "
-                "--worker-extension-cls %s (%s)",
-                self.url,
-                WORKER_EXTENSION,
-                exc,
+        return WorkerStates(self._worker_call("weightbus_state", timeout_s))
+
+    def _has_extension(self, timeout_s: float) -> bool:
+        if self._extension is None:
+            answer = self._request(
+                "GET", "/server_info", timeout_s, params={"config_format": "json"}
             )
-            self._extension = False
-            return None
-        self._extension = True
-        return WorkerStates(ranks)
+            config = answer.get("vllm_config", {}).get("parallel_config", {})
+            self._extension = config.get("worker_extension_cls") == WORKER_EXTENSION
+            if not self._extension:
+                logger.warning(
+                    "%s: the workers cannot report what they serve (no fingerprints read back, "
+                    "rollbacks or deltas): start vLLM with --worker-extension-cls %s",
+                    self.url,
+                    WORKER_EXTENSION,
+                )
+        return self._extension
 
     def _worker_call(self, method: str, timeout_s: float) -> list:
         body = {"method": method, "timeout": timeout_s}
         answer = self._request("POST", "/collective_rpc", timeout_s + HTTP_MARGIN_S, json=body)
         results = answer.get("results")
         if not isinstance(results, list) or not all(isinstance(r, dict | list) for r in results):
-            raise EngineRequestError(f"/collective_rpc {method}: unreadable answer {answer}")
+            raise EngineRequestError(f"{self.url}: /collective_rpc {method}: unreadable {answer}")
+        failed = [
+            f"worker {rank}: {result['error']}"
+            for rank, result in enumerate(results)
+            if isinstance(result, dict) and "error" in result
+        ]
+        if failed:
+            raise EngineRequestError(f"{self.url}: {method} failed: {'; '.join(failed)}")
         return results
 
     def _reported(self, key: str = "served") -> tuple[str | None, list[int]]:
@@ -228,20 +242,30 @@ class VllmEngineTarget(EngineTarget):
         each received in the last push; None, [] without the worker extension.
 
         Raises:
-            EngineRequestError: the workers report none or different ones (vLLM is paused).
+            EngineRequestError: the workers report none or different ones: for `served`, vLLM
+                is paused (fail closed); for `staged`, the staged version is discarded.
         """
         states = self.worker_states(_CONTROL_TIMEOUT_S)
         if states is None:
             return None, []
         fingerprint = states.fingerprint(key)
         if fingerprint is None:
-            self._pause("abort", _CONTROL_TIMEOUT_S)
             held = [rank.get(key) for rank in states.ranks]
+            if key == "served":
+                self._pause("abort", _CONTROL_TIMEOUT_S)
+                outcome = "vLLM stays paused until a good push"
+            else:
+                self._discard_staged("the workers staged different versions")
+                outcome = "discarded; vLLM serves its previous weights"
             raise EngineRequestError(
-                f"{self.url}: the vLLM workers do not report one {key} version: {held} (vLLM "
-                "stays paused until a good push)"
+                f"{self.url}: the vLLM workers do not report one {key} version: {held} ({outcome})"
             )
         return fingerprint, [int(rank.get("received_bytes", 0)) for rank in states.ranks]
+
+    def _discard_staged(self, reason: str) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._init(_CONTROL_TIMEOUT_S, abort=VllmDecision(pending.version, reason=reason))
 
     # the EngineTarget seam
     def update(self, order: PushOrder) -> EngineResult:
@@ -262,7 +286,7 @@ class VllmEngineTarget(EngineTarget):
             self._pause(order.pause_mode, order.timeout_s)
             phases["pause_s"] = time.perf_counter() - tick
             tick = time.perf_counter()
-            self._load(info, order.timeout_s)
+            self._decide(order.timeout_s, push=info)
             phases["update_s"] = time.perf_counter() - tick
         if order.two_phase:
             # the workers staged it; vLLM serves the previous weights until the commit
@@ -308,9 +332,10 @@ class VllmEngineTarget(EngineTarget):
         (nothing staged, expired) leaves vLLM serving the previous weights; a load that fails
         leaves it paused (fail closed)."""
         start = time.perf_counter()
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None or pending.version != version:
             raise EngineRequestError(f"{self.url}: nothing of version {version!r} is staged")
+        self._pending = None
         tick = time.perf_counter()
         self._pause(pending.pause_mode, timeout_s)
         phases = {"pause_s": time.perf_counter() - tick}
@@ -340,7 +365,7 @@ class VllmEngineTarget(EngineTarget):
         if order.two_phase:
             self._init(order.timeout_s, rollback=rollback)
             self._pending = order
-            reported = (order.fingerprint, [])
+            reported = self._reported("staged")
             return _committed(self.url, order.version, start, {}, reported=reported, staged=True)
         tick = time.perf_counter()
         self._pause(order.pause_mode, order.timeout_s)
@@ -351,8 +376,9 @@ class VllmEngineTarget(EngineTarget):
         return self._serve(order.version, None, start, phases)
 
     def _decide(self, timeout_s: float, **action: Any) -> None:
-        """A commit or rollback on every worker, vLLM paused: resume when the workers refused
-        untouched, else stay paused (fail closed)."""
+        """A push, commit or rollback on every worker, vLLM paused: on failure resume when the
+        workers said the model is untouched, else stay paused (fail closed: never serve a
+        half-loaded model)."""
         try:
             self._init(timeout_s, **action)
         except EngineRequestError as exc:
@@ -430,17 +456,6 @@ class VllmEngineTarget(EngineTarget):
                 f"the engine already serves version {order.version!r} (push with force=True "
                 "to load it again)"
             )
-
-    def _load(self, info: VllmUpdateInfo, timeout_s: float) -> None:
-        """The push on every worker; on failure resume when the workers said the model is
-        untouched, else stay paused (fail closed: never serve a half-loaded model)."""
-        try:
-            self._init(timeout_s, push=info)
-        except EngineRequestError as exc:
-            if UNTOUCHED in str(exc):
-                self._resume()
-                raise
-            raise EngineRequestError(f"{exc} (vLLM stays paused until a good push)") from None
 
     def _check_probe(self, probe: LogprobProbe, version: str) -> None:
         """Fail closed: a gap above the tolerance, a non-finite logprob on either side, or a

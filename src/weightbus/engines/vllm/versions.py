@@ -21,16 +21,30 @@ NO_PREVIOUS_ONE_SET = (
     "with keep_previous to hold the previous version too)"
 )
 NO_PREVIOUS_YET = "no earlier weightbus version was served by this vLLM server since it started"
+NO_PREVIOUS_OVERWRITTEN = (
+    "the copy of the previous version was overwritten by a push that was refused, aborted or is "
+    "staged"
+)
+NOT_SERVED = "vLLM serves no weightbus version it loaded whole (none yet, or a load failed)"
 
 
 @dataclass(frozen=True, slots=True)
 class Staged:
     """A verified version waiting for its commit in buffers `index` until `deadline`
-    (`time.monotonic()`)."""
+    (`time.monotonic()`).
+
+    Attributes:
+        owned: a push wrote the buffers (a staged rollback stages the previous version's own
+            buffers, which still hold it if the rollback is dropped).
+        only_changed: the commit loads only the blocks whose digest differs from the served
+            version's (a rollback, a delta, `skip_unchanged`).
+    """
 
     index: int
     held: HeldVersion
     deadline: float
+    owned: bool = True
+    only_changed: bool = False
 
 
 class WorkerVersions:
@@ -76,17 +90,22 @@ class WorkerVersions:
     # receiving
     def receiving(self, base_fingerprint: str | None) -> StagingBuffers:
         """The buffers a push receives into, holding nothing from now on; for a delta
-        (`base_fingerprint`), holding the base the delta applies to.
+        (`base_fingerprint`), holding the base the delta applies to. A version staged and not
+        decided is dropped (the new push replaces it).
 
         Raises:
             ValueError: a delta whose base is not served or not held (the publisher then pushes
-                the whole version).
+                the whole version); nothing changed.
         """
-        self.staged = None  # a new push replaces a staged one that was never decided
-        index = self._free_index()
-        buffers = self.sets[index]
+        buffers = self.sets[self._free_index()]
         if base_fingerprint is not None:
-            self._hold_base(buffers, base_fingerprint)
+            self._check_base(base_fingerprint)
+        self.drop_staged()
+        if base_fingerprint is not None:
+            assert self.served_index is not None
+            source = self.sets[self.served_index]
+            if source is not buffers:
+                buffers.copy_from(source)
         buffers.held = None
         return buffers
 
@@ -95,7 +114,7 @@ class WorkerVersions:
             return 0
         return 1 - self.served_index
 
-    def _hold_base(self, buffers: StagingBuffers, base_fingerprint: str) -> None:
+    def _check_base(self, base_fingerprint: str) -> None:
         served = self.served
         if served is None or served.fingerprint != base_fingerprint:
             serves = "no weightbus version" if served is None else repr(served.version)
@@ -103,31 +122,35 @@ class WorkerVersions:
                 f"{DELTA_BASE_REFUSAL} {base_fingerprint} is not served by this worker "
                 f"(it serves {serves})"
             )
-        assert self.served_index is not None
-        source = self.sets[self.served_index]
-        if source.held is None or source.held.fingerprint != base_fingerprint:
+        if self.delta_base() != base_fingerprint:
             raise ValueError(
                 f"{DELTA_BASE_REFUSAL} {base_fingerprint} is served but its staging copy was "
-                "overwritten by a push that did not land"
+                "overwritten by a push that was refused, aborted or is staged"
             )
-        if source is not buffers:
-            buffers.copy_from(source)
 
-    def stage(self, buffers: StagingBuffers, held: HeldVersion, timeout_s: float) -> None:
+    def stage(
+        self,
+        buffers: StagingBuffers,
+        held: HeldVersion,
+        timeout_s: float,
+        *,
+        owned: bool = True,
+        only_changed: bool = False,
+    ) -> None:
         """`buffers` verified `held`: wait for the commit for at most `timeout_s`."""
         buffers.held = held
-        self.staged = Staged(self.sets.index(buffers), held, time.monotonic() + timeout_s)
+        deadline = time.monotonic() + timeout_s
+        index = self.sets.index(buffers)
+        self.staged = Staged(index, held, deadline, owned=owned, only_changed=only_changed)
 
     # deciding
-    def take_staged(
-        self, version: str, fingerprint: str | None
-    ) -> tuple[StagingBuffers, HeldVersion]:
-        """The staged version to load on a commit (no longer staged).
+    def find_staged(self, version: str, fingerprint: str | None) -> Staged:
+        """The staged version a commit loads (still staged: `drop_staged` after the decision).
 
         Raises:
             ValueError: nothing of that version (and fingerprint) is staged, or it expired.
         """
-        staged, self.staged = self.staged, None
+        staged = self.staged
         if staged is None:
             raise ValueError(f"nothing is staged to commit as version {version!r}")
         held = staged.held
@@ -137,11 +160,20 @@ class WorkerVersions:
                 f"({fingerprint})"
             )
         if time.monotonic() > staged.deadline:
-            self.sets[staged.index].held = None
             raise ValueError(
                 f"version {version!r} was staged but no commit came within its timeout: discarded"
             )
-        return self.sets[staged.index], held
+        return staged
+
+    def buffers_of(self, staged: Staged) -> StagingBuffers:
+        return self.sets[staged.index]
+
+    def drop_staged(self) -> None:
+        """Forget the staged version (committed, aborted, refused, expired or replaced): buffers
+        a push wrote no longer hold a version; a staged rollback's still hold the previous one."""
+        staged, self.staged = self.staged, None
+        if staged is not None and staged.owned:
+            self.sets[staged.index].held = None
 
     def discard(self, version: str) -> HeldVersion:
         """Drop the staged `version` (an abort); returns what was staged.
@@ -152,8 +184,7 @@ class WorkerVersions:
         staged = self.staged
         if staged is None or staged.held.version != version:
             raise ValueError(f"nothing is staged as version {version!r}")
-        self.staged = None
-        self.sets[staged.index].held = None
+        self.drop_staged()
         return staged.held
 
     def loaded(self, buffers: StagingBuffers, held: HeldVersion) -> None:
@@ -177,15 +208,16 @@ class WorkerVersions:
     def previous(self) -> tuple[StagingBuffers | None, str]:
         """The buffers that hold the previous version (None: none, and why)."""
         if self.served is None:
-            return None, NO_PREVIOUS_YET
+            return None, NOT_SERVED
         if not self.keeps_previous:
             return None, NO_PREVIOUS_ONE_SET
         index = self._free_index()
         buffers = self.sets[index]
-        if buffers.held is None or index == self.served_index:
-            return None, NO_PREVIOUS_YET
-        if self.staged is not None and self.staged.index == index:
-            return None, f"version {self.staged.held.version!r} is staged in its place"
+        if buffers.held is None:
+            return None, NO_PREVIOUS_OVERWRITTEN if buffers.nbytes else NO_PREVIOUS_YET
+        staged = self.staged
+        if staged is not None and staged.index == index and staged.owned:
+            return None, f"version {staged.held.version!r} is staged in its place"
         return buffers, ""
 
     def find_previous(

@@ -20,7 +20,7 @@ unless the push keeps the draft (`keep_draft`).
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import msgspec
@@ -116,7 +116,8 @@ class WeightbusWeightTransferEngine(
     # lifecycle
     def init_transfer_engine(self, init_info: VllmInitInfo) -> None:
         self.options = init_info
-        self._versions.resize(keep_previous=init_info.keep_previous)
+        if init_info.keep_previous is not None:
+            self._versions.resize(keep_previous=init_info.keep_previous)
         if init_info.setup is not None:
             self._setup_transport(init_info.setup)
         if init_info.push is not None:
@@ -171,8 +172,11 @@ class WeightbusWeightTransferEngine(
             return
         assert result.fingerprint is not None
         held = HeldVersion(version, update_info.step, result.fingerprint, result.digests)
+        skip = (update_info.skip_unchanged or update_info.delta is not None) and not (
+            update_info.force
+        )
         if update_info.two_phase:
-            self._versions.stage(buffers, held, update_info.timeout_s)
+            self._versions.stage(buffers, held, update_info.timeout_s, only_changed=skip)
             logger.info(
                 "weightbus: version %s: received %d bytes in %.3f s; staged for its commit",
                 version,
@@ -181,10 +185,7 @@ class WeightbusWeightTransferEngine(
             )
             return
         tick = time.perf_counter()
-        skip = (update_info.skip_unchanged or update_info.delta is not None) and not (
-            update_info.force
-        )
-        loaded = self._load_verified(buffers, held, only_changed=skip)
+        loaded = self._load_verified(buffers, held, skip)
         logger.info(
             "weightbus: version %s: received %d bytes in %.3f s (wait %.3f s, verify %.3f s, "
             "staging %.3f s); vLLM loaded %d of %d tensors in %.3f s",
@@ -200,14 +201,19 @@ class WeightbusWeightTransferEngine(
         )
 
     def _commit(self, decision: VllmDecision) -> None:
-        """Load the staged version on every rank, once every rank has it staged."""
-        found = _agreed(
-            lambda: self._versions.take_staged(decision.version, decision.fingerprint),
+        """Load the staged version on every rank, once every rank has it staged (a rank that
+        does not drops it on every rank)."""
+        versions = self._versions
+        staged = _agreed(
+            lambda: versions.find_staged(decision.version, decision.fingerprint),
             f"{UNTOUCHED}: commit",
+            on_refusal=versions.drop_staged,
         )
-        if found is not None:
-            self._load_verified(*found, only_changed=False)
-            logger.info("weightbus: version %s committed", decision.version)
+        if staged is None:
+            return
+        versions.staged = None
+        self._load_verified(versions.buffers_of(staged), staged.held, staged.only_changed)
+        logger.info("weightbus: version %s committed", decision.version)
 
     def _abort(self, decision: VllmDecision) -> None:
         if _agreed(lambda: self._versions.discard(decision.version), "abort") is not None:
@@ -225,14 +231,12 @@ class WeightbusWeightTransferEngine(
             return
         self._received_bytes = 0  # a rollback moves no bytes: the copy is held
         if order.two_phase:
-            self._versions.stage(*found, order.timeout_s)
+            self._versions.stage(*found, order.timeout_s, owned=False, only_changed=True)
             return
-        self._load_verified(*found, only_changed=True)
+        self._load_verified(*found, True)
         logger.info("weightbus: rolled back to version %s", order.version)
 
-    def _load_verified(
-        self, buffers: StagingBuffers, held: HeldVersion, *, only_changed: bool
-    ) -> int:
+    def _load_verified(self, buffers: StagingBuffers, held: HeldVersion, only_changed: bool) -> int:
         """Load what every rank verified; a failure on any rank fails them all, and vLLM must
         then not serve. Returns how many tensors were loaded."""
         try:
@@ -291,7 +295,8 @@ class WeightbusWeightTransferEngine(
         self, info: VllmUpdateInfo, rank: int, tp_size: int
     ) -> tuple[StagingBuffers, RankResult]:
         """Receive `info` into staging buffers (for a delta: holding its base). A push this
-        rank refuses upfront is still read to its end, so no sender waits on this rank."""
+        rank refuses for its delta base or its draft is still read to its end (into nothing),
+        so no sender waits on this rank; one whose source cannot be opened is not."""
         try:
             expected = self._expected_metas(info)
             source = open_source(info.transport, info.source, rank=rank, tp_size=tp_size)
@@ -304,9 +309,9 @@ class WeightbusWeightTransferEngine(
             base = None if info.delta is None else info.delta.base_fingerprint
             buffers = self._versions.receiving(base)
         except ValueError as exc:
-            buffers, refusal = StagingBuffers(), str(exc)  # read into nothing that is kept
+            buffers, refusal = StagingBuffers(), str(exc)
         receiver = Receiver(
-            load_weights=buffers.put,
+            load_weights=_discard if refusal else buffers.put,  # a refused push is read, not kept
             expected=expected,
             rank=rank,
             tp_size=tp_size,
@@ -315,7 +320,7 @@ class WeightbusWeightTransferEngine(
         result = receiver.receive(source, info)
         if refusal:
             result.ok = False
-            result.errors.insert(0, refusal)
+            result.errors[:] = [refusal]  # not also "this engine cannot apply a delta push"
         _explain_draft_names(result)
         return buffers, result
 
@@ -432,18 +437,28 @@ def _explain_draft_names(result: RankResult) -> None:
         result.errors.insert(0, DRAFT_SESSION_WITHOUT_DRAFT)
 
 
-def _agreed(action: Callable[[], T], what: str) -> T | None:
-    """Run `action` on every rank; its result once every rank succeeded, else None (the last
-    rank raises `WeightbusRefusedError` prefixed with `what`, naming each rank's reason)."""
+def _agreed(
+    action: Callable[[], T], what: str, on_refusal: Callable[[], None] | None = None
+) -> T | None:
+    """Run `action` on every rank; its result once every rank succeeded, else None: every
+    rank runs `on_refusal`, the last one raises `WeightbusRefusedError` prefixed with `what`,
+    naming each rank's reason."""
     try:
         value, error = action(), ""
     except ValueError as exc:
         value, error = None, str(exc)
     failures = _failures(gather_verdicts(not error, error, get_tp_group().cpu_group))
     if failures:
+        if on_refusal is not None:
+            on_refusal()
         _raise_on_last_rank(WeightbusRefusedError(f"{what}: {failures}"))
         return None
     return value
+
+
+def _discard(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """A `Receiver` loader that keeps nothing (a push refused upfront is read to its end)."""
+    return [name for name, _ in pairs]
 
 
 def _failures(verdicts: list[tuple[bool, str]]) -> str:

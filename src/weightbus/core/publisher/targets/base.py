@@ -14,6 +14,7 @@ the engine staged and verified the version (`EngineResult.staged`), then `commit
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Self
 
 import msgspec
 
@@ -194,3 +195,9 @@ class EngineTarget(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook: most targets hold nothing)
         """Free what the target holds (connections)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
