@@ -69,12 +69,12 @@ def trained(model: torch.nn.Module, seed: int, lr: float = 1.0) -> torch.nn.Modu
 
 @torch.no_grad()
 def hf_greedy(model: torch.nn.Module, prompt: list[int] = PROMPT, max_tokens: int = 8) -> list[int]:
-    """transformers' greedy continuation (float32 compute over the model's weights)."""
+    """transformers' greedy continuation (float32 compute over the model's weights), the argmax
+    of every step with EOS a token like any other: what vLLM samples with `ignore_eos`
+    (`generate(min_new_tokens=...)` would mask EOS instead, and differ where it is the argmax)."""
     reference = copy.deepcopy(model).float()
-    out = reference.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        min_new_tokens=max_tokens,
-    )
-    return out[0, len(prompt) :].tolist()
+    ids = torch.tensor([prompt])
+    for _ in range(max_tokens):
+        logits = reference(ids).logits[0, -1]
+        ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
