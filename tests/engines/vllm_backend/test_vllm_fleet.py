@@ -162,7 +162,7 @@ def test_a_trainer_killed_before_its_commits_leaves_both_on_the_previous_version
             "the reference engine discarded the undecided version",
         )
         wait_until(
-            lambda: target.worker_states(10).agreed("staged") is None,
+            lambda: all(rank["staged"] is None for rank in target.worker_states(10).ranks),
             "vLLM's workers let the undecided version expire",
         )
     assert _both(untied_tp2, reference) == before

@@ -255,11 +255,16 @@ class VllmEngineTarget(EngineTarget):
                 self._pause("abort", _CONTROL_TIMEOUT_S)
                 outcome = "vLLM stays paused until a good push"
             else:
-                self._discard_staged("the workers staged different versions")
                 outcome = "discarded; vLLM serves its previous weights"
-            raise EngineRequestError(
+            error = EngineRequestError(
                 f"{self.url}: the vLLM workers do not report one {key} version: {held} ({outcome})"
             )
+            if key != "served":
+                try:
+                    self._discard_staged("the workers staged different versions")
+                except EngineRequestError as discarding:
+                    error.add_note(f"and discarding it failed: {discarding}")
+            raise error
         return fingerprint, [int(rank.get("received_bytes", 0)) for rank in states.ranks]
 
     def _discard_staged(self, reason: str) -> None:
@@ -270,6 +275,7 @@ class VllmEngineTarget(EngineTarget):
     # the EngineTarget seam
     def update(self, order: PushOrder) -> EngineResult:
         start = time.perf_counter()
+        self._pending = None  # the workers drop anything staged when a new push arrives
         _refuse_contradictory_draft(order)
         if order.two_phase and order.carries_draft:
             raise EngineRequestError(
@@ -335,9 +341,9 @@ class VllmEngineTarget(EngineTarget):
         pending = self._pending
         if pending is None or pending.version != version:
             raise EngineRequestError(f"{self.url}: nothing of version {version!r} is staged")
-        self._pending = None
         tick = time.perf_counter()
-        self._pause(pending.pause_mode, timeout_s)
+        self._pause(pending.pause_mode, timeout_s)  # a failed pause leaves it pending
+        self._pending = None
         phases = {"pause_s": time.perf_counter() - tick}
         tick = time.perf_counter()
         decision = VllmDecision(version=version, fingerprint=fingerprint)
@@ -369,6 +375,7 @@ class VllmEngineTarget(EngineTarget):
             return _committed(self.url, order.version, start, {}, reported=reported, staged=True)
         tick = time.perf_counter()
         self._pause(order.pause_mode, order.timeout_s)
+        self._pending = None  # the workers drop anything staged for the rollback
         phases = {"pause_s": time.perf_counter() - tick}
         tick = time.perf_counter()
         self._decide(order.timeout_s, rollback=rollback)
@@ -566,6 +573,7 @@ class VllmClientTarget(EngineTarget):
 
     def update(self, order: PushOrder) -> EngineResult:
         start = time.perf_counter()
+        self._pending = None  # the workers drop anything staged when a new push arrives
         _refuse_contradictory_draft(order)
         if order.carries_draft:
             raise EngineRequestError(

@@ -21,6 +21,7 @@ unless the push keeps the draft (`keep_draft`).
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -80,6 +81,13 @@ DRAFT_OUTSIDE_SESSION = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """An info that did not parse, and why (raised by the last rank only)."""
+
+    error: str
+
+
 class WeightbusRefusedError(RuntimeError):
     """A push the ranks did not all verify; the model was not touched."""
 
@@ -107,14 +115,19 @@ class WeightbusWeightTransferEngine(
         self._draft_metas: dict[str, TensorMeta] | None = None  # `draft.` names
 
     # typed parsing (vLLM's default is `cls(**dict)`)
-    def parse_init_info(self, init_dict: dict[str, Any]) -> VllmInitInfo:
+    # (vLLM parses on every rank: an unreadable info is raised by the last rank only, as every
+    # refusal is, so that no rank's failure is left queued for the next call)
+    def parse_init_info(self, init_dict: dict[str, Any]) -> VllmInitInfo | Unreadable:
         return _convert(init_dict, VllmInitInfo, "init_info")
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> VllmUpdateInfo:
+    def parse_update_info(self, update_dict: dict[str, Any]) -> VllmUpdateInfo | Unreadable:
         return _convert(update_dict, VllmUpdateInfo, "update_info")
 
     # lifecycle
-    def init_transfer_engine(self, init_info: VllmInitInfo) -> None:
+    def init_transfer_engine(self, init_info: VllmInitInfo | Unreadable) -> None:
+        if isinstance(init_info, Unreadable):
+            _raise_on_last_rank(ValueError(init_info.error))
+            return
         self.options = init_info
         if init_info.keep_previous is not None:
             self._versions.resize(keep_previous=init_info.keep_previous)
@@ -151,7 +164,11 @@ class WeightbusWeightTransferEngine(
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class synchronizes an accelerator, which raises on CPU-only hosts
-        self.receive_weights(self.parse_update_info(update_info))
+        parsed = self.parse_update_info(update_info)
+        if isinstance(parsed, Unreadable):
+            _raise_on_last_rank(ValueError(parsed.error))
+            return
+        self.receive_weights(parsed)
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
@@ -211,7 +228,8 @@ class WeightbusWeightTransferEngine(
         )
         if staged is None:
             return
-        versions.staged = None
+        # no longer staged: a push's buffers hold a version again only once it loaded
+        versions.drop_staged()
         self._load_verified(versions.buffers_of(staged), staged.held, staged.only_changed)
         logger.info("weightbus: version %s committed", decision.version)
 
@@ -233,6 +251,7 @@ class WeightbusWeightTransferEngine(
         if order.two_phase:
             self._versions.stage(*found, order.timeout_s, owned=False, only_changed=True)
             return
+        self._versions.drop_staged()  # the rollback replaces anything left undecided
         self._load_verified(*found, True)
         logger.info("weightbus: rolled back to version %s", order.version)
 
@@ -296,7 +315,9 @@ class WeightbusWeightTransferEngine(
     ) -> tuple[StagingBuffers, RankResult]:
         """Receive `info` into staging buffers (for a delta: holding its base). A push this
         rank refuses for its delta base or its draft is still read to its end (into nothing),
-        so no sender waits on this rank; one whose source cannot be opened is not."""
+        so no sender waits on this rank; one whose source cannot be opened is not. A version
+        staged and left undecided is dropped on every rank: the new push replaces it."""
+        self._versions.drop_staged()
         try:
             expected = self._expected_metas(info)
             source = open_source(info.transport, info.source, rank=rank, tp_size=tp_size)
@@ -484,4 +505,4 @@ def _convert(raw: dict[str, Any], struct: type, what: str) -> Any:
     try:
         return msgspec.convert(raw, struct)
     except msgspec.ValidationError as exc:
-        raise ValueError(f"{UNTOUCHED}: invalid {what}: {exc}") from None
+        return Unreadable(f"{UNTOUCHED}: invalid {what}: {exc}")
