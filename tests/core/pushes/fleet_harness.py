@@ -103,20 +103,25 @@ class Fleet:
             engine.stop()
 
 
+def corrupted_copy(order: UpdateOrder) -> UpdateOrder:
+    """`order` reading its own copy of the disk session, with one byte flipped (the last byte
+    of the last tensor's data): the engine's ranks' digest checks must refuse it."""
+    session = Path(order.source["path"])
+    copy = session.with_name(f"{session.name}-corrupted")
+    shutil.copytree(session, copy)
+    shard = min(copy.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return msgspec.structs.replace(order, source={**order.source, "path": str(copy)})
+
+
 class CorruptingTarget(HttpEngineTarget):
     """An engine whose copy of each disk session has one byte flipped: the bytes it stages
     are corrupted, and its ranks' digest checks must refuse them."""
 
     def update(self, order: UpdateOrder) -> EngineResult:
-        session = Path(order.source["path"])
-        copy = session.with_name(f"{session.name}-corrupted")
-        shutil.copytree(session, copy)
-        shard = min(copy.glob("*.safetensors"))
-        data = bytearray(shard.read_bytes())
-        data[-1] ^= 0xFF  # the last byte of the last tensor's data
-        shard.write_bytes(bytes(data))
-        source = {**order.source, "path": str(copy)}
-        return super().update(msgspec.structs.replace(order, source=source))
+        return super().update(corrupted_copy(order))
 
 
 def kill_midway(engine: ServedEngine, after_calls: int) -> Callable[[int], None]:

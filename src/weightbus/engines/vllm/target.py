@@ -250,20 +250,19 @@ class VllmEngineTarget(EngineTarget):
             return None, []
         fingerprint = states.fingerprint(key)
         if fingerprint is None:
-            held = [rank.get(key) for rank in states.ranks]
+            disagreement = f"{self.url}: the vLLM workers do not report one {key} version: " + str(
+                [rank.get(key) for rank in states.ranks]
+            )
             if key == "served":
                 self._pause("abort", _CONTROL_TIMEOUT_S)
-                outcome = "vLLM stays paused until a good push"
-            else:
-                outcome = "discarded; vLLM serves its previous weights"
+                raise EngineRequestError(f"{disagreement} (vLLM stays paused until a good push)")
             error = EngineRequestError(
-                f"{self.url}: the vLLM workers do not report one {key} version: {held} ({outcome})"
+                f"{disagreement} (discarded; vLLM serves its previous weights)"
             )
-            if key != "served":
-                try:
-                    self._discard_staged("the workers staged different versions")
-                except EngineRequestError as discarding:
-                    error.add_note(f"and discarding it failed: {discarding}")
+            try:
+                self._discard_staged("the workers staged different versions")
+            except EngineRequestError as discarding:
+                error.add_note(f"and discarding it failed: {discarding}")
             raise error
         return fingerprint, [int(rank.get("received_bytes", 0)) for rank in states.ranks]
 
@@ -397,7 +396,7 @@ class VllmEngineTarget(EngineTarget):
     def slice_maps(self, timeout_s: float) -> list[list[SliceSpec]] | None:
         """Each worker's part of every tensor (`weightbus_layout`); None without the worker
         extension (no delta can be checked then)."""
-        if self.worker_states(timeout_s) is None:
+        if not self._has_extension(timeout_s):
             return None
         ranks = self._worker_call("weightbus_layout", timeout_s)
         try:
