@@ -103,14 +103,15 @@ _DYING_TRAINER = textwrap.dedent(
     import os, signal, sys
     from safetensors.torch import load_file
     from weightbus import Publisher
+    from weightbus.core.publisher.fleet import Fleet
     from weightbus.engines.vllm.messages import VllmInitInfo
     from weightbus.engines.vllm.target import VllmEngineTarget
 
     vllm_url, reference_url, path, root = sys.argv[1:5]
-    def die(self, *args):
+    def die(self, *args, **kwargs):
         print("killed", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    VllmEngineTarget.commit = die
+    Fleet.commit = die  # every engine staged, no commit sent to any
     vllm = VllmEngineTarget(vllm_url, init_info=VllmInitInfo(keep_previous=True))
     with Publisher([vllm, reference_url], transport="disk", timeout_s=5,
                    transport_options={"root": root}) as publisher:
@@ -301,6 +302,9 @@ def test_vllm_stamps_each_tokens_weightbus_version_on_its_generate_route(untied_
     ):
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))  # tokens flow
+        # frozen mid-completion (what the push's own in-place pause does), so the push lands
+        # before the completion ends however fast the tokens come; the push resumes it
+        http.post("/pause", params={"mode": "keep"}).raise_for_status()
         publisher.push(model, version="mid-completion", pause_mode="in_place")
         chunks = [first, *(line for line in lines if line.startswith("data: {"))]
     spans = msgspec.json.decode(chunks[-1].removeprefix("data: "))["choices"][0]["weight_versions"]

@@ -22,6 +22,10 @@ SUITES = {
         "weightbus.apps.bench.dist",
         "dist pushes (broadcast, scatter) vs raw gloo broadcasts, same run",
     ),
+    "fp8": (
+        "weightbus.apps.bench.fp8",
+        "bf16 push vs block-FP8 quantized in the push: bytes, time, quantize vs memcpy floor",
+    ),
     "fleet": (
         "weightbus.apps.bench.fleet",
         "two-phase vs one-phase fleet pushes, rollback, commit skew, same run",

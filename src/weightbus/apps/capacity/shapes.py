@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from weightbus.core.fp8 import quantizes
 from weightbus.core.meta import TensorMeta
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,6 @@ FP8_BLOCK = (128, 128)
 _PRESETS = "weightbus.apps.capacity.configs"
 # Config fields that make transformers load remote code or quantize at build time.
 _DROPPED_FIELDS = ("auto_map", "quantization_config", "torch_dtype", "dtype")
-# Decoder-layer matrices that fp8-block checkpoints keep unquantized (MoE routers).
-_UNQUANTIZED_SUFFIXES = (".mlp.gate.weight", ".shared_expert_gate.weight")
 # Kept in float32 whatever the model's dtype, as DeepSeek-V3 and Kimi-K2 checkpoints store it.
 _FLOAT32_SUFFIXES = (".e_score_correction_bias",)
 
@@ -147,13 +146,9 @@ def fp8_block(metas: list[TensorMeta]) -> list[TensorMeta]:
 
 
 def _quantized(meta: TensorMeta) -> bool:
-    """Every matrix inside the decoder layers (all of them linear weights) but the routers."""
-    return (
-        ".layers." in meta.name
-        and meta.name.endswith(".weight")
-        and len(meta.shape) == 2
-        and not meta.name.endswith(_UNQUANTIZED_SUFFIXES)
-    )
+    """Every matrix inside the decoder layers (all of them linear weights) but the routers:
+    the rule a quantizing push applies (`weightbus.core.fp8.quantizes`)."""
+    return quantizes(meta.name, meta.shape)
 
 
 def _checkpoint_shapes(config: dict[str, Any], dtype: torch.dtype) -> list[tuple[str, tuple]]:

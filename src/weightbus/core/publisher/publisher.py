@@ -10,6 +10,7 @@ newcomer is brought to the fleet's version first by `catch_up`, a push of its ow
 fleet.
 """
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,7 @@ import httpx
 
 from weightbus.core.delta import version_digests
 from weightbus.core.finite import NOTHING_SERVED, NonFiniteWeightsError, refuse_nonfinite
+from weightbus.core.fp8 import FP8_BLOCK_NAME, Fp8Block, describe, quantize_weights
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher.delta import (
     DEFAULT_MAX_RATIO,
@@ -77,6 +79,11 @@ class Publisher:
         delta_max_ratio: see `delta`.
         delta_sparse: a delta carries the changed elements of each changed tensor (False:
             changed tensors go whole, only unchanged ones are skipped).
+        quantize: `Fp8Block()` (or "fp8-block": 128x128 blocks) quantizes every decoder-layer
+            matrix to block FP8 before the bytes leave (`weightbus.core.fp8`): the engines
+            serve FP8 (`weightbus serve --quantization fp8-block`), the wire carries about
+            half of bf16, and fingerprints, deltas and `PushResult.nbytes` are of the
+            quantized tensors (`PushResult.quantization` says so). None: as given.
 
     Attributes:
         fleet_version: what every member serves since this Publisher's last commit (None
@@ -101,11 +108,13 @@ class Publisher:
         delta: DeltaMode = "never",
         delta_max_ratio: float = DEFAULT_MAX_RATIO,
         delta_sparse: bool = True,
+        quantize: Fp8Block | str | None = None,
     ) -> None:
         if not engines:
             raise ValueError("engines: give at least one engine URL or target")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.quantize = _quantization(quantize)
         self.delta = check_delta_mode(delta)
         self._delta = DeltaState(delta_max_ratio, delta_sparse)
         self.bucket_bytes = bucket_bytes
@@ -247,8 +256,21 @@ class Publisher:
         return self._fleet.engine_weights(timeout_s)
 
     def fingerprint(self, weights: Weights, name_map: NameMap | None = None) -> str:
-        """The fingerprint engines report after a push of `weights` (computed locally)."""
-        return self._sessions.fingerprint(normalize_weights(weights, name_map))
+        """The fingerprint engines report after a push of `weights` (computed locally; of the
+        quantized tensors with `quantize`)."""
+        return self._sessions.fingerprint(self._served(weights, name_map).items())
+
+    def _served(self, weights: Weights, name_map: NameMap | None) -> dict[str, Any]:
+        """The tensors engines serve: `weights` renamed, quantized with `quantize`.
+
+        Raises:
+            NonFiniteWeightsError: `quantize` is set and a matrix to quantize holds NaN or
+                inf (float8_e4m3fn has none to carry): named, nothing sent.
+        """
+        tensors = normalize_weights(weights, name_map)
+        if self.quantize is None:
+            return dict(tensors)
+        return dict(quantize_weights(tensors, self.quantize))
 
     def set_delta_base(
         self, weights: Weights, *, version: str, name_map: NameMap | None = None
@@ -261,7 +283,7 @@ class Publisher:
             Its fingerprint.
         """
         with self._lock:
-            tensors = dict(normalize_weights(weights, name_map))
+            tensors = self._served(weights, name_map)
             digests, fingerprint = version_digests(tensors)
             self._delta.committed_full(tensors, version, fingerprint, digests)
             return fingerprint
@@ -346,7 +368,7 @@ class Publisher:
                 keep_draft=keep_draft,
                 allow_nonfinite=allow_nonfinite,
             )
-            tensors = dict(normalize_weights(weights, name_map))
+            tensors = self._served(weights, name_map)
             mode = self.delta if delta is None else check_delta_mode(delta)
             in_stream = self._checks_nonfinite_in_stream(options, mode)
             if not allow_nonfinite and not in_stream:
@@ -355,11 +377,14 @@ class Publisher:
                 tensors, version, step, options, progress, nonfinite_in_stream=in_stream
             )
             try:
-                return push_version(self._fleet, self._sessions, self._delta, request, mode)
+                result = push_version(self._fleet, self._sessions, self._delta, request, mode)
             except NonFiniteWeightsError:
                 # the stream named the first bad tensor it met: name them all, with counts
                 refuse_nonfinite(tensors.items(), NOTHING_SERVED)
                 raise
+            if self.quantize is None:
+                return result
+            return dataclasses.replace(result, quantization=describe(self.quantize))
 
     def _checks_nonfinite_in_stream(self, options: PushOrder, mode: DeltaMode) -> bool:
         """Whether this push's NaN/inf check runs in the sink's copy pass, so the pre-pass over
@@ -435,8 +460,8 @@ class Publisher:
             result = catch_up(
                 self._fleet,
                 target,
-                weights=weights,
-                name_map=name_map,
+                weights=None if weights is None else self._served(weights, name_map),
+                name_map=None,
                 route=route,
                 current=current,
                 bucket_bytes=self.bucket_bytes,
@@ -456,3 +481,11 @@ class Publisher:
         """
         with self._lock:
             self._fleet.remove(url)
+
+
+def _quantization(quantize: Fp8Block | str | None) -> Fp8Block | None:
+    if quantize is None or isinstance(quantize, Fp8Block):
+        return quantize
+    if quantize == FP8_BLOCK_NAME:
+        return Fp8Block()
+    raise ValueError(f"quantize: {quantize!r} is not {FP8_BLOCK_NAME!r} nor an Fp8Block")

@@ -70,3 +70,6 @@ class PushResult:
     gone: dict[str, str] = field(default_factory=dict)
     sent_bytes: int = 0
     delta: DeltaReport | None = None  # whether the push went as a delta, and why
+    # quantized in the push (`Publisher(quantize=...)`, e.g. "fp8-block 128x128"): `fingerprint`
+    # and `nbytes` are of the quantized tensors the engines serve, not of the trainer's
+    quantization: str | None = None

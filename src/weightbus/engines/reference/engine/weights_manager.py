@@ -49,7 +49,11 @@ DRAFT_MISSING = (
 def expected_metas(served: ServedModels, dtype: torch.dtype) -> dict[str, TensorMeta]:
     """The tensors a complete update must carry (the draft's under `draft.`): full shapes, in
     the serving dtype."""
-    return {name: TensorMeta(name, dtype, shape) for name, shape in served.weight_shapes().items()}
+    dtypes = served.weight_dtypes(dtype)
+    return {
+        name: TensorMeta(name, dtypes[name], shape)
+        for name, shape in served.weight_shapes().items()
+    }
 
 
 def _new_served(served: ServedModels, dtype: torch.dtype) -> ServedModels:

@@ -99,6 +99,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft_model: str | None = None
     draft_seed: int = 0
     num_speculative_tokens: int = 0
+    quantization: str | None = None
 
 
 def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
@@ -114,7 +115,7 @@ class Worker:
         self.is_driver = config.tp_rank == 0
         self.tp_size = config.tp_size
         self._join_tp_group()
-        model_config = resolve_config(config.model)
+        model_config = resolve_config(config.model, config.quantization)
         self.draft_source = self._draft_source()
         self._load_model(model_config)
         self._init_step_state()

@@ -6,68 +6,165 @@ features and sum the partial products. Fused layers (`QKVParallelLinear`,
 dimension; their loader takes a `shard_id` that says which one arrives. Every loader checks the
 full (unsharded) shape, then applies its `shard_copy` (`plan/shard.py`): its rank's slice is
 copied into the existing parameter storage, never reallocated and never aliased.
+
+Block-FP8 layers (`quant`) hold the weight in `float8_e4m3fn` plus `weight_scale_inv`, one
+float32 per block of each Hugging Face matrix they hold a part of, and dequantize in the matmul
+(W8A16). A fused layer's scales are its parts' scales stacked; a part split over ranks must be
+split on block boundaries (vLLM's rule), so each rank's scales are a slice of the full ones.
 """
+
+import math
 
 import torch
 from torch import nn
 from torch.nn.functional import linear
 
+from weightbus.core.fp8 import FP8_DTYPE, Fp8Block, dequantize
 from weightbus.core.plan.shard import ShardCopy, check_full_shape
 from weightbus.engines.reference.layers.parallel import all_reduce, divide, get_tp
 
+ShardId = str | int | None
 
-def _new_param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+def _new_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class LinearBase(nn.Module):
-    """A linear layer whose weight is `[output_size, input_size]` of this rank's shard."""
+    """A linear layer whose weight is `[output_size, input_size]` of this rank's shard.
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool) -> None:
+    Subclasses name the Hugging Face matrices they hold (`_full_weight_shape` by shard id,
+    `_row_parts`: the rows of each on this rank, in order) and where a rank's slice of one goes
+    (`_weight_copy`).
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, *, bias: bool, quant: Fp8Block | None = None
+    ) -> None:
         super().__init__()
         ctx = get_tp()
         self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
-        self.weight = _new_param(output_size, input_size)
+        self.quant = quant
+        weight_dtype = None if quant is None else FP8_DTYPE
+        self.weight = _new_param(output_size, input_size, dtype=weight_dtype)
         self.weight.weight_loader = self.weight_loader
+        if quant is not None:
+            self._check_blocks(quant)
+            scale_rows = sum(math.ceil(rows / quant.block_rows) for rows in self._row_parts())
+            scale_cols = math.ceil(input_size / quant.block_cols)
+            self.weight_scale_inv = _new_param(scale_rows, scale_cols, dtype=torch.float32)
+            self.weight_scale_inv.weight_loader = self.weight_loader
         if bias:
             self.bias = _new_param(output_size)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
+    def _row_parts(self) -> list[int]:
+        """Rows on this rank of each Hugging Face matrix the weight stacks, in order."""
+        return [self.weight.shape[0]]
+
+    def _part_index(self, shard_id: ShardId) -> int:
+        return 0
+
+    def _full_weight_shape(self, shard_id: ShardId) -> tuple[int, int]:
+        """The full shape of the Hugging Face matrix `shard_id` names."""
+        raise NotImplementedError
+
+    def _check_blocks(self, quant: Fp8Block) -> None:
+        """Raise ValueError unless every split of a matrix over ranks falls on a block edge."""
+        if self.tp_size == 1:
+            return
+        for rows in self._row_parts():
+            if rows % quant.block_rows:
+                raise ValueError(
+                    f"fp8-block: {type(self).__name__} holds {rows} rows of a matrix per rank "
+                    f"at --tp {self.tp_size}, not a multiple of the {quant.block_rows}-row block"
+                )
+
+    def _weight_copy(self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: ShardId):
+        raise NotImplementedError
+
     def shard_copy(
-        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: ShardId = None
     ) -> ShardCopy:
         """Where this rank's slice of a full tensor of `full_shape` goes in `param`.
 
         Raises:
             ValueError: `full_shape` is not what this parameter is a slice of.
         """
-        raise NotImplementedError
+        if self.quant is not None and param is self.weight_scale_inv:
+            return self._scale_copy(full_shape, shard_id)
+        return self._weight_copy(param, full_shape, shard_id)
+
+    def _scale_copy(self, full_shape: tuple[int, ...], shard_id: ShardId) -> ShardCopy:
+        # the weight's slice in block units: splits fall on block edges (`_check_blocks`), and
+        # a whole part's partial last block is counted by the ceiling
+        quant = self.quant
+        weight_full = self._full_weight_shape(shard_id)
+        check_full_shape(full_shape, quant.scale_shape(weight_full))
+        copy = self._weight_copy(self.weight, weight_full, shard_id)
+        if copy.src_dim == 1:
+            start, length = copy.src_start // quant.block_cols, copy.length / quant.block_cols
+            return ShardCopy(1, start, 1, 0, math.ceil(length))
+        parts = self._row_parts()[: self._part_index(shard_id)]
+        before = sum(math.ceil(rows / quant.block_rows) for rows in parts)
+        start, length = copy.src_start // quant.block_rows, copy.length / quant.block_rows
+        return ShardCopy(0, start, 0, before, math.ceil(length))
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
     ) -> None:
-        """Copy this rank's slice of the full tensor `loaded` into `param`, in place."""
+        """Copy this rank's slice of the full tensor `loaded` into `param`, in place.
+
+        Raises:
+            ValueError: a wrong shape, or a block-FP8 weight that is not float8_e4m3fn (a
+                cast would drop its scales).
+        """
+        if param.dtype == FP8_DTYPE and loaded.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"fp8-block: expected {FP8_DTYPE} with its _scale_inv, got {loaded.dtype}"
+            )
         self.shard_copy(param, tuple(loaded.shape), shard_id).apply(param.data, loaded)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype`: block-FP8 weights dequantized part by part."""
+        if self.quant is None:
+            return self.weight
+        rows = self._row_parts()
+        scale_rows = [math.ceil(r / self.quant.block_rows) for r in rows]
+        parts = zip(self.weight.split(rows), self.weight_scale_inv.split(scale_rows), strict=True)
+        dense = [dequantize(weight, scales, self.quant) for weight, scales in parts]
+        return torch.cat(dense).to(dtype)
 
 
 class ColumnParallelLinear(LinearBase):
     """`y = x W^T + b` with W's rows (output features) split over ranks; no gather."""
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        quant: Fp8Block | None = None,
+    ) -> None:
         tp_size = get_tp().tp_size
-        super().__init__(input_size, divide(output_size, tp_size, "output features"), bias=bias)
+        output_size = divide(output_size, tp_size, "output features")
+        super().__init__(input_size, output_size, bias=bias, quant=quant)
 
-    def shard_copy(
-        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
+    def _full_weight_shape(self, shard_id: ShardId) -> tuple[int, int]:
+        return self.weight.shape[0] * self.tp_size, self.weight.shape[1]
+
+    def _weight_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: ShardId = None
     ) -> ShardCopy:
         shard_size = param.shape[0]
         check_full_shape(full_shape, (shard_size * self.tp_size, *param.shape[1:]))
         return ShardCopy(0, self.tp_rank * shard_size, 0, 0, shard_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.dense_weight(x.dtype), self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -76,18 +173,35 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     Each rank holds `[shard of matrix 0; shard of matrix 1; ...]`.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = False,
+        quant: Fp8Block | None = None,
+    ) -> None:
         tp_size = get_tp().tp_size
         for size in output_sizes:
             divide(size, tp_size, "output features")
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias=bias)
+        super().__init__(input_size, sum(output_sizes), bias=bias, quant=quant)
 
-    def shard_copy(
-        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
-    ) -> ShardCopy:
+    def _row_parts(self) -> list[int]:
+        return [size // self.tp_size for size in self.output_sizes]
+
+    def _part_index(self, shard_id: ShardId) -> int:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"unknown merged shard id {shard_id!r}")
+        return shard_id
+
+    def _full_weight_shape(self, shard_id: ShardId) -> tuple[int, int]:
+        return self.output_sizes[self._part_index(shard_id)], self.weight.shape[1]
+
+    def _weight_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: ShardId = None
+    ) -> ShardCopy:
+        self._part_index(shard_id)
         full_size = self.output_sizes[shard_id]
         shard_size = full_size // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -111,6 +225,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_kv_heads: int,
         *,
         bias: bool = False,
+        quant: Fp8Block | None = None,
     ) -> None:
         tp_size = get_tp().tp_size
         self.head_dim = head_dim
@@ -129,7 +244,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.num_kv_head_replicas = tp_size // total_num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, output_size, bias=bias)
+        super().__init__(hidden_size, output_size, bias=bias, quant=quant)
 
     @property
     def q_size(self) -> int:
@@ -141,8 +256,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Key (or value) features on this rank."""
         return self.num_kv_heads * self.head_dim
 
-    def shard_copy(
-        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
+    def _row_parts(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def _part_index(self, shard_id: ShardId) -> int:
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"unknown qkv shard id {shard_id!r}")
+        return "qkv".index(shard_id)
+
+    def _full_weight_shape(self, shard_id: ShardId) -> tuple[int, int]:
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        return heads * self.head_dim, self.weight.shape[1]
+
+    def _weight_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: ShardId = None
     ) -> ShardCopy:
         if shard_id == "q":
             offset, shard_size, total_heads = 0, self.q_size, self.total_num_heads
@@ -164,12 +291,31 @@ class RowParallelLinear(LinearBase):
     replicated and added once, after the sum.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        quant: Fp8Block | None = None,
+    ) -> None:
         tp_size = get_tp().tp_size
-        super().__init__(divide(input_size, tp_size, "input features"), output_size, bias=bias)
+        input_size = divide(input_size, tp_size, "input features")
+        super().__init__(input_size, output_size, bias=bias, quant=quant)
 
-    def shard_copy(
-        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: str | int | None = None
+    def _check_blocks(self, quant: Fp8Block) -> None:
+        if self.tp_size > 1 and self.weight.shape[1] % quant.block_cols:
+            raise ValueError(
+                f"fp8-block: {type(self).__name__} holds {self.weight.shape[1]} columns of a "
+                f"matrix per rank at --tp {self.tp_size}, not a multiple of the "
+                f"{quant.block_cols}-column block"
+            )
+
+    def _full_weight_shape(self, shard_id: ShardId) -> tuple[int, int]:
+        return self.weight.shape[0], self.weight.shape[1] * self.tp_size
+
+    def _weight_copy(
+        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: ShardId = None
     ) -> ShardCopy:
         if param.dim() == 1:  # bias: replicated
             check_full_shape(full_shape, tuple(param.shape))
@@ -179,7 +325,8 @@ class RowParallelLinear(LinearBase):
         return ShardCopy(1, self.tp_rank * shard_size, 1, 0, shard_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dense_weight(x.dtype)
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = all_reduce(linear(x, self.weight))
+            return linear(x, weight, self.bias)
+        y = all_reduce(linear(x, weight))
         return y if self.bias is None else y + self.bias

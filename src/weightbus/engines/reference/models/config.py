@@ -1,10 +1,12 @@
 """`ModelConfig`: the architecture facts the engine needs, read from a Hugging Face config.json."""
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightbus.core.fp8 import Fp8Block
 from weightbus.engines.reference.layers.rotary import ROPE_TYPES
 
 MODEL_TYPES = ("llama", "qwen2")
@@ -37,6 +39,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # block-FP8 decoder-layer matrices (`quantization_config`, or `--quantization fp8-block`)
+    quantization: Fp8Block | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -90,6 +94,27 @@ class ModelConfig:
                 raise ValueError(
                     f"--tp {tp_size} does not split this model: {name} = {getattr(self, name)}"
                 )
+        if self.quantization is not None and tp_size > 1:
+            self._validate_blocks(tp_size)
+
+    def _validate_blocks(self, tp_size: int) -> None:
+        # each matrix split over ranks must split on block edges (its rows in q/k/v and
+        # gate/up, its columns in o_proj and down_proj)
+        rows, cols = self.quantization.block
+        q_per_rank = self.num_attention_heads // tp_size * self.head_dim
+        kv_per_rank = max(self.num_key_value_heads // tp_size, 1) * self.head_dim
+        mlp_per_rank = self.intermediate_size // tp_size
+        splits = {
+            "num_attention_heads * head_dim": (q_per_rank, math.lcm(rows, cols)),
+            "num_key_value_heads * head_dim": (kv_per_rank, rows),
+            "intermediate_size": (mlp_per_rank, math.lcm(rows, cols)),
+        }
+        for name, (per_rank, block) in splits.items():
+            if per_rank % block:
+                raise ValueError(
+                    f"--tp {tp_size} does not split this model on fp8 blocks of "
+                    f"{rows}x{cols}: {name} gives {per_rank} per rank, not a multiple of {block}"
+                )
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -132,6 +157,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            quantization=_read_quantization(hf),
         )
 
     @classmethod
@@ -146,6 +172,11 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _read_quantization(hf: dict[str, Any]) -> Fp8Block | None:
+    quant = hf.get("quantization_config")
+    return None if not quant else Fp8Block.from_hf_config(quant)
 
 
 def _read_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from weightbus.core.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantizes
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.engines.reference.layers.activation import SiluAndMul
 from weightbus.engines.reference.layers.attention import Attention, AttentionMetadata
@@ -28,7 +29,33 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and full (unsharded) shapes of the Hugging Face tensors this model loads, in order.
 
     With tied embeddings `lm_head.weight` is absent: the head reuses `model.embed_tokens.weight`.
+    Block-FP8 models hold each quantized matrix's `_scale_inv` right after it.
     """
+    quant = config.quantization
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in dense_weight_shapes(config).items():
+        shapes[name] = shape
+        if quant is not None and quantizes(name, shape):
+            shapes[name + SCALE_SUFFIX] = quant.scale_shape(shape)
+    return shapes
+
+
+def hf_weight_dtypes(config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype each tensor of `hf_weight_shapes` is served in: `dtype`, but float8_e4m3fn
+    and float32 for block-FP8 matrices and their scales."""
+    if config.quantization is None:
+        return dict.fromkeys(hf_weight_shapes(config), dtype)
+    dtypes = {}
+    for name, shape in dense_weight_shapes(config).items():
+        quantized = quantizes(name, shape)
+        dtypes[name] = FP8_DTYPE if quantized else dtype
+        if quantized:
+            dtypes[name + SCALE_SUFFIX] = torch.float32
+    return dtypes
+
+
+def dense_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """`hf_weight_shapes` without block-FP8 scales: the tensors a trainer holds."""
     hidden, head_dim = config.hidden_size, config.head_dim
     q_size = config.num_attention_heads * head_dim
     kv_size = config.num_key_value_heads * head_dim
@@ -62,11 +89,13 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=config.qkv_bias,
+            quant=config.quantization,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim,
             config.hidden_size,
             bias=config.o_proj_bias,
+            quant=config.quantization,
         )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
@@ -98,10 +127,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        quant = config.quantization
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2
+            config.hidden_size, [config.intermediate_size] * 2, quant=quant
         )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, quant=quant
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

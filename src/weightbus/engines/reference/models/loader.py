@@ -8,23 +8,44 @@ import torch
 
 from weightbus.core.checkpoint import iter_safetensors
 from weightbus.core.digest import tensor_digest
+from weightbus.core.fp8 import FP8_BLOCK_NAME, Fp8Block, quantize_weights
 from weightbus.core.meta import dtype_name
 from weightbus.engines.reference.models.config import ModelConfig, tiny_config
-from weightbus.engines.reference.models.llama import LlamaForCausalLM, hf_weight_shapes
+from weightbus.engines.reference.models.llama import (
+    LlamaForCausalLM,
+    dense_weight_shapes,
+    hf_weight_dtypes,
+)
 
 logger = logging.getLogger(__name__)
 
 TINY = "tiny"
 
 
-def resolve_config(model: str) -> ModelConfig:
+QUANTIZATIONS = (FP8_BLOCK_NAME,)
+
+
+def resolve_config(model: str, quantization: str | None = None) -> ModelConfig:
     """Config of a `--model` value: `tiny` or a Hugging Face directory.
+
+    Args:
+        model: `tiny` or the directory.
+        quantization: `fp8-block` serves the decoder-layer matrices in block FP8 (128 x 128
+            blocks unless the checkpoint's `quantization_config` says otherwise), quantizing
+            an unquantized checkpoint as it loads. None: as the checkpoint is.
 
     Raises:
         FileNotFoundError: the directory has no config.json.
         ValueError: the config is not supported (the message names the field).
     """
-    return tiny_config() if model == TINY else ModelConfig.from_hf_dir(model)
+    config = tiny_config() if model == TINY else ModelConfig.from_hf_dir(model)
+    if quantization is None:
+        return config
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if config.quantization is None:
+        config.quantization = Fp8Block()
+    return config
 
 
 @contextlib.contextmanager
@@ -51,7 +72,7 @@ def random_hf_weights(config: ModelConfig, seed: int) -> Iterator[tuple[str, tor
     winners.
     """
     generator = torch.Generator().manual_seed(seed)
-    for name, shape in hf_weight_shapes(config).items():
+    for name, shape in dense_weight_shapes(config).items():
         noise = torch.randn(shape, generator=generator)
         if name.endswith("norm.weight"):
             tensor = 1.0 + 0.1 * noise
@@ -73,8 +94,7 @@ def load_model(model: LlamaForCausalLM, source: str, seed: int = 0) -> None:
         ValueError: a tensor is unknown, has the wrong shape, or is missing (names listed).
         FileNotFoundError: see `weightbus.core.checkpoint.safetensors_files`.
     """
-    weights = random_hf_weights(model.config, seed) if source == TINY else iter_safetensors(source)
-    loaded = model.load_weights(weights)
+    loaded = model.load_weights(_source_weights(source, model.config, seed))
     missing = [name for name in model.expected_weight_names() if name not in loaded]
     if missing:
         raise ValueError(f"checkpoint {source} lacks {len(missing)} tensors: {missing[:8]}")
@@ -87,10 +107,20 @@ def weights_records(
     """`(name, dtype, shape, digest)` of every weight `load_model` loads from `source`, as
     served (converted to `dtype`): `fingerprint_of_digests` of them is the model's fingerprint,
     the one a trainer holding the same weights in the serving dtype computes."""
-    expected = hf_weight_shapes(config)
-    weights = random_hf_weights(config, seed) if source == TINY else iter_safetensors(source)
+    dtypes = hf_weight_dtypes(config, dtype)
     return [
-        (name, dtype_name(dtype), tuple(t.shape), tensor_digest(t.to(dtype)))
-        for name, t in weights
-        if name in expected
+        (name, dtype_name(dtypes[name]), tuple(t.shape), tensor_digest(t.to(dtypes[name])))
+        for name, t in _source_weights(source, config, seed)
+        if name in dtypes
     ]
+
+
+def _source_weights(
+    source: str, config: ModelConfig, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `source` as the model loads them: block-FP8 models quantize the matrices
+    an unquantized checkpoint holds."""
+    weights = random_hf_weights(config, seed) if source == TINY else iter_safetensors(source)
+    if config.quantization is None:
+        return weights
+    return quantize_weights(weights, config.quantization)

@@ -14,7 +14,11 @@ from torch import nn
 
 from weightbus.core.meta import DRAFT_PREFIX, is_draft_name
 from weightbus.core.plan.shard import ShardCopy
-from weightbus.engines.reference.models.llama import LlamaForCausalLM, hf_weight_shapes
+from weightbus.engines.reference.models.llama import (
+    LlamaForCausalLM,
+    hf_weight_dtypes,
+    hf_weight_shapes,
+)
 
 
 class ServedModels(nn.Module):
@@ -38,6 +42,15 @@ class ServedModels(nn.Module):
             for name, shape in hf_weight_shapes(self.draft.config).items():
                 shapes[DRAFT_PREFIX + name] = shape
         return shapes
+
+    def weight_dtypes(self, dtype: torch.dtype) -> dict[str, torch.dtype]:
+        """Every pushed tensor's served dtype, in `weight_shapes` order: `dtype` but block-FP8
+        matrices and their scales."""
+        dtypes = hf_weight_dtypes(self.main.config, dtype)
+        if self.draft is not None:
+            for name, draft_dtype in hf_weight_dtypes(self.draft.config, dtype).items():
+                dtypes[DRAFT_PREFIX + name] = draft_dtype
+        return dtypes
 
     def shard_copies(self) -> list[tuple[str, str, ShardCopy]]:
         """This rank's slice map over both models: `(pushed name, parameter name, ShardCopy)`,

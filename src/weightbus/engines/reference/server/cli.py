@@ -4,6 +4,7 @@ import argparse
 import os
 import sys
 
+from weightbus.engines.reference.models.loader import QUANTIZATIONS
 from weightbus.engines.reference.server.launcher import DTYPES, ServeConfig
 
 TOKEN_ENV = "WEIGHTBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a secret
@@ -18,6 +19,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="fp8-block: serve the decoder-layer matrices in block FP8 (float8_e4m3fn and a "
+        "float32 scale per 128x128 block), quantizing an unquantized checkpoint as it loads; "
+        "an FP8 checkpoint's quantization_config is read without it",
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences in a batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -81,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             dtype=args.dtype,
+            quantization=args.quantization,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

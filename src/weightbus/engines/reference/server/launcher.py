@@ -31,7 +31,7 @@ from fastapi import FastAPI
 
 from weightbus.engines.reference.engine.worker import WorkerConfig
 from weightbus.engines.reference.models.config import ModelConfig
-from weightbus.engines.reference.models.loader import TINY, resolve_config
+from weightbus.engines.reference.models.loader import QUANTIZATIONS, TINY, resolve_config
 from weightbus.engines.reference.server.admin import AdminConfig
 from weightbus.engines.reference.server.api import AppConfig, create_app
 from weightbus.engines.reference.server.auth import is_loopback
@@ -64,6 +64,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "float32"
+    quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
@@ -93,6 +94,10 @@ class ServeConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"--quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -153,6 +158,7 @@ def worker_config(
         tp_size=config.tp_size,
         model=config.model,
         dtype=config.dtype,
+        quantization=config.quantization,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -177,7 +183,7 @@ def checked_model(config: ServeConfig) -> tuple[ModelConfig, int]:
     Raises:
         ValueError: the model cannot be served with these flags (names the flag or field).
     """
-    model_config = resolve_config(config.model)
+    model_config = resolve_config(config.model, config.quantization)
     model_config.validate_tp(config.tp_size)
     max_model_len = config.max_model_len or min(
         model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN

@@ -1,0 +1,202 @@
+"""Block-FP8 pushes into a reference engine at TP 2 serving FP8 (`--quantization fp8-block`):
+the Publisher quantizes in the push (`quantize="fp8-block"`), the wire carries the fp8
+matrices and their scales, and the engine computes what transformers computes on the
+dequantized weights, over each transport, atomic and in place, as a delta; a corrupted scale
+fails closed, NaN is refused before quantizing, unquantized weights are refused by name."""
+
+import copy
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from engine_harness import ServedEngine
+from update_harness import engine_greedy, hf_greedy, trained_copy, weights_state
+
+from weightbus import Publisher, PushError
+from weightbus.core.finite import NonFiniteWeightsError
+from weightbus.core.fp8 import Fp8Block, dequantized_state
+from weightbus.core.publisher.session import normalize_weights
+from weightbus.core.publisher.targets import HttpEngineTarget
+
+# float32 engine vs transformers on the same (dequantized) weights, as test_update_e2e.py
+LOGPROB_ATOL = 1e-4
+BLOCK = Fp8Block()
+
+
+def _hf_model(path: Path) -> torch.nn.Module:
+    """A Llama whose matrices split over TP 2 on 128x128 blocks: q, k, v 128 rows per rank,
+    o_proj 128 columns, gate/up 256 rows, down_proj 256 columns."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=101,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("fp8")
+    return path, _hf_model(path)
+
+
+@pytest.fixture(scope="module")
+def engine(hf_model, tmp_path_factory):
+    path, _ = hf_model
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    served = ServedEngine(
+        "--model", str(path), "--tp", "2", "--quantization", "fp8-block", log_path=log
+    )
+    yield served
+    served.stop()
+
+
+def served_as(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with the weights an FP8 engine serves after a push of it."""
+    fake = copy.deepcopy(model)
+    fake.load_state_dict(dequantized_state(normalize_weights(model), BLOCK))
+    return fake
+
+
+def assert_serves(engine: ServedEngine, model: torch.nn.Module, version: str) -> None:
+    tokens, logprobs = hf_greedy(served_as(model))
+    choice = engine_greedy(engine)
+    assert (choice["weight_version"], choice["token_ids"]) == (version, tokens)
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+def test_the_engine_quantizes_its_checkpoint_as_a_push_does(engine, hf_model):
+    _, model = hf_model
+    with Publisher([engine.url], transport="shm", quantize="fp8-block") as publisher:
+        assert weights_state(engine)["fingerprint"] == publisher.fingerprint(model)
+    assert_serves(engine, model, "init")
+
+
+@pytest.mark.parametrize(
+    ("transport", "atomic"),
+    [("shm", True), ("shm", False), ("disk", True), ("nixl", True)],
+    ids=["shm-atomic", "shm-in-place", "disk", "nixl"],
+)
+def test_fp8_pushes_serve_what_transformers_serves_on_the_dequantized_weights(
+    engine, hf_model, tmp_path, transport, atomic
+):
+    _, model = hf_model
+    options = {"root": tmp_path} if transport == "disk" else None
+    step = weights_state(engine)["step"] or 0
+    with Publisher(
+        [engine.url], transport=transport, transport_options=options, quantize="fp8-block"
+    ) as publisher:
+        trained = trained_copy(model, seed=step + 1)
+        version = f"fp8-{transport}-{step + 1}"
+        result = publisher.push(trained, version=version, step=step + 1, atomic=atomic)
+    assert result.quantization == "fp8-block 128x128"
+    assert [e.fingerprint for e in result.engines] == [result.fingerprint]
+    dense_bytes = sum(t.nbytes for _, t in normalize_weights(trained))
+    assert result.nbytes < 0.5 * dense_bytes  # float32 here: fp8 matrices are a quarter
+    assert_serves(engine, trained, version)
+
+
+def test_a_delta_between_two_fp8_versions_lands_bit_exactly(engine, hf_model):
+    _, model = hf_model
+    step = weights_state(engine)["step"]
+    base = trained_copy(model, seed=20)
+    small = trained_copy(base, seed=21, lr=1e-4)
+    with Publisher([engine.url], transport="shm", delta="always", quantize=BLOCK) as publisher:
+        publisher.push(base, version="fp8-base", step=step + 1)
+        result = publisher.push(small, version="fp8-delta", step=step + 2)
+        assert result.delta.sent, result.delta
+        assert result.delta.stream_bytes < result.delta.full_bytes
+        assert weights_state(engine)["fingerprint"] == publisher.fingerprint(small)
+    assert_serves(engine, small, "fp8-delta")
+
+
+def _flip_a_byte_of(session: Path, name: str) -> None:
+    """Flip one byte of tensor `name` in the safetensors shard of a disk session that holds it."""
+    for shard in session.glob("*.safetensors"):
+        data = bytearray(shard.read_bytes())
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        if name in header:
+            start, _ = header[name]["data_offsets"]
+            data[8 + length + start] ^= 0x40
+            shard.write_bytes(bytes(data))
+            return
+    raise AssertionError(f"{name} is in no shard of {session}")
+
+
+class ScaleCorruptingTarget(HttpEngineTarget):
+    """An engine that reads a copy of each disk session with one scale's byte flipped."""
+
+    SCALE = "model.layers.1.mlp.down_proj.weight_scale_inv"
+
+    def update(self, order):
+        session = Path(order.source["path"])
+        copy_path = session.with_name(session.name + "-corrupted")
+        shutil.copytree(session, copy_path)
+        _flip_a_byte_of(copy_path, self.SCALE)
+        return super().update(
+            msgspec.structs.replace(order, source={**order.source, "path": str(copy_path)})
+        )
+
+
+def _serving(engine):
+    return weights_state(engine)["fingerprint"], engine_greedy(engine)
+
+
+def test_a_corrupted_scale_fails_closed(engine, hf_model, tmp_path):
+    _, model = hf_model
+    before = _serving(engine)
+    target = ScaleCorruptingTarget(engine.url)
+    with (
+        Publisher(
+            [target], transport="disk", transport_options={"root": tmp_path}, quantize="fp8-block"
+        ) as publisher,
+        pytest.raises(PushError) as failed,
+    ):
+        publisher.push(trained_copy(model, seed=30), version="fp8-corrupted", force=True)
+    reason = failed.value.failures[engine.url]
+    assert f"digest mismatch for tensor '{ScaleCorruptingTarget.SCALE}'" in reason, reason
+    assert _serving(engine) == before
+
+
+def test_nan_is_refused_before_quantizing_and_unquantized_weights_by_name(engine, hf_model):
+    _, model = hf_model
+    before = _serving(engine)
+    broken = trained_copy(model, seed=31)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    with torch.no_grad():
+        dict(broken.named_parameters())[name][5, 7] = float("nan")
+    nan = f"fp8-block: {name} \\(1 NaN, 0 inf\\)"
+    with (
+        Publisher([engine.url], transport="shm", quantize="fp8-block") as publisher,
+        pytest.raises(NonFiniteWeightsError, match=nan),
+    ):
+        publisher.push(broken, version="fp8-nan", force=True)
+    with (
+        Publisher([engine.url], transport="shm") as publisher,  # no quantize
+        pytest.raises(PushError) as refused,
+    ):
+        publisher.push(trained_copy(model, seed=32), version="fp8-missing", force=True)
+    reason = refused.value.failures[engine.url]
+    assert reason.startswith("HTTP 400: "), reason
+    assert f"tensor '{name}': expected float8_e4m3fn[256, 256], got float32[256, 256]" in reason
+    assert _serving(engine) == before
