@@ -70,6 +70,17 @@ def test_ten_consecutive_delta_pushes_keep_the_engine_on_the_trainer(tmp_path):
     assert "deltas:         10/10 pushes sent as changes to the last one" in result.stdout
 
 
+def test_demo_with_an_fp8_engine_quantizes_every_push_and_checks_the_served_policy(tmp_path):
+    result, record = _demo("--fp8", "--steps", "3", "--delta", "always", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # the on-policy check ran against the quantized policy (the float32 trainer's own logprobs
+    # differ from the FP8 engine's by far more than its 1e-3) and every fingerprint matched
+    assert_demo_passed(record, result.stdout, num_steps=3)
+    assert (record["transport"], record["tp"]) == ("shm, fp8-block", 1)
+    assert [step["push_delta"] for step in record["steps"]] == [True] * 3
+    assert "--quantization fp8-block" in result.stdout
+
+
 def test_demo_with_a_draft_pushes_both_models_every_step(tmp_path):
     result, record = _demo(
         "--steps", "4", "--tp", "2", "--draft", "--delta", "always", "--seed", "5",

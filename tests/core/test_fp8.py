@@ -11,6 +11,8 @@ import torch
 from engine_harness import NUM_GREEDY_TOKENS, PROMPT, greedy_generate, hf_reference
 from safetensors.torch import save_file
 
+from weightbus.core.delta import version_digests
+from weightbus.core.digest import fingerprint_of_digests
 from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.fp8 import (
     FP8_DTYPE,
@@ -19,11 +21,19 @@ from weightbus.core.fp8 import (
     dequantize_weights,
     quantize,
     quantize_weights,
+    refuse_nonfinite_to_quantize,
 )
 from weightbus.engines.reference.engine.model_runner import ModelRunner
 from weightbus.engines.reference.layers.parallel import TPContext, tp_context
 from weightbus.engines.reference.models.config import ModelConfig
-from weightbus.engines.reference.models.loader import create_model, load_model
+from weightbus.engines.reference.models.loader import (
+    create_model,
+    load_model,
+    random_hf_weights,
+    resolve_config,
+    weights_records,
+)
+from weightbus.engines.reference.server.launcher import ServeConfig, checked_model
 
 BLOCK = Fp8Block()
 
@@ -73,11 +83,17 @@ def test_nan_and_inf_are_refused_naming_the_tensor(bad):
     }
     weights["model.layers.1.mlp.up_proj.weight"][3, 4] = bad
     counts = "(1 NaN, 0 inf)" if math.isnan(bad) else "(0 NaN, 1 inf)"
+    weights["model.layers.0.mlp.up_proj.weight"][0, 0] = bad
     with pytest.raises(NonFiniteWeightsError) as refused:
         dict(quantize_weights(weights.items(), BLOCK))
     assert str(refused.value) == (
-        f"fp8-block: model.layers.1.mlp.up_proj.weight {counts} cannot be quantized; "
-        "nothing was sent"
+        f"fp8-block: model.layers.0.mlp.up_proj.weight {counts} cannot be quantized"
+    )
+    with pytest.raises(NonFiniteWeightsError) as refused:  # every one named, with counts
+        refuse_nonfinite_to_quantize(weights, "nothing was sent")
+    assert str(refused.value) == (
+        f"fp8-block: model.layers.0.mlp.up_proj.weight {counts}, "
+        f"model.layers.1.mlp.up_proj.weight {counts} cannot be quantized; nothing was sent"
     )
 
 
@@ -112,6 +128,13 @@ def test_block_sizes_come_from_the_checkpoint_config():
         Fp8Block.from_hf_config({"quant_method": "fp8"})
     with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
         Fp8Block.from_hf_config({"quant_method": "awq"})
+    with pytest.raises(ValueError, match="activation_scheme 'static' is not supported"):
+        Fp8Block.from_hf_config({**Fp8Block().hf_config(), "activation_scheme": "static"})
+    with pytest.raises(ValueError, match="fmt 'e5m2' is not supported"):
+        Fp8Block.from_hf_config({**Fp8Block().hf_config(), "fmt": "e5m2"})
+    e5m2 = [("model.layers.0.mlp.up_proj.weight", torch.ones(4, 4).to(torch.float8_e5m2))]
+    with pytest.raises(ValueError, match=r"is torch\.float8_e5m2, not float8_e4m3fn"):
+        dict(quantize_weights(e5m2, BLOCK))
 
 
 # --- the reference engine's FP8 layers ---
@@ -135,8 +158,6 @@ def _config(**overrides) -> ModelConfig:
 
 def _checkpoint(tmp_path, config: ModelConfig) -> tuple[str, dict[str, torch.Tensor]]:
     """An FP8 Hugging Face directory of random weights, and its dense tensors."""
-    from weightbus.engines.reference.models.loader import random_hf_weights
-
     dense = dict(random_hf_weights(config, seed=3))
     fp8 = dict(quantize_weights(dense.items(), BLOCK))
     save_file(fp8, str(tmp_path / "model.safetensors"))
@@ -212,3 +233,20 @@ def test_a_split_off_block_edges_is_refused_naming_the_field():
     )
     with tp_context(TPContext(0, 2)), pytest.raises(ValueError, match="not a multiple of the"):
         create_model(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_engine_quantizing_at_load_reports_what_a_trainer_in_its_dtype_pushes(dtype):
+    """`--quantization fp8-block --dtype D` on a float32 checkpoint quantizes the values in D,
+    as a trainer holding the weights in D does in its push: one fingerprint."""
+    records = weights_records("tiny", resolve_config("tiny", "fp8-block"), 0, dtype)
+    trainer = [(n, t.to(dtype)) for n, t in random_hf_weights(resolve_config("tiny"), 0)]
+    _, pushed = version_digests(dict(quantize_weights(trainer, BLOCK)))
+    assert fingerprint_of_digests(records) == pushed
+
+
+def test_an_fp8_draft_is_refused_at_start(tmp_path):
+    path, _ = _checkpoint(tmp_path, _config())
+    config = ServeConfig(model="tiny", draft_model=path, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="--draft-model is an FP8 checkpoint: a draft is served"):
+        checked_model(config)

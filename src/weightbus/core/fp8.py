@@ -76,6 +76,18 @@ class Fp8Block:
                 f"quantization_config.quant_method {quant.get('quant_method')!r} is not "
                 "supported: only 'fp8' with weight_block_size (block FP8)"
             )
+        for field, allowed in (("fmt", "e4m3"), ("activation_scheme", "dynamic")):
+            if quant.get(field, allowed) != allowed:
+                raise ValueError(
+                    f"quantization_config.{field} {quant[field]!r} is not supported: only "
+                    f"{allowed!r} (float8_e4m3fn weights, activations kept in the serving dtype)"
+                )
+        for field in ("modules_to_not_convert", "ignored_layers"):
+            if quant.get(field):
+                raise ValueError(
+                    f"quantization_config.{field} is not supported: every decoder-layer matrix "
+                    "is served quantized here"
+                )
         size = quant.get("weight_block_size")
         if not (isinstance(size, list | tuple) and len(size) == 2):
             raise ValueError(
@@ -83,6 +95,19 @@ class Fp8Block:
                 "(two block sizes, e.g. [128, 128])"
             )
         return cls(int(size[0]), int(size[1]))
+
+
+def fp8_spec(quantize: "Fp8Block | str | None") -> Fp8Block | None:
+    """A publisher's `quantize` argument: None, an `Fp8Block`, or "fp8-block" (128 x 128).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if quantize is None or isinstance(quantize, Fp8Block):
+        return quantize
+    if quantize == FP8_BLOCK_NAME:
+        return Fp8Block()
+    raise ValueError(f"quantize: {quantize!r} is not {FP8_BLOCK_NAME!r} nor an Fp8Block")
 
 
 def describe(spec: Fp8Block) -> str:
@@ -117,9 +142,7 @@ def quantize(name: str, weight: torch.Tensor, spec: Fp8Block) -> tuple[torch.Ten
         )
     found = describe_nonfinite([(name, weight)])
     if found:
-        raise NonFiniteWeightsError(
-            f"fp8-block: {found[name]} cannot be quantized; nothing was sent"
-        )
+        raise NonFiniteWeightsError(f"fp8-block: {found[name]} cannot be quantized")
     rows, cols = weight.shape
     scale_rows, scale_cols = spec.scale_shape((rows, cols))
     padded_shape = (scale_rows * spec.block_rows, scale_cols * spec.block_cols)
@@ -161,6 +184,26 @@ def dequantize(fp8: torch.Tensor, scale_inv: torch.Tensor, spec: Fp8Block) -> to
     return fp8.float() * expand_scales(scale_inv.float(), tuple(fp8.shape), spec)
 
 
+def refuse_nonfinite_to_quantize(tensors: dict[str, torch.Tensor], context: str) -> None:
+    """Raise NonFiniteWeightsError naming every matrix `quantize_weights` would quantize that
+    holds NaN or inf, with counts (float8_e4m3fn has no inf, and one NaN makes its block's
+    scale NaN: never sent, whatever `allow_nonfinite` says).
+
+    Args:
+        context: what happened instead, appended to the message ("nothing was sent").
+    """
+    to_quantize = (
+        (name, t)
+        for name, t in tensors.items()
+        if t.dtype != FP8_DTYPE and quantizes(name, tuple(t.shape))
+    )
+    found = describe_nonfinite(to_quantize)
+    if found:
+        raise NonFiniteWeightsError(
+            f"fp8-block: {', '.join(found.values())} cannot be quantized; {context}"
+        )
+
+
 def quantize_weights(
     named: Iterable[tuple[str, torch.Tensor]], spec: Fp8Block
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -171,6 +214,11 @@ def quantize_weights(
         if tensor.dtype == FP8_DTYPE or not quantizes(name, tuple(tensor.shape)):
             yield name, tensor
             continue
+        if tensor.element_size() == 1:
+            raise ValueError(
+                f"fp8-block: {name} is {tensor.dtype}, not float8_e4m3fn: only e4m3 block-FP8 "
+                "checkpoints are read"
+            )
         fp8, scale_inv = quantize(name, tensor, spec)
         yield name, fp8
         yield name + SCALE_SUFFIX, scale_inv

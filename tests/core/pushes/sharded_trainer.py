@@ -5,7 +5,7 @@ order and writes one JSON line per action to `<out>/rank<r>.jsonl`; after each `
 `save`, rank 0 writes the gathered weights (for the test's checks only) to `<out>/<version>.pt`.
 
 Actions: `train` (steps), `push` (version; `direct`: False packs the slots; `transport`:
-`shm`, `nixl`, `dist` or `disk`), `push_2d` (the
+`shm`, `nixl`, `dist` or `disk`; `quantize`: "fp8-block"), `push_2d` (the
 same weights as DTensors on a 2-D FSDP x TP mesh, row- and column-parallel), `nan` (rank `on`
 holds a NaN), `raise` (rank `on` passes a non-tensor), `kill` (rank `on` dies by SIGKILL as its
 copies start; over `dist`, as it packs its first parts).
@@ -100,15 +100,16 @@ def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, ran
     }
 
 
-def _publisher(args: dict, direct: bool, transport: str) -> ShardedPublisher:
+def _publisher(args: dict, direct: bool, transport: str, quantize: str | None) -> ShardedPublisher:
     engines = args["engines"]
     if args.get("vllm"):
         from weightbus.engines.vllm.target import VllmEngineTarget
 
         engines = [VllmEngineTarget(url) for url in engines]
     return ShardedPublisher(
-        engines, timeout_s=args["timeout_s"], direct=direct, transport=transport
-    )
+        engines, timeout_s=args["timeout_s"], direct=direct, transport=transport,
+        quantize=quantize,
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -122,7 +123,7 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    publishers: dict[tuple[bool, str], ShardedPublisher] = {}
+    publishers: dict[tuple[bool, str, str | None], ShardedPublisher] = {}
     with (out / f"rank{rank}.jsonl").open("w") as records:
         for index, action in enumerate(args["actions"]):
             if action["kind"] == "train":
@@ -130,7 +131,11 @@ def main() -> None:
                 continue
             record, start = {"action": action}, time.monotonic()
             try:
-                key = (action.get("direct", True), action.get("transport", "shm"))
+                key = (
+                    action.get("direct", True),
+                    action.get("transport", "shm"),
+                    action.get("quantize"),
+                )
                 if key not in publishers:  # every rank builds it at the same action
                     publishers[key] = _publisher(args, *key)
                 record |= {"ok": True, **_push(publishers[key], model, action, rank)}

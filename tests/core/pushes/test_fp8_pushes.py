@@ -13,14 +13,19 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from engine_harness import ServedEngine
+from engine_harness import PROMPT, ServedEngine
+from sharded_harness import run_trainers
 from update_harness import engine_greedy, hf_greedy, trained_copy, weights_state
 
 from weightbus import Publisher, PushError
 from weightbus.core.finite import NonFiniteWeightsError
-from weightbus.core.fp8 import Fp8Block, dequantized_state
+from weightbus.core.fp8 import Fp8Block, dequantized_state, quantize, quantize_weights
+from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.session import normalize_weights
 from weightbus.core.publisher.targets import HttpEngineTarget
+from weightbus.core.sharded import DeclaredShard
+from weightbus.core.sharded.holdings import holdings_of
+from weightbus.core.sharded.quantize import quantized_holdings
 
 # float32 engine vs transformers on the same (dequantized) weights, as test_update_e2e.py
 LOGPROB_ATOL = 1e-4
@@ -70,6 +75,16 @@ def engine(hf_model, tmp_path_factory):
     served.stop()
 
 
+@pytest.fixture(scope="module")
+def tp1(engine, hf_model, tmp_path_factory):
+    """A TP-1 engine on the same checkpoint, for two-phase fleet pushes (used with `engine`)."""
+    path, _ = hf_model
+    log = tmp_path_factory.mktemp("log") / "serve-tp1.log"
+    served = ServedEngine("--model", str(path), "--quantization", "fp8-block", log_path=log)
+    yield served
+    served.stop()
+
+
 def served_as(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with the weights an FP8 engine serves after a push of it."""
     fake = copy.deepcopy(model)
@@ -97,22 +112,25 @@ def test_the_engine_quantizes_its_checkpoint_as_a_push_does(engine, hf_model):
     ids=["shm-atomic", "shm-in-place", "disk", "nixl"],
 )
 def test_fp8_pushes_serve_what_transformers_serves_on_the_dequantized_weights(
-    engine, hf_model, tmp_path, transport, atomic
+    engine, tp1, hf_model, tmp_path, transport, atomic
 ):
+    """A fleet of a TP-2 and a TP-1 FP8 engine: atomic pushes are two-phase."""
     _, model = hf_model
     options = {"root": tmp_path} if transport == "disk" else None
-    step = weights_state(engine)["step"] or 0
+    step = max(weights_state(e)["step"] or 0 for e in (engine, tp1))
     with Publisher(
-        [engine.url], transport=transport, transport_options=options, quantize="fp8-block"
-    ) as publisher:
+        [engine.url, tp1.url], transport=transport, transport_options=options,
+        quantize="fp8-block",
+    ) as publisher:  # fmt: skip
         trained = trained_copy(model, seed=step + 1)
         version = f"fp8-{transport}-{step + 1}"
         result = publisher.push(trained, version=version, step=step + 1, atomic=atomic)
-    assert result.quantization == "fp8-block 128x128"
-    assert [e.fingerprint for e in result.engines] == [result.fingerprint]
+    assert (result.quantization, result.two_phase) == ("fp8-block 128x128", atomic)
+    assert [e.fingerprint for e in result.engines] == [result.fingerprint] * 2
     dense_bytes = sum(t.nbytes for _, t in normalize_weights(trained))
     assert result.nbytes < 0.5 * dense_bytes  # float32 here: fp8 matrices are a quarter
     assert_serves(engine, trained, version)
+    assert_serves(tp1, trained, version)
 
 
 def test_a_delta_between_two_fp8_versions_lands_bit_exactly(engine, hf_model):
@@ -127,6 +145,85 @@ def test_a_delta_between_two_fp8_versions_lands_bit_exactly(engine, hf_model):
         assert result.delta.stream_bytes < result.delta.full_bytes
         assert weights_state(engine)["fingerprint"] == publisher.fingerprint(small)
     assert_serves(engine, small, "fp8-delta")
+
+
+def test_fsdp2_ranks_quantize_their_own_shards_into_what_a_publisher_sends(
+    engine, hf_model, tmp_path
+):
+    path, _ = hf_model
+    step = weights_state(engine)["step"]
+    for transport in ("shm", "nixl"):
+        actions = [
+            {"kind": "train", "steps": 1},
+            {"kind": "push", "version": f"fp8-fsdp-{transport}", "transport": transport,
+             "quantize": "fp8-block", "save": True, "options": {"step": step + 1}},
+        ]  # fmt: skip
+        records = run_trainers(2, str(path), [engine.url], actions, tmp_path / transport)
+        assert all(r[0]["ok"] for r in records), records
+        gathered = torch.load(tmp_path / transport / f"fp8-fsdp-{transport}.pt")
+        with Publisher([engine.url], quantize="fp8-block") as publisher:
+            expected = publisher.fingerprint(gathered)
+        # every block quantized on the rank holding it: the whole model's quantization
+        assert {r[0]["fingerprint"] for r in records} == {expected}
+        assert weights_state(engine)["fingerprint"] == expected
+        step += 1
+    trained = copy.deepcopy(hf_model[1])
+    trained.load_state_dict(gathered)
+    assert_serves(engine, trained, "fp8-fsdp-nixl")
+
+
+def test_a_shard_off_block_edges_is_refused_naming_the_tensor():
+    name = "model.layers.0.mlp.up_proj.weight"
+    held = holdings_of({name: DeclaredShard(torch.ones(100, 256), (200, 256), (100, 0))})
+    with pytest.raises(ValueError, match="not whole 128x128 blocks") as refused:
+        quantized_holdings(held, BLOCK)
+    assert str(refused.value) == (
+        f"fp8-block: tensor {name!r}: this rank holds rows 100:200 and columns 0:256 of "
+        "(200, 256), not whole 128x128 blocks: each rank quantizes its own shard, so shards "
+        "must split on block edges (or push the gathered model with a Publisher)"
+    )
+    # a shard on block edges quantizes into exactly its part of the whole matrix's
+    full = torch.randn(256, 300)
+    whole_fp8, whole_scales = quantize(name, full, BLOCK)
+    part = quantized_holdings(
+        holdings_of({name: DeclaredShard(full[128:].clone(), (256, 300), (128, 0))}), BLOCK
+    )
+    fp8, scales = (holding.local for holding in part)
+    assert torch.equal(fp8.view(torch.uint8), whole_fp8[128:].reshape(-1).view(torch.uint8))
+    assert torch.equal(scales, whole_scales[1:].reshape(-1))
+
+
+def test_a_probe_passes_a_good_fp8_push_and_rolls_back_one_with_misplaced_scales(engine, hf_model):
+    _, model = hf_model
+    step = weights_state(engine)["step"]
+    good = trained_copy(model, seed=40)
+    probe = LogprobProbe.of_quantized_model(good, PROMPT, BLOCK)
+    assert 1e-4 < probe.tolerance < 0.1  # a tenth of what quantizing does to these logprobs
+    with Publisher([engine.url], transport="shm", quantize=BLOCK) as publisher:
+        publisher.push(good, version="fp8-probed", step=step + 1, probe=probe)
+    # the engine's teacher-forced logprobs (`prompt_logprobs`) are transformers' on the
+    # dequantized weights, to float32 rounding
+    target = HttpEngineTarget(engine.url)
+    assert target.score(PROMPT) == pytest.approx(probe.logprobs, abs=LOGPROB_ATOL)
+    target.close()
+    # the fault: a matrix whose blocks differ in scale (its first 128 rows 8x the rest), its
+    # scales loaded into the wrong blocks (their rows swapped); the bytes verify
+    bad = trained_copy(model, seed=41)
+    name = "model.layers.0.mlp.down_proj.weight"
+    with torch.no_grad():
+        dict(bad.named_parameters())[name][:128] *= 8
+    served = dict(quantize_weights(normalize_weights(bad), BLOCK))
+    served[name + "_scale_inv"] = served[name + "_scale_inv"].flip(0).contiguous()
+    probe = LogprobProbe.of_quantized_model(bad, PROMPT, BLOCK)
+    with (
+        Publisher([engine.url], transport="shm") as publisher,  # sends the tensors as given
+        pytest.raises(PushError) as failed,
+    ):
+        publisher.push(served, version="fp8-misplaced", step=step + 2, probe=probe)
+    reason = failed.value.failures[engine.url]
+    assert "logprob probe failed after loading 'fp8-misplaced': engine and trainer differ" in reason
+    assert reason.endswith("rolled back to 'fp8-probed'"), reason
+    assert_serves(engine, good, "fp8-probed")
 
 
 def _flip_a_byte_of(session: Path, name: str) -> None:

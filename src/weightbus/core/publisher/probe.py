@@ -7,11 +7,14 @@ embedding: the bytes verified, the model served the old head). After an update t
 scores a fixed token sequence and its logprobs must match the trainer's on the same weights.
 """
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from weightbus.core.fp8 import Fp8Block, dequantized_state
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +57,32 @@ class LogprobProbe:
             logprobs=tuple(float(s) for s in scores),
             tolerance=tolerance,
         )
+
+    @classmethod
+    @torch.no_grad()
+    def of_quantized_model(
+        cls,
+        model: torch.nn.Module,
+        token_ids: Sequence[int],
+        quantize: Fp8Block,
+        tolerance: float | None = None,
+    ) -> "LogprobProbe":
+        """The probe of `model` as a block-FP8 engine serves it after a push with `quantize`:
+        the trainer's model with the same quantize-dequantize applied.
+
+        Args:
+            tolerance: None: a tenth of the largest logprob change the quantization itself
+                makes on these tokens. A scale in a wrong block moves logprobs by about as
+                much or more; a float32 engine's own rounding is ~1e-6 (a bf16 engine's ~0.1
+                is not below it: give a tolerance, or probe a float32 engine).
+        """
+        served = copy.deepcopy(model)
+        served.load_state_dict(dequantized_state(model.state_dict().items(), quantize))
+        probe = cls.of_model(served.eval(), token_ids, tolerance=1.0)
+        if tolerance is None:
+            exact = cls.of_model(model, token_ids, tolerance=1.0)
+            tolerance = probe.gap(exact.logprobs) / 10
+        return cls(token_ids=probe.token_ids, logprobs=probe.logprobs, tolerance=tolerance)
 
     def gap(self, engine_logprobs: Sequence[float]) -> float:
         """Largest |engine - trainer| over the scored tokens; `inf` when a logprob on either

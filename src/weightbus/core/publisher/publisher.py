@@ -19,8 +19,19 @@ from typing import Any
 import httpx
 
 from weightbus.core.delta import version_digests
-from weightbus.core.finite import NOTHING_SERVED, NonFiniteWeightsError, refuse_nonfinite
-from weightbus.core.fp8 import FP8_BLOCK_NAME, Fp8Block, describe, quantize_weights
+from weightbus.core.finite import (
+    NOTHING_SENT,
+    NOTHING_SERVED,
+    NonFiniteWeightsError,
+    refuse_nonfinite,
+)
+from weightbus.core.fp8 import (
+    Fp8Block,
+    describe,
+    fp8_spec,
+    quantize_weights,
+    refuse_nonfinite_to_quantize,
+)
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher.delta import (
     DEFAULT_MAX_RATIO,
@@ -114,7 +125,7 @@ class Publisher:
             raise ValueError("engines: give at least one engine URL or target")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.quantize = _quantization(quantize)
+        self.quantize = fp8_spec(quantize)
         self.delta = check_delta_mode(delta)
         self._delta = DeltaState(delta_max_ratio, delta_sparse)
         self.bucket_bytes = bucket_bytes
@@ -264,13 +275,15 @@ class Publisher:
         """The tensors engines serve: `weights` renamed, quantized with `quantize`.
 
         Raises:
-            NonFiniteWeightsError: `quantize` is set and a matrix to quantize holds NaN or
-                inf (float8_e4m3fn has none to carry): named, nothing sent.
+            NonFiniteWeightsError: `quantize` is set and matrices to quantize hold NaN or inf
+                (each named with its counts; float8_e4m3fn has none to carry, whatever
+                `allow_nonfinite` says): nothing was sent.
         """
-        tensors = normalize_weights(weights, name_map)
+        tensors = dict(normalize_weights(weights, name_map))
         if self.quantize is None:
-            return dict(tensors)
-        return dict(quantize_weights(tensors, self.quantize))
+            return tensors
+        refuse_nonfinite_to_quantize(tensors, NOTHING_SENT)
+        return dict(quantize_weights(tensors.items(), self.quantize))
 
     def set_delta_base(
         self, weights: Weights, *, version: str, name_map: NameMap | None = None
@@ -349,8 +362,9 @@ class Publisher:
             PushError: an engine refused, failed or timed out (each one named with its reason);
                 two-phase: no engine committed.
             NonFiniteWeightsError: a tensor holds NaN or inf (each named with its counts) and
-                `allow_nonfinite` is off; no engine serves any of it: nothing was sent, or
-                (checked in the copy pass) every engine discarded what it had staged.
+                `allow_nonfinite` is off, or with `quantize` a matrix to quantize does (always);
+                no engine serves any of it: nothing was sent, or (checked in the copy pass)
+                every engine discarded what it had staged.
             ValueError: a probe for targets that cannot score one; `two_phase` with an in-place
                 push or targets that cannot stage and commit on a later word.
         """
@@ -481,11 +495,3 @@ class Publisher:
         """
         with self._lock:
             self._fleet.remove(url)
-
-
-def _quantization(quantize: Fp8Block | str | None) -> Fp8Block | None:
-    if quantize is None or isinstance(quantize, Fp8Block):
-        return quantize
-    if quantize == FP8_BLOCK_NAME:
-        return Fp8Block()
-    raise ValueError(f"quantize: {quantize!r} is not {FP8_BLOCK_NAME!r} nor an Fp8Block")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from weightbus.core.finite import NOTHING_SENT, NonFiniteWeightsError, describe_nonfinite
+from weightbus.core.fp8 import Fp8Block, fp8_spec
 from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher.fleet import Fleet
 from weightbus.core.publisher.push_session import PushRequest, PushRun, push_options
@@ -36,6 +37,7 @@ from weightbus.core.sharded.holdings import Holding, holdings_of, tied_heads
 from weightbus.core.sharded.layout import HeldMeta, TrainerLayout, held_metas
 from weightbus.core.sharded.nixl_sink import ShardedNixlSink
 from weightbus.core.sharded.nixl_write import GroupNixlWriter
+from weightbus.core.sharded.quantize import quantized_holdings
 from weightbus.core.sharded.sink import ShardedShmSink, SharedPush
 from weightbus.core.sharded.slots import GroupSlots
 from weightbus.core.sharded.steps import (
@@ -109,6 +111,9 @@ class ShardedPublisher:
         direct: write straight into the engine ranks' parameters where every rank offers them
             (else, and with False, every trainer rank packs its parts of each bucket into the
             shared slots: vLLM, engines started with `--no-shm-weights`).
+        quantize: as `Publisher`: each rank quantizes its own shards to block FP8
+            (`core/sharded/quantize.py`; a shard must cover whole blocks, else the push is
+            refused naming the tensor and the rows and columns the rank holds).
 
     Raises:
         ValueError: a transport that cannot take sharded sources (naming the alternatives).
@@ -127,6 +132,7 @@ class ShardedPublisher:
         timeout_s: float = 120.0,
         direct: bool = True,
         transport_options: dict[str, Any] | None = None,
+        quantize: Fp8Block | str | None = None,
     ) -> None:
         if transport not in SHARDED_TRANSPORTS:
             raise ValueError(
@@ -135,6 +141,7 @@ class ShardedPublisher:
                 "use a Publisher (every transport)"
             )
         self.timeout_s = timeout_s
+        self.quantize = fp8_spec(quantize)
         self._control = GroupControl(group, control_host, timeout_s)
         self._writer = GroupWriter(self._control)
         self._slots = GroupSlots(self._control, self._writer.pool)
@@ -252,6 +259,8 @@ class ShardedPublisher:
             holdings = holdings_of(weights, name_map)
             named = [] if allow else [(h.name, h.local) for h in holdings]
             found = list(describe_nonfinite(named).values())
+            if self.quantize is not None and not found:
+                holdings = quantized_holdings(holdings, self.quantize)
         except Exception as exc:
             self._control.report(
                 key, ControlMessage(ok=False, error=f"{type(exc).__name__}: {exc}")

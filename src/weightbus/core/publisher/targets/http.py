@@ -5,6 +5,7 @@ in the conventions of SGLang's `/v1/update_weights`; any transport's set-up trav
 import httpx
 import msgspec
 
+from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.targets.base import (
     EngineResult,
     EngineTarget,
@@ -20,6 +21,8 @@ HTTP_MARGIN_S = 10.0
 # Where any transport's rank set-up and tear-down go (`{transport, request}`).
 SETUP_ROUTE = "/v1/setup_transport"
 TEARDOWN_ROUTE = "/v1/teardown_transport"
+# Bound of a probe's scoring call and of the rollback after a failed probe.
+PROBE_TIMEOUT_S = 30.0
 
 
 def error_reason(response: httpx.Response) -> str:
@@ -73,6 +76,7 @@ class HttpEngineTarget(EngineTarget):
     supports_two_phase = True
     stages_before_loading = True
     answers_peers = True
+    scores_probes = True
 
     def __init__(
         self, url: str, *, token: str | None = None, client: httpx.Client | None = None
@@ -81,6 +85,8 @@ class HttpEngineTarget(EngineTarget):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._owns_client = client is None
         self._http = client if client is not None else httpx.Client(headers=headers)
+        # a two-phase push's probe, checked once its version is committed: (version, probe)
+        self._pending_probe: tuple[str, LogprobProbe] | None = None
 
     def _request(self, method: str, path: str, timeout_s: float, **kwargs: object) -> dict:
         return request_json(self._http, method, self.url, path, timeout_s, **kwargs)
@@ -90,7 +96,12 @@ class HttpEngineTarget(EngineTarget):
         answer = self._request(
             "POST", "/v1/update_weights", order.timeout_s + HTTP_MARGIN_S, json=body
         )
-        return self._result(answer)
+        result = self._result(answer)
+        if order.probe is not None and result.staged:
+            self._pending_probe = (order.version, order.probe)
+        elif order.probe is not None:
+            self._check_probe(order.probe, order.version)
+        return result
 
     def _result(self, answer: dict) -> EngineResult:
         return EngineResult(
@@ -114,9 +125,13 @@ class HttpEngineTarget(EngineTarget):
     def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
         body = {"version": version, "fingerprint": fingerprint, "timeout_s": timeout_s}
         answer = self._request("POST", "/v1/commit_weights", timeout_s + HTTP_MARGIN_S, json=body)
+        pending, self._pending_probe = self._pending_probe, None
+        if pending is not None and pending[0] == version:
+            self._check_probe(pending[1], version)
         return self._result(answer)
 
     def abort(self, version: str, reason: str, timeout_s: float) -> None:
+        self._pending_probe = None
         body = {"version": version, "reason": reason[:1000]}
         self._request("POST", "/v1/abort_weights", timeout_s, json=body)
 
@@ -132,6 +147,52 @@ class HttpEngineTarget(EngineTarget):
             "POST", "/v1/rollback_weights", order.timeout_s + HTTP_MARGIN_S, json=body
         )
         return self._result(answer)
+
+    def score(self, token_ids: tuple[int, ...] | list[int]) -> list[float]:
+        """The engine's logprob of each token after the first, teacher-forced
+        (`prompt_logprobs` on `/v1/completions`)."""
+        body = {"prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0}
+        body["prompt_logprobs"] = True
+        answer = self._request("POST", "/v1/completions", PROBE_TIMEOUT_S, json=body)
+        return answer["choices"][0]["prompt_logprobs"][1:]
+
+    def _check_probe(self, probe: LogprobProbe, version: str) -> None:
+        """Fail closed: a gap above the tolerance, a non-finite logprob on either side, or a
+        scoring call that fails each roll the engine back to the version it held before (an
+        atomic push keeps it), or say it still serves `version`.
+
+        Raises:
+            EngineRequestError: the probe failed (the gap, and what the engine serves now).
+        """
+        try:
+            gap = probe.gap(self.score(probe.token_ids))
+        except (EngineRequestError, KeyError, IndexError, TypeError, ValueError) as exc:
+            reason = f"the engine could not score the probe ({exc})"
+        else:
+            if gap <= probe.tolerance:
+                return
+            reason = (
+                f"engine and trainer differ by {gap:.3g} > tolerance {probe.tolerance:g} (inf: "
+                "a logprob is NaN or infinite), so the engine does not serve the pushed weights"
+            )
+        raise EngineRequestError(
+            f"logprob probe failed after loading {version!r}: {reason}; {self._undo(version)}"
+        )
+
+    def _undo(self, version: str) -> str:
+        """Roll back after a failed probe; what the engine serves then."""
+        held = self.weights(PROBE_TIMEOUT_S).rollback
+        if held is None:
+            return f"it still serves {version!r}: it holds no previous version to roll back to"
+        order = RollbackOrder(
+            version=held["version"],
+            fingerprint=held["fingerprint"],
+            pause_mode="drain",
+            two_phase=False,
+            timeout_s=PROBE_TIMEOUT_S,
+        )
+        self.rollback(order)
+        return f"rolled back to {held['version']!r}"
 
     def weights(self, timeout_s: float) -> EngineWeights:
         answer = self._request("GET", "/v1/weights", timeout_s)

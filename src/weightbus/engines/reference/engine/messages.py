@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
     seed: int | None = None
     num_logprobs: int | None = None
     ignore_eos: bool = False
+    prompt_logprobs: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
@@ -59,6 +60,9 @@ class TokenOutput(msgspec.Struct, frozen=True):
     top_token_ids: list[int]
     top_logprobs: list[float]
     finish_reason: str | None = None
+    # on a sequence's first token when it asked: each prompt token's logprob given the ones
+    # before it (None for the first)
+    prompt_logprobs: list[float | None] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):

@@ -17,6 +17,8 @@ class SamplingParams:
         seed: seed of this sequence's own generator (None: a random one).
         num_logprobs: top alternatives to report per token (None: no logprobs).
         ignore_eos: keep generating after an end-of-sequence token.
+        prompt_logprobs: report each prompt token's logprob (teacher-forced scoring: what a
+            logprob probe reads).
     """
 
     max_tokens: int
@@ -25,6 +27,7 @@ class SamplingParams:
     seed: int | None = None
     num_logprobs: int | None = None
     ignore_eos: bool = False
+    prompt_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +54,8 @@ class Sequence:
         self.num_cached_tokens = 0
         # tokens of this sequence the draft model's KV cache holds (speculative decoding)
         self.num_draft_cached_tokens = 0
+        # filled at prefill when `params.prompt_logprobs`, sent with the first token
+        self.prompt_logprobs: list[float | None] | None = None
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()

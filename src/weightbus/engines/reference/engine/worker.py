@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 # is NORMAL an engine pays nothing for live updates; collectives of an update (flags, verdicts)
 # run only while one is in flight.
 HEADER_SIZE = 8
-CMD, NUM_SEQS, NUM_TOKENS, ACTION, PAYLOAD_BYTES, TAGS, SPEC_VALUES = 0, 1, 2, 3, 4, 5, 6
+CMD, NUM_SEQS, NUM_TOKENS, ACTION, PAYLOAD_BYTES, TAGS, SPEC_VALUES, ALL_LOGITS = range(8)
 IDLE, RUN, STOP = 0, 1, 2
 # While an update is in flight and nothing else runs, rank 0 steps this often to poll it.
 UPDATE_POLL_S = 0.002
@@ -267,11 +267,28 @@ class Worker:
         if self.spec_plan is not None:
             self._speculative_step(model_input, self.spec_plan)
             return True
-        logits = self._forward(model_input)
+        # a prefill asking for prompt logprobs: every rank computes every token's logits
+        all_logits = bool(self.header[ALL_LOGITS])
+        logits = self.runner.forward(model_input, all_logits=all_logits)
         if self.is_driver:
+            if all_logits:
+                logits = self._keep_prompt_logprobs(logits, model_input)
             result = self._sample(logits)
             self._send_outputs(result)
         return True
+
+    def _keep_prompt_logprobs(self, logits: torch.Tensor, model_input: ModelInput) -> torch.Tensor:
+        """Rank 0, after a forward with every token's logits: record the prompt logprobs of
+        the sequences that asked; return each sequence's last row (what it samples from)."""
+        counts = model_input.meta.num_new_tokens
+        ends = torch.tensor(counts).cumsum(0)
+        for seq, end, count in zip(self.batch, ends.tolist(), counts, strict=True):
+            if seq.params.prompt_logprobs and seq.prompt_logprobs is None:
+                rows = logits[end - count : end - 1].log_softmax(-1)
+                targets = torch.tensor(seq.token_ids[1:count])
+                scores = rows.gather(1, targets[:, None])[:, 0].tolist()
+                seq.prompt_logprobs = [None, *scores]
+        return logits[ends - 1]
 
     # --- steps ---
 
@@ -330,6 +347,7 @@ class Worker:
             seed=request.seed,
             num_logprobs=request.num_logprobs,
             ignore_eos=request.ignore_eos,
+            prompt_logprobs=request.prompt_logprobs,
         )
         try:
             self.scheduler.add(Sequence(request.request_id, request.prompt_token_ids, params))
@@ -417,6 +435,9 @@ class Worker:
         self.header[CMD] = RUN
         self.header[NUM_SEQS] = len(self.batch)
         self.header[NUM_TOKENS] = len(flat_tokens)
+        self.header[ALL_LOGITS] = any(
+            seq.params.prompt_logprobs and seq.num_cached_tokens == 0 for seq in self.batch
+        )
         self._pack_spec_plan()
         return torch.tensor([*layout[0], *layout[1], *layout[2], *flat_tokens])
 
@@ -512,9 +533,6 @@ class Worker:
             draft = self.weights.draft_info(self.update_request, result)
             self.control.on_staged(verdicts, result.nbytes, result.phases, draft)
 
-    def _forward(self, model_input: ModelInput) -> torch.Tensor:
-        return self.runner.forward(model_input)
-
     def _speculative_step(self, model_input: ModelInput, plan: SpecPlan) -> None:
         """Draft passes, one verifying pass (all ranks), then acceptance and outputs (rank 0)."""
         assert self.speculator is not None, "rank 0 planned a speculative step without a draft"
@@ -580,6 +598,7 @@ def _token_output(
         top_token_ids=result.top_token_ids[row],
         top_logprobs=result.top_logprobs[row],
         finish_reason=seq.finish_reason if last else None,
+        prompt_logprobs=seq.prompt_logprobs if seq.num_completion_tokens == 1 else None,
     )
 
 

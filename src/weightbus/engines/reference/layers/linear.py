@@ -123,7 +123,8 @@ class LinearBase(nn.Module):
         """
         if param.dtype == FP8_DTYPE and loaded.dtype != FP8_DTYPE:
             raise ValueError(
-                f"fp8-block: expected {FP8_DTYPE} with its _scale_inv, got {loaded.dtype}"
+                f"fp8-block: this engine serves {FP8_DTYPE} with a _scale_inv, got "
+                f"{loaded.dtype} (push with Publisher(quantize='fp8-block'))"
             )
         self.shard_copy(param, tuple(loaded.shape), shard_id).apply(param.data, loaded)
 

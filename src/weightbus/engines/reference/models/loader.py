@@ -8,7 +8,7 @@ import torch
 
 from weightbus.core.checkpoint import iter_safetensors
 from weightbus.core.digest import tensor_digest
-from weightbus.core.fp8 import FP8_BLOCK_NAME, Fp8Block, quantize_weights
+from weightbus.core.fp8 import FP8_BLOCK_NAME, FP8_DTYPE, Fp8Block, quantize_weights, quantizes
 from weightbus.core.meta import dtype_name
 from weightbus.engines.reference.models.config import ModelConfig, tiny_config
 from weightbus.engines.reference.models.llama import (
@@ -94,7 +94,8 @@ def load_model(model: LlamaForCausalLM, source: str, seed: int = 0) -> None:
         ValueError: a tensor is unknown, has the wrong shape, or is missing (names listed).
         FileNotFoundError: see `weightbus.core.checkpoint.safetensors_files`.
     """
-    loaded = model.load_weights(_source_weights(source, model.config, seed))
+    dtype = model.model.norm.weight.dtype  # the serving dtype of every unquantized weight
+    loaded = model.load_weights(_source_weights(source, model.config, seed, dtype))
     missing = [name for name in model.expected_weight_names() if name not in loaded]
     if missing:
         raise ValueError(f"checkpoint {source} lacks {len(missing)} tensors: {missing[:8]}")
@@ -110,17 +111,23 @@ def weights_records(
     dtypes = hf_weight_dtypes(config, dtype)
     return [
         (name, dtype_name(dtypes[name]), tuple(t.shape), tensor_digest(t.to(dtypes[name])))
-        for name, t in _source_weights(source, config, seed)
+        for name, t in _source_weights(source, config, seed, dtype)
         if name in dtypes
     ]
 
 
 def _source_weights(
-    source: str, config: ModelConfig, seed: int
+    source: str, config: ModelConfig, seed: int, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of `source` as the model loads them: block-FP8 models quantize the matrices
-    an unquantized checkpoint holds."""
+    an unquantized checkpoint holds, from their values in the serving `dtype` (what a trainer
+    holding them in that dtype quantizes in its push: the same fingerprint)."""
     weights = random_hf_weights(config, seed) if source == TINY else iter_safetensors(source)
-    if config.quantization is None:
+    quant = config.quantization
+    if quant is None:
         return weights
-    return quantize_weights(weights, config.quantization)
+    served = (
+        (name, t.to(dtype) if quantizes(name, tuple(t.shape)) and t.dtype != FP8_DTYPE else t)
+        for name, t in weights
+    )
+    return quantize_weights(served, quant)

@@ -25,6 +25,7 @@ class _Generation:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
     top: list[tuple[list[int], list[float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -132,6 +133,8 @@ async def _generate(
             gen.token_ids.append(out.token_id)
             gen.logprobs.append(out.logprob)
             gen.top.append((out.top_token_ids, out.top_logprobs))
+            if out.prompt_logprobs is not None:
+                gen.prompt_logprobs = out.prompt_logprobs
             gen.finish_reason = out.finish_reason
             if stops:
                 previous_len = len(gen.text)
@@ -194,6 +197,7 @@ def _engine_requests(
             seed=body.seed,
             num_logprobs=body.logprobs,
             ignore_eos=body.ignore_eos,
+            prompt_logprobs=body.prompt_logprobs,
         )
         for i, ids in enumerate(prompts)
     ]
@@ -227,6 +231,7 @@ def _choice(
         text=gen.text,
         token_ids=gen.token_ids,
         logprobs=None if body.logprobs is None else _logprobs(gen, tokenizer, body.logprobs),
+        prompt_logprobs=gen.prompt_logprobs,
         finish_reason=gen.finish_reason or "abort",
         weight_version=gen.weight_spans[-1].version if gen.weight_spans else serving_version,
         weight_versions=gen.weight_spans,

@@ -203,6 +203,11 @@ def _check_draft_model(
 ) -> None:
     """A draft must share the main model's vocabulary, shard over the same TP ranks and hold
     a whole sequence."""
+    if draft.quantization is not None:
+        raise ValueError(
+            "--draft-model is an FP8 checkpoint: a draft is served and pushed in the serving "
+            "dtype (pushes quantize the policy only); give an unquantized draft"
+        )
     if draft.vocab_size != main.vocab_size:
         raise ValueError(
             f"--draft-model has vocab_size {draft.vocab_size}, the model {main.vocab_size}: "

@@ -57,6 +57,8 @@ class CompletionRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extra parameter, as a flag: each prompt token's logprob in the choice
+    prompt_logprobs: bool = False
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     n: Literal[1] = 1
@@ -140,6 +142,8 @@ class CompletionChoice(BaseModel):
     text: str
     token_ids: list[int]
     logprobs: LogProbs | None = None
+    # with `prompt_logprobs`: log p(prompt[i] | prompt[:i]) per prompt token (None for the first)
+    prompt_logprobs: list[float | None] | None = None
     finish_reason: str
     weight_version: str
     weight_versions: list[WeightSpan]
