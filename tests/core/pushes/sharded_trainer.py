@@ -95,6 +95,7 @@ def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, ran
     engines = [] if result.result is None else [e.rank_nbytes for e in result.result.engines]
     return {
         "fingerprint": result.fingerprint,
+        "quantization": result.quantization,
         "sent_bytes": result.sent_bytes,
         "rank_nbytes": engines,
     }

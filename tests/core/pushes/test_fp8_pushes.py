@@ -135,7 +135,7 @@ def test_fp8_pushes_serve_what_transformers_serves_on_the_dequantized_weights(
 
 def test_a_delta_between_two_fp8_versions_lands_bit_exactly(engine, hf_model):
     _, model = hf_model
-    step = weights_state(engine)["step"]
+    step = weights_state(engine)["step"] or 0
     base = trained_copy(model, seed=20)
     small = trained_copy(base, seed=21, lr=1e-4)
     with Publisher([engine.url], transport="shm", delta="always", quantize=BLOCK) as publisher:
@@ -151,7 +151,7 @@ def test_fsdp2_ranks_quantize_their_own_shards_into_what_a_publisher_sends(
     engine, hf_model, tmp_path
 ):
     path, _ = hf_model
-    step = weights_state(engine)["step"]
+    step = weights_state(engine)["step"] or 0
     for transport in ("shm", "nixl"):
         actions = [
             {"kind": "train", "steps": 1},
@@ -165,6 +165,7 @@ def test_fsdp2_ranks_quantize_their_own_shards_into_what_a_publisher_sends(
             expected = publisher.fingerprint(gathered)
         # every block quantized on the rank holding it: the whole model's quantization
         assert {r[0]["fingerprint"] for r in records} == {expected}
+        assert {r[0]["quantization"] for r in records} == {"fp8-block 128x128"}
         assert weights_state(engine)["fingerprint"] == expected
         step += 1
     trained = copy.deepcopy(hf_model[1])
@@ -195,7 +196,7 @@ def test_a_shard_off_block_edges_is_refused_naming_the_tensor():
 
 def test_a_probe_passes_a_good_fp8_push_and_rolls_back_one_with_misplaced_scales(engine, hf_model):
     _, model = hf_model
-    step = weights_state(engine)["step"]
+    step = weights_state(engine)["step"] or 0
     good = trained_copy(model, seed=40)
     probe = LogprobProbe.of_quantized_model(good, PROMPT, BLOCK)
     assert 1e-4 < probe.tolerance < 0.1  # a tenth of what quantizing does to these logprobs

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from weightbus.core.finite import NOTHING_SENT, NonFiniteWeightsError, describe_nonfinite
-from weightbus.core.fp8 import Fp8Block, fp8_spec
+from weightbus.core.fp8 import Fp8Block, describe, fp8_spec
 from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher.fleet import Fleet
 from weightbus.core.publisher.push_session import PushRequest, PushRun, push_options
@@ -87,12 +87,14 @@ def _tied_everywhere(readies: list[_Ready]) -> set[str]:
 @dataclass(frozen=True)
 class ShardedPushResult:
     """A committed sharded push: the version, its fingerprint, the bytes each trainer rank
-    copied (`sent_bytes[rank]`) and, on rank 0, the engines' results (`result`)."""
+    copied (`sent_bytes[rank]`) and, on rank 0, the engines' results (`result`);
+    `quantization` as `PushResult.quantization` (the fingerprint is of the quantized tensors)."""
 
     version: str
     fingerprint: str
     sent_bytes: list[int]
     result: PushResult | None
+    quantization: str | None = None
 
 
 class ShardedPublisher:
@@ -341,7 +343,9 @@ class ShardedPublisher:
         finally:
             self._sink.push = None
         announce(OutcomeStep(ok=True, fingerprint=result.fingerprint, sent_bytes=shared.sent_bytes))
-        return ShardedPushResult(version, result.fingerprint, shared.sent_bytes, result)
+        return ShardedPushResult(
+            version, result.fingerprint, shared.sent_bytes, result, self._quantization()
+        )
 
     def _follow(
         self,
@@ -383,7 +387,9 @@ class ShardedPublisher:
                     self._slots.pack(key, step.bucket, step.slot, holdings, deadline)
                     continue
                 if step.ok:
-                    return ShardedPushResult(version, step.fingerprint, step.sent_bytes, None)
+                    return ShardedPushResult(
+                        version, step.fingerprint, step.sent_bytes, None, self._quantization()
+                    )
                 if step.failures or step.transport_error:
                     raise PushError(
                         version, step.failures, step.transport_error, aborted=step.aborted
@@ -391,6 +397,9 @@ class ShardedPublisher:
                 raise TrainerRankError(f"trainer rank 0 failed the push: {step.message}")
         finally:  # rank 0 keeps the store up until every rank read the outcome (`close`)
             self._control.report(f"{prefix}/read", ControlMessage())
+
+    def _quantization(self) -> str | None:
+        return None if self.quantize is None else describe(self.quantize)
 
     def close(self) -> None:
         """Free the sink, mapped files and the engines' clients (rank 0: once every rank read
