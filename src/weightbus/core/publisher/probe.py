@@ -16,6 +16,9 @@ import torch
 
 from weightbus.core.fp8 import Fp8Block, dequantized_state
 
+# The smallest default tolerance of a quantized model's probe: above float32 rounding (~1e-6).
+_MIN_TOLERANCE = 1e-5
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LogprobProbe:
@@ -74,14 +77,15 @@ class LogprobProbe:
             tolerance: None: a tenth of the largest logprob change the quantization itself
                 makes on these tokens. A scale in a wrong block moves logprobs by about as
                 much or more; a float32 engine's own rounding is ~1e-6 (a bf16 engine's ~0.1
-                is not below it: give a tolerance, or probe a float32 engine).
+                is not below it: give a tolerance, or probe a float32 engine). At least 1e-5.
         """
-        served = copy.deepcopy(model)
+        exact = copy.deepcopy(model).eval()  # no dropout in either, the caller's mode kept
+        served = copy.deepcopy(exact)
         served.load_state_dict(dequantized_state(model.state_dict().items(), quantize))
-        probe = cls.of_model(served.eval(), token_ids, tolerance=1.0)
+        probe = cls.of_model(served, token_ids, tolerance=1.0)
         if tolerance is None:
-            exact = cls.of_model(model, token_ids, tolerance=1.0)
-            tolerance = probe.gap(exact.logprobs) / 10
+            gap = probe.gap(cls.of_model(exact, token_ids, tolerance=1.0).logprobs)
+            tolerance = max(gap / 10, _MIN_TOLERANCE)
         return cls(token_ids=probe.token_ids, logprobs=probe.logprobs, tolerance=tolerance)
 
     def gap(self, engine_logprobs: Sequence[float]) -> float:

@@ -37,7 +37,7 @@ from weightbus.core.sharded.holdings import Holding, holdings_of, tied_heads
 from weightbus.core.sharded.layout import HeldMeta, TrainerLayout, held_metas
 from weightbus.core.sharded.nixl_sink import ShardedNixlSink
 from weightbus.core.sharded.nixl_write import GroupNixlWriter
-from weightbus.core.sharded.quantize import quantized_holdings
+from weightbus.core.sharded.quantize import quantized_holdings, to_quantize
 from weightbus.core.sharded.sink import ShardedShmSink, SharedPush
 from weightbus.core.sharded.slots import GroupSlots
 from weightbus.core.sharded.steps import (
@@ -259,7 +259,12 @@ class ShardedPublisher:
     ) -> list[Holding]:
         try:
             holdings = holdings_of(weights, name_map)
-            named = [] if allow else [(h.name, h.local) for h in holdings]
+            # matrices to quantize are checked whatever `allow` says (float8 has no inf)
+            named = [
+                (h.name, h.local)
+                for h in holdings
+                if not allow or (self.quantize is not None and to_quantize(h))
+            ]
             found = list(describe_nonfinite(named).values())
             if self.quantize is not None and not found:
                 holdings = quantized_holdings(holdings, self.quantize)

@@ -97,6 +97,7 @@ class HttpEngineTarget(EngineTarget):
             "POST", "/v1/update_weights", order.timeout_s + HTTP_MARGIN_S, json=body
         )
         result = self._result(answer)
+        self._pending_probe = None
         if order.probe is not None and result.staged:
             self._pending_probe = (order.version, order.probe)
         elif order.probe is not None:
@@ -180,19 +181,26 @@ class HttpEngineTarget(EngineTarget):
         )
 
     def _undo(self, version: str) -> str:
-        """Roll back after a failed probe; what the engine serves then."""
-        held = self.weights(PROBE_TIMEOUT_S).rollback
-        if held is None:
-            return f"it still serves {version!r}: it holds no previous version to roll back to"
-        order = RollbackOrder(
-            version=held["version"],
-            fingerprint=held["fingerprint"],
-            pause_mode="drain",
-            two_phase=False,
-            timeout_s=PROBE_TIMEOUT_S,
-        )
-        self.rollback(order)
-        return f"rolled back to {held['version']!r}"
+        """Roll back after a failed probe, if the engine still serves `version`; what it
+        serves then (never raises: the probe's failure is the error to report)."""
+        try:
+            weights = self.weights(PROBE_TIMEOUT_S)
+            if weights.version != version:
+                return f"it serves {weights.version!r} now: not rolled back"
+            held = weights.rollback
+            if held is None:
+                return f"it still serves {version!r}: it holds no previous version to roll back to"
+            order = RollbackOrder(
+                version=held["version"],
+                fingerprint=held["fingerprint"],
+                pause_mode="drain",
+                two_phase=False,
+                timeout_s=PROBE_TIMEOUT_S,
+            )
+            served = self.rollback(order).version
+        except EngineRequestError as exc:
+            return f"the rollback failed ({exc}): it may still serve {version!r}"
+        return f"rolled back to {served!r}"
 
     def weights(self, timeout_s: float) -> EngineWeights:
         answer = self._request("GET", "/v1/weights", timeout_s)
