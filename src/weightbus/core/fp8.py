@@ -17,6 +17,7 @@ The publisher quantizes before the bytes leave (`Publisher(quantize=Fp8Block())`
 engine serves the result (`weightbus serve --quantization fp8-block`); the planner sizes it.
 """
 
+import copy
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -253,3 +254,11 @@ def dequantized_state(
     what its fp8 values and scales stand for (float32), the rest as given. Loaded into the
     trainer's model, it is the model to check an FP8 engine against (a logprob probe's)."""
     return dict(dequantize_weights(quantize_weights(named, spec), spec))
+
+
+def dequantized_model(model: torch.nn.Module, spec: Fp8Block) -> torch.nn.Module:
+    """A copy of `model` (in eval mode) holding the weights a block-FP8 engine serves after a
+    push of it (`dequantized_state`); `model` itself is left as it is."""
+    served = copy.deepcopy(model).eval()
+    served.load_state_dict(dequantized_state(model.state_dict().items(), spec))
+    return served

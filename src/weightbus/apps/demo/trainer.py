@@ -4,13 +4,12 @@ The trainer holds its weights under Hugging Face names, as a real RL trainer doe
 maps them onto its fused, sharded parameters when they are pushed.
 """
 
-import copy
 from pathlib import Path
 
 import torch
 
 from weightbus.apps.demo.task import Rollout, group_advantages, reward
-from weightbus.core.fp8 import Fp8Block, dequantized_state
+from weightbus.core.fp8 import Fp8Block, dequantized_model
 from weightbus.engines.reference.models.config import ModelConfig
 
 
@@ -66,9 +65,7 @@ class Trainer:
     def served_policy(self, quantize: Fp8Block) -> torch.nn.Module:
         """The policy as a block-FP8 engine serves it after a push: a copy whose quantized
         matrices hold what their fp8 values and scales stand for."""
-        served = copy.deepcopy(self.model).eval()
-        served.load_state_dict(dequantized_state(self.model.state_dict().items(), quantize))
-        return served
+        return dequantized_model(self.model, quantize)
 
     def step(
         self, rollouts: list[Rollout], group_size: int, served: torch.nn.Module | None = None

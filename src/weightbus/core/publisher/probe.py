@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightbus.core.fp8 import Fp8Block, dequantized_state
+from weightbus.core.fp8 import Fp8Block, dequantized_model
 
 # The smallest default tolerance of a quantized model's probe: above float32 rounding (~1e-6).
 _MIN_TOLERANCE = 1e-5
@@ -79,12 +79,11 @@ class LogprobProbe:
                 much or more; a float32 engine's own rounding is ~1e-6 (a bf16 engine's ~0.1
                 is not below it: give a tolerance, or probe a float32 engine). At least 1e-5.
         """
-        exact = copy.deepcopy(model).eval()  # no dropout in either, the caller's mode kept
-        served = copy.deepcopy(exact)
-        served.load_state_dict(dequantized_state(model.state_dict().items(), quantize))
-        probe = cls.of_model(served, token_ids, tolerance=1.0)
+        # both in eval mode (no dropout), the caller's model left in its own
+        probe = cls.of_model(dequantized_model(model, quantize), token_ids, tolerance=1.0)
         if tolerance is None:
-            gap = probe.gap(cls.of_model(exact, token_ids, tolerance=1.0).logprobs)
+            exact = cls.of_model(copy.deepcopy(model).eval(), token_ids, tolerance=1.0)
+            gap = probe.gap(exact.logprobs)
             tolerance = max(gap / 10, _MIN_TOLERANCE)
         return cls(token_ids=probe.token_ids, logprobs=probe.logprobs, tolerance=tolerance)
 
