@@ -33,6 +33,7 @@ from weightbus.core.fp8 import (
     refuse_nonfinite_to_quantize,
 )
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES
+from weightbus.core.publisher.adapter import AdapterState, push_adapter
 from weightbus.core.publisher.delta import (
     DEFAULT_MAX_RATIO,
     DeltaMode,
@@ -60,6 +61,7 @@ from weightbus.core.publisher.targets import (
 from weightbus.core.transport import BucketSink, WeightsGroupInfo
 from weightbus.core.transport.base import Progress
 from weightbus.core.wire import PauseMode, VerifyLevel
+from weightbus.core.wire.adapter import AdapterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,7 @@ class Publisher:
             self._http.close()
             raise
         self._lock = threading.RLock()
+        self._adapter = AdapterState()
 
     def _target(self, engine: str | EngineTarget) -> EngineTarget:
         return HttpEngineTarget(engine, client=self._http) if isinstance(engine, str) else engine
@@ -299,6 +302,7 @@ class Publisher:
             tensors = self._served(weights, name_map)
             digests, fingerprint = version_digests(tensors)
             self._delta.committed_full(tensors, version, fingerprint, digests)
+            self._adapter.base_fingerprint = fingerprint
             return fingerprint
 
     def push(
@@ -318,11 +322,14 @@ class Publisher:
         delta: DeltaMode | None = None,
         keep_draft: bool = False,
         allow_nonfinite: bool = False,
+        adapter: Any = None,
+        base_fingerprint: str | None = None,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed.
 
         Args:
-            weights: an `nn.Module`, a state dict, or `(name, tensor)` pairs with HF names.
+            weights: an `nn.Module`, a state dict, or `(name, tensor)` pairs with HF names;
+                with `adapter`, a `PeftModel` or an adapter's state dict (peft's names).
             version: the new version's name; engines refuse a version they already serve
                 unless `force`.
             step: optional increasing training step; engines refuse a step not above theirs.
@@ -353,6 +360,14 @@ class Publisher:
                 its copy pass instead (cheaper: the bytes it reads are in cache), so engines
                 may have staged part of it when it is refused (and discarded it; the version
                 their staging memory held for `rollback` is gone then).
+            adapter: a LoRA adapter push (`weightbus.core.lora`): the peft `LoraConfig` (or
+                its dict) of the adapter in `weights`. Only the adapter's `lora_A` / `lora_B`
+                travel; engines apply it to the base they serve (started with
+                `--lora-rank` / `--lora-targets`, or vLLM's `--enable-lora`).
+                `PushResult.fingerprint` is then base and adapter's (`served_fingerprint`).
+            base_fingerprint: with `adapter`, the base model's fingerprint
+                (`fingerprint(base_weights(peft_model))`); default: this Publisher's last
+                whole push. Engines serving another base refuse the adapter (409, naming both).
 
         Returns:
             The committed version, its fingerprint and per-engine results; `gone` names engines
@@ -366,7 +381,9 @@ class Publisher:
                 no engine serves any of it: nothing was sent, or (checked in the copy pass)
                 every engine discarded what it had staged.
             ValueError: a probe for targets that cannot score one; `two_phase` with an in-place
-                push or targets that cannot stage and commit on a later word.
+                push or targets that cannot stage and commit on a later word; an adapter with
+                no base fingerprint known, with peft options engines cannot serve, or with
+                `delta`, `name_map` or `quantize` (adapters go whole, as trained).
         """
         with self._lock:
             options = push_options(
@@ -382,6 +399,13 @@ class Publisher:
                 keep_draft=keep_draft,
                 allow_nonfinite=allow_nonfinite,
             )
+            if adapter is not None:
+                if delta not in (None, "never") or name_map is not None or self.quantize:
+                    raise ValueError(
+                        "an adapter push goes whole and as trained: no delta, name_map or quantize"
+                    )
+                spec = self._adapter.spec_for(adapter, base_fingerprint)
+                return self._push_adapter(weights, spec, options, progress)
             tensors = self._served(weights, name_map)
             mode = self.delta if delta is None else check_delta_mode(delta)
             in_stream = self._checks_nonfinite_in_stream(options, mode)
@@ -396,9 +420,53 @@ class Publisher:
                 # the stream named the first bad tensor it met: name them all, with counts
                 refuse_nonfinite(tensors.items(), NOTHING_SERVED)
                 raise
+            self._adapter.base_fingerprint = result.fingerprint
             if self.quantize is None:
                 return result
             return dataclasses.replace(result, quantization=describe(self.quantize))
+
+    def _push_adapter(
+        self, weights: Weights, spec: AdapterSpec, options: PushOrder, progress: Progress | None
+    ) -> PushResult:
+        tensors, result = push_adapter(
+            self._fleet,
+            sessions=self._sessions,
+            weights=weights,
+            spec=spec,
+            options=options,
+            progress=progress,
+        )
+        self._adapter.committed(tensors, spec)
+        return result
+
+    def remove_adapter(
+        self,
+        *,
+        version: str,
+        step: int | None = None,
+        pause_mode: PauseMode = "drain",
+        atomic: bool = True,
+        two_phase: bool | None = None,
+    ) -> PushResult:
+        """Make every engine serve the base alone again, as `version` (a push of zeros of the
+        last adapter's shapes, with `AdapterSpec.active` off: as atomic, two-phase and
+        versioned as any push; the engines report the base's fingerprint).
+
+        Raises:
+            ValueError: this Publisher pushed no adapter.
+            PushError: as for `push`.
+        """
+        with self._lock:
+            zeros, spec = self._adapter.removal()
+            options = push_options(
+                self._fleet,
+                version=version,
+                step=step,
+                pause_mode=pause_mode,
+                atomic=atomic,
+                two_phase=two_phase,
+            )
+            return self._push_adapter(zeros, spec, options, None)
 
     def _checks_nonfinite_in_stream(self, options: PushOrder, mode: DeltaMode) -> bool:
         """Whether this push's NaN/inf check runs in the sink's copy pass, so the pre-pass over

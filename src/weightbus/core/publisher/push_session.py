@@ -51,6 +51,7 @@ from weightbus.core.publisher.targets import (
 from weightbus.core.transport import BucketSink, PushSession, SourceDescription, encode_description
 from weightbus.core.transport.base import EngineRoute, Progress, no_progress
 from weightbus.core.wire import PauseMode, VerifyLevel
+from weightbus.core.wire.adapter import served_fingerprint
 from weightbus.core.wire.delta import DeltaSpec
 
 logger = logging.getLogger(__name__)
@@ -324,6 +325,9 @@ class PushRun:
         if self._stream_error is None:
             delta = self._delta
             self._fingerprint = self.session.fingerprint if delta is None else delta.fingerprint
+            adapter = self._request.options.adapter
+            if adapter is not None:  # the engines report base and adapter as one
+                self._fingerprint = served_fingerprint(adapter, self._fingerprint)
         self._engines = self._fleet.collect(
             self._futures,
             self._request.version,

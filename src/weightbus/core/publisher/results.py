@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from weightbus.core.publisher.delta import DeltaReport
 from weightbus.core.publisher.targets import EngineResult
+from weightbus.core.wire.adapter import AdapterSpec
 
 
 class PushError(RuntimeError):
@@ -73,3 +74,6 @@ class PushResult:
     # quantized in the push (`Publisher(quantize=...)`, e.g. "fp8-block 128x128"): `fingerprint`
     # and `nbytes` are of the quantized tensors the engines serve, not of the trainer's
     quantization: str | None = None
+    # a LoRA adapter push (`push(..., adapter=...)`): the adapter's shape, scale and base;
+    # `fingerprint` is what the engines serve (`weightbus.core.wire.adapter.served_fingerprint`)
+    adapter: AdapterSpec | None = None

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from weightbus.core.wire.adapter import AdapterSpec
 from weightbus.core.wire.delta import DeltaSpec
 from weightbus.core.wire.messages import Hex128, PauseMode, VerifyLevel
 
@@ -78,6 +79,8 @@ class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         peers: two-phase: the base URLs of the fleet's other engines. An engine that staged
             and hears no decision within `timeout_s` asks them before it discards: if one
             committed the version, it commits too (docs/fleet.md).
+        adapter: the stream carries a LoRA adapter's tensors only (PEFT names), applied to
+            the base the engine serves, which must be `adapter.base_fingerprint`.
     """
 
     version: OrderVersion
@@ -95,6 +98,7 @@ class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     keep_draft: KeepDraft = False
     allow_nonfinite: AllowNonfinite = False
     peers: Peers = msgspec.field(default_factory=list)
+    adapter: AdapterSpec | None = None
 
     def engine_fields(self) -> dict[str, Any]:
         """The order as an engine receives it, in JSON/msgpack values: this struct's fields

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from weightbus.core.wire import PauseMode, UpdateOrder
+from weightbus.core.wire.adapter import AdapterSpec
 from weightbus.core.wire.messages import SliceSpec
 
 PROTOCOL_VERSION = 1
@@ -181,6 +182,15 @@ class DraftInfo(msgspec.Struct, frozen=True, kw_only=True):
     load_s: float = 0.0
 
 
+class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The LoRA adapter an engine applies: the version it came with, the fingerprint of its
+    tensors alone, and its spec (rank, alpha, targets, the base it belongs to)."""
+
+    version: str
+    fingerprint: str
+    spec: AdapterSpec
+
+
 class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=True):
     """Outcome of an `UpdateWeights`; `status_code` is the HTTP status to answer with.
 
@@ -221,6 +231,7 @@ class HistoryEntry(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
     nbytes: int
     draft: DraftInfo | None = None  # with speculative decoding: the draft served with it
+    adapter: AdapterInfo | None = None  # the LoRA adapter applied with it
 
 
 class WeightsState(msgspec.Struct, tag="weights", frozen=True, kw_only=True):
@@ -239,6 +250,8 @@ class WeightsState(msgspec.Struct, tag="weights", frozen=True, kw_only=True):
     two_phase_aborts: int = 0  # staged two-phase updates discarded (aborted or expired)
     rollbacks: int = 0  # rollbacks committed
     draft: DraftInfo | None = None  # with speculative decoding: the draft model served
+    adapter: AdapterInfo | None = None  # the LoRA adapter applied (None: the base alone)
+    base_fingerprint: str | None = None  # the base model's, with or without an adapter
 
 
 class SettleWithPeers(msgspec.Struct, tag="settle_with_peers", frozen=True, kw_only=True):

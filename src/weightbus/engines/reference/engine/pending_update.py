@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from weightbus.core.wire import PauseMode, RankVerdict
+from weightbus.core.wire.adapter import served_fingerprint
 from weightbus.engines.reference.engine import messages
 
 # How long a staged update with peers waits, after its own `timeout_s`, for the API server to
@@ -49,6 +50,7 @@ class PendingUpdate:
     request: messages.UpdateWeights | None
     fingerprint: str | None = None
     draft: messages.DraftInfo | None = None  # a rollback's, known upfront; a push's once verified
+    adapter: messages.AdapterInfo | None = None  # as `draft`: the adapter applied once committed
     started_at: float = field(default_factory=time.perf_counter)
     begun: bool = False  # BEGIN_STAGED or LOAD sent
     verdicts: list[RankVerdict] | None = None
@@ -92,7 +94,24 @@ class PendingUpdate:
             request=None,
             fingerprint=previous.fingerprint,
             draft=previous.draft,
+            adapter=previous.adapter,
         )
+
+    def served_fingerprint(self, received: str | None) -> str | None:
+        """What the engine serves once this push commits, from the fingerprint of what the
+        ranks `received`: the same, but for an adapter push (base and adapter as one)."""
+        spec = None if self.request is None else self.request.adapter
+        if spec is None or received is None:
+            return received
+        return served_fingerprint(spec, received)
+
+    def adapter_after(self, received: str | None) -> messages.AdapterInfo | None:
+        """The adapter applied once this push commits: the one it carried (None when it
+        removes it, or a push of the base: the adapter belonged to the base it replaces)."""
+        spec = None if self.request is None else self.request.adapter
+        if spec is None or not spec.active or received is None:
+            return None
+        return messages.AdapterInfo(version=self.version, fingerprint=received, spec=spec)
 
     @property
     def is_rollback(self) -> bool:

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 
 from weightbus.core.wire import RankVerdict, UpdateOrder
+from weightbus.core.wire.adapter import AdapterSpec
 from weightbus.core.wire.delta import DELTA_BASE_REFUSAL, DeltaSpec
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.actions import Action, StepAction, tags_to_mask
@@ -32,6 +33,7 @@ from weightbus.engines.reference.engine.pending_update import (
 )
 from weightbus.engines.reference.engine.rollback import RollbackSlot
 from weightbus.engines.reference.engine.transport_setup import SetupOrder
+from weightbus.engines.reference.models.config import LoraShape
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         abort: ends requests with `finish_reason: "abort"` and a reason; returns their ids.
         wait_for_initial_weights: serve nothing (status WAITING) until a version is pushed.
         draft_fingerprint: the draft model's fingerprint at start-up (None: no draft).
+        lora: the adapters the engine serves (`--lora-rank`, `--lora-targets`; None: none).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         abort: Callable[[str, bool], None],
         wait_for_initial_weights: bool = False,
         draft_fingerprint: str | None = None,
+        lora: LoraShape | None = None,
     ) -> None:
         self.version = version
         self.step: int | None = None
@@ -76,6 +80,8 @@ class UpdateController(ControlRequests, PeerOutcome):
             if draft_fingerprint is None
             else messages.DraftInfo(version=version, fingerprint=draft_fingerprint)
         )
+        self.lora = lora
+        self.adapter: messages.AdapterInfo | None = None
         self.history: deque[messages.HistoryEntry] = deque(maxlen=HISTORY_LENGTH)
         self.released: set[str] = set()
         self.waiting = wait_for_initial_weights
@@ -185,6 +191,30 @@ class UpdateController(ControlRequests, PeerOutcome):
             return f"step {order.step} is not above the current step {self.step}"
         if order.delta is not None:
             return self._delta_conflict(order.delta)
+        return None if order.adapter is None else self._adapter_conflict(order.adapter)
+
+    @property
+    def base_fingerprint(self) -> str | None:
+        """The base model's fingerprint, whether an adapter applies or not."""
+        return self.fingerprint if self.adapter is None else self.adapter.spec.base_fingerprint
+
+    def _adapter_conflict(self, spec: AdapterSpec) -> str | None:
+        """An adapter applies only onto the base it was trained on, with the rank and targets
+        the engine holds adapters of."""
+        if self.lora is None:
+            return "this engine serves no LoRA adapters: start it with --lora-rank"
+        if spec.r != self.lora.rank or tuple(spec.target_modules) != self.lora.targets:
+            return (
+                f"the adapter is {spec.describe()}; this engine serves adapters of "
+                f"{self.lora.describe()} (--lora-rank, --lora-targets)"
+            )
+        if not self.weights_valid or self.status == "FAILED" or "weights" in self.released:
+            return "an adapter cannot apply: this engine serves no valid base weights"
+        if spec.base_fingerprint != self.base_fingerprint:
+            return (
+                f"adapter base {spec.base_fingerprint} is not served here: this engine serves "
+                f"base {self.base_fingerprint} (version {self.version!r})"
+            )
         return None
 
     def _delta_conflict(self, delta: DeltaSpec) -> str | None:
@@ -399,7 +429,7 @@ class UpdateController(ControlRequests, PeerOutcome):
     @staticmethod
     def _staged_fingerprint(update: PendingUpdate) -> str | None:
         if update.verdicts is not None:
-            return update.verdicts[0].fingerprint
+            return update.served_fingerprint(update.verdicts[0].fingerprint)
         return update.fingerprint
 
     # --- outcomes reported by the worker ---
@@ -439,6 +469,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         update.nbytes, update.phases = nbytes, phases
         update.rank_nbytes = rank_nbytes(verdicts)
         update.draft = draft or self.draft
+        update.adapter = update.adapter_after(verdicts[0].fingerprint)
         return update
 
     def on_committed(self) -> None:
@@ -469,7 +500,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         """Every rank finished loading in place (`draft`: as for `on_staged`)."""
         update = self._received(verdicts, nbytes, phases, draft)
         if all(v.ok for v in verdicts):
-            self._commit(update, verdicts[0].fingerprint)
+            self._commit(update, update.served_fingerprint(verdicts[0].fingerprint))
             return
         status, error, names = failure(verdicts)
         if any(v.touched for v in verdicts):
@@ -488,12 +519,13 @@ class UpdateController(ControlRequests, PeerOutcome):
             seconds=seconds,
             nbytes=nbytes,
             draft=self.draft,
+            adapter=self.adapter,
         )
 
     def _commit(self, update: PendingUpdate, fingerprint: str | None) -> None:
         seconds = time.perf_counter() - update.started_at
         self.version, self.step, self.fingerprint = update.version, update.step, fingerprint
-        self.draft = update.draft
+        self.draft, self.adapter = update.draft, update.adapter
         self.weights_valid, self.waiting = True, False
         self._serving = self._entry(seconds=seconds, nbytes=update.nbytes)
         self.history.append(self._serving)
@@ -552,6 +584,8 @@ class UpdateController(ControlRequests, PeerOutcome):
             two_phase_aborts=self.two_phase_aborts,
             rollbacks=self.rollbacks,
             draft=self.draft,
+            adapter=self.adapter,
+            base_fingerprint=self.base_fingerprint,
         )
 
     def publish_state(self) -> None:

@@ -9,6 +9,11 @@ The worker calls these at step boundaries, on every rank alike:
 - `load_in_place` receives straight into the live parameters (generation is paused).
 - `release` / `resume` free and re-allocate memory (`weights`, `kv_cache`).
 
+A LoRA adapter push (`order.adapter`) carries the adapter's tensors only: the staging model
+first gets the live base (copied, unless it holds it already: after one adapter push the
+staging memory keeps the same base, so the next copies nothing), the swap moves the adapter's
+`LoraState` (applied, scale) with the parameters, and a push of the base drops the adapter.
+
 With `shm_weights` (the default) live and staging parameters live in shared-memory arenas, so a
 co-located `shm` publisher can write updates straight into them (direct mode); where /dev/shm
 cannot hold them they stay in private memory and updates stream through the slots.
@@ -31,6 +36,7 @@ from weightbus.core.transport import (
     remove_stale_slots,
 )
 from weightbus.core.wire import UpdateOrder
+from weightbus.core.wire.adapter import is_adapter_name
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.delta_slices import ModelSlices, copy_parameters
 from weightbus.engines.reference.engine.draft_load import DraftLoads, draft_info
@@ -63,20 +69,33 @@ def _new_served(served: ServedModels, dtype: torch.dtype) -> ServedModels:
 
 
 def _prepare_staging(
-    order: UpdateOrder, live: ServedModels, staging: ServedModels
+    order: UpdateOrder, live: ServedModels, staging: ServedModels, base_held: bool
 ) -> Callable[[], None]:
     """What the staging model must hold before a push writes into it: the live weights for a
-    delta (it changes them), the live draft when the push keeps it, else nothing."""
+    delta (it changes them), the live base for an adapter (unless `base_held`: the staging
+    memory holds it already), the live draft when the push keeps it, else nothing."""
     if order.delta:
         return lambda: copy_parameters(live.parameters(), staging.parameters())
+    if order.adapter is not None:
+        if base_held:
+            return lambda: None
+        return lambda: copy_parameters(live.base_parameters(), staging.base_parameters())
     if order.keep_draft:
         return lambda: copy_parameters(live.draft_parameters(), staging.draft_parameters())
     return lambda: None
 
 
+def _adapter_state(order: UpdateOrder) -> tuple[bool, float]:
+    """Whether the model applies its adapter once `order` lands, and the scale (a push of
+    the base drops the adapter: it was trained on the base replaced)."""
+    spec = order.adapter
+    return (False, 0.0) if spec is None else (spec.active, spec.scaling)
+
+
 def _swap_parameters(live: ServedModels, staged: ServedModels) -> None:
     for live_param, staged_param in zip(live.parameters(), staged.parameters(), strict=True):
         live_param.data, staged_param.data = staged_param.data, live_param.data
+    live.lora_state.swap(staged.lora_state)
 
 
 class _StagedReceive:
@@ -174,6 +193,9 @@ class WeightsManager:
         self._live_arena = self._place(self.served, copy=True)
         self._staging_arena: ParamArena | None = None
         self.weights_released = False
+        # the staging memory holds the live base (an adapter push then copies none of it)
+        self._staging_has_base = False
+        self._staged_adapter = False  # the staged (or last swapped) push carried an adapter
 
     def _place(self, model: ServedModels, *, copy: bool) -> ParamArena | None:
         """Move `model`'s parameters into a new shared-memory arena (None: not possible)."""
@@ -200,7 +222,8 @@ class WeightsManager:
         return self._placements[arena.name]
 
     def _receiver(self, model: ServedModels, order: UpdateOrder) -> Receiver:
-        expected = self.expected
+        adapter = order.adapter is not None
+        expected = {n: m for n, m in self.expected.items() if is_adapter_name(n) == adapter}
         if order.keep_draft:
             expected = {name: m for name, m in expected.items() if not is_draft_name(name)}
         self._draft_loads = DraftLoads(model.load_weights)
@@ -220,11 +243,15 @@ class WeightsManager:
             self._staging = _new_served(self.served, self.dtype)
             self._staging_arena = self._place(self._staging, copy=False)
         staging = self._staging
+        prepare = _prepare_staging(order, self.served, staging, self._staging_has_base)
+        self._staging_has_base = order.adapter is not None
+        self._staged_adapter = order.adapter is not None
+        staging.lora_state.set(*_adapter_state(order))
         self._staged = _StagedReceive(
             self._receiver(staging, order),
             order,
             self._placement(self._staging_arena),
-            _prepare_staging(order, self.served, staging),
+            prepare,
         )
 
     def staged_result(self) -> RankResult | None:
@@ -247,6 +274,8 @@ class WeightsManager:
         assert self._staging is not None
         _swap_parameters(self.served, self._staging)
         self._live_arena, self._staging_arena = self._staging_arena, self._live_arena
+        # a swap of adapters leaves the same base on both sides; a swap of bases does not
+        self._staging_has_base = self._staged_adapter
 
     def discard_staged(self, timeout_s: float = 5.0) -> None:
         """Forget a staged receive (its thread ends by its own timeout if still running)."""
@@ -259,7 +288,12 @@ class WeightsManager:
         """Receive straight into the live parameters (re-allocated first if released)."""
         self.resume(["weights"])
         direct = self._placement(self._live_arena)
-        return receive(self._receiver(self.served, order), order, direct)
+        result = receive(self._receiver(self.served, order), order, direct)
+        if order.adapter is None:
+            self._staging_has_base = False  # the live base moved on
+        if result.ok:
+            self.served.lora_state.set(*_adapter_state(order))
+        return result
 
     def draft_info(self, order: UpdateOrder, result: RankResult) -> messages.DraftInfo | None:
         """The draft a verified push carried and how it was loaded (None: the push carried
@@ -278,6 +312,7 @@ class WeightsManager:
                 for param in () if model is None else model.parameters():
                     param.data = torch.empty(0, dtype=param.dtype)
             self._staging = None
+            self._staging_has_base = False
             self._close_arenas()
             self.weights_released = True
         if "kv_cache" in tags:

@@ -59,7 +59,7 @@ from weightbus.engines.reference.engine.weights_manager import WeightsManager
 from weightbus.engines.reference.layers.attention import AttentionMetadata
 from weightbus.engines.reference.layers.parallel import destroy_tp_group, init_tp_group
 from weightbus.engines.reference.models.config import ModelConfig
-from weightbus.engines.reference.models.loader import resolve_config, weights_records
+from weightbus.engines.reference.models.loader import lora_shape, resolve_config, weights_records
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft_seed: int = 0
     num_speculative_tokens: int = 0
     quantization: str | None = None
+    lora_rank: int = 0  # LoRA adapters served (`--lora-rank`; 0: none)
+    lora_targets: tuple[str, ...] = ()
 
 
 def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
@@ -115,7 +117,9 @@ class Worker:
         self.is_driver = config.tp_rank == 0
         self.tp_size = config.tp_size
         self._join_tp_group()
-        model_config = resolve_config(config.model, config.quantization)
+        model_config = resolve_config(
+            config.model, config.quantization, lora_shape(config.lora_rank, config.lora_targets)
+        )
         self.draft_source = self._draft_source()
         self._load_model(model_config)
         self._init_step_state()
@@ -199,6 +203,7 @@ class Worker:
             abort=self._abort_sequences,
             wait_for_initial_weights=config.wait_for_initial_weights,
             draft_fingerprint=draft_fingerprint,
+            lora=model_config.lora,
         )
 
     def _initial_fingerprints(self, model_config: ModelConfig) -> tuple[str, str | None]:

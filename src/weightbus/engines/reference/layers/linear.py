@@ -21,6 +21,7 @@ from torch.nn.functional import linear
 
 from weightbus.core.fp8 import FP8_DTYPE, Fp8Block, dequantize
 from weightbus.core.plan.shard import ShardCopy, check_full_shape
+from weightbus.engines.reference.layers.lora import LoraPart, LoraState, column_part, row_part
 from weightbus.engines.reference.layers.parallel import all_reduce, divide, get_tp
 
 ShardId = str | int | None
@@ -59,6 +60,27 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.lora = nn.ModuleDict()  # Hugging Face projection -> its adapter (`attach_lora`)
+        self.lora_state: LoraState | None = None
+
+    def attach_lora(self, projection: str, shard_id: ShardId, rank: int, state: LoraState) -> None:
+        """Hold a rank-`rank` adapter of the Hugging Face `projection` (`shard_id` of this
+        layer), applied while `state.active`."""
+        self.lora[projection] = self._lora_part(shard_id, rank)
+        self.lora_state = state
+
+    def _lora_part(self, shard_id: ShardId, rank: int) -> LoraPart:
+        raise NotImplementedError
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` plus each adapter's `(B (A x)) * s` on its rows (in place), while active."""
+        state = self.lora_state
+        if state is None or not state.active:
+            return y
+        for part in self.lora.values():
+            start, length = part.rows
+            y[..., start : start + length] += part.delta(x, state.scaling)
+        return y
 
     def _row_parts(self) -> list[int]:
         """Rows on this rank of each Hugging Face matrix the weight stacks, in order."""
@@ -164,8 +186,13 @@ class ColumnParallelLinear(LinearBase):
         check_full_shape(full_shape, (shard_size * self.tp_size, *param.shape[1:]))
         return ShardCopy(0, self.tp_rank * shard_size, 0, 0, shard_size)
 
+    def _lora_part(self, shard_id: ShardId, rank: int) -> LoraPart:
+        full = self._full_weight_shape(shard_id)
+        rows = self._weight_copy(self.weight, full, shard_id)
+        return column_part(rank, self.weight.shape[1], rows, full[0])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.dense_weight(x.dtype), self.bias)
+        return self._add_lora(x, linear(x, self.dense_weight(x.dtype), self.bias))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -325,9 +352,15 @@ class RowParallelLinear(LinearBase):
         check_full_shape(full_shape, (param.shape[0], shard_size * self.tp_size))
         return ShardCopy(1, self.tp_rank * shard_size, 1, 0, shard_size)
 
+    def _lora_part(self, shard_id: ShardId, rank: int) -> LoraPart:
+        full = self._full_weight_shape(shard_id)
+        cols = self._weight_copy(self.weight, full, shard_id)
+        return row_part(rank, self.weight.shape[0], cols, full[1])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dense_weight(x.dtype)
         if self.tp_size == 1:
-            return linear(x, weight, self.bias)
-        y = all_reduce(linear(x, weight))
+            return self._add_lora(x, linear(x, weight, self.bias))
+        # each rank adds B (A_rank x_rank): the all-reduce sums them to B (A x)
+        y = all_reduce(self._add_lora(x, linear(x, weight)))
         return y if self.bias is None else y + self.bias

@@ -7,9 +7,37 @@ from pathlib import Path
 from typing import Any
 
 from weightbus.core.fp8 import Fp8Block
+from weightbus.core.wire.adapter import LORA_TARGETS, MAX_LORA_RANK
 from weightbus.engines.reference.layers.rotary import ROPE_TYPES
 
 MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraShape:
+    """The adapters an engine serves (`--lora-rank`, `--lora-targets`): rank `rank` on the
+    projections `targets` (sorted) of every decoder layer.
+
+    Raises:
+        ValueError: a rank out of range or an unknown projection (the flag named).
+    """
+
+    rank: int
+    targets: tuple[str, ...] = tuple(sorted(LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank <= MAX_LORA_RANK:
+            raise ValueError(f"--lora-rank must be in [1, {MAX_LORA_RANK}], got {self.rank}")
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(
+                f"--lora-targets must name projections among {', '.join(LORA_TARGETS)}, got "
+                f"{', '.join(self.targets) or 'none'}"
+            )
+        object.__setattr__(self, "targets", tuple(sorted(set(self.targets))))
+
+    def describe(self) -> str:
+        return f"rank {self.rank} on {', '.join(self.targets)}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +69,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # block-FP8 decoder-layer matrices (`quantization_config`, or `--quantization fp8-block`)
     quantization: Fp8Block | None = None
+    # LoRA adapters the engine serves (`--lora-rank`, `--lora-targets`); None: none
+    lora: LoraShape | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:

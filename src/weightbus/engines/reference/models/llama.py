@@ -12,14 +12,17 @@ from torch import nn
 
 from weightbus.core.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantizes
 from weightbus.core.plan.shard import ShardCopy
+from weightbus.core.wire.adapter import adapter_names, hf_module
 from weightbus.engines.reference.layers.activation import SiluAndMul
 from weightbus.engines.reference.layers.attention import Attention, AttentionMetadata
 from weightbus.engines.reference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from weightbus.engines.reference.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
+from weightbus.engines.reference.layers.lora import LoraPart, LoraState
 from weightbus.engines.reference.layers.norm import RMSNorm
 from weightbus.engines.reference.layers.rotary import RotaryEmbedding
 from weightbus.engines.reference.models.config import ModelConfig
@@ -77,6 +80,22 @@ def dense_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def adapter_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names (peft's) and full shapes of the adapter tensors an adapter push carries, in
+    order: each layer's targeted projections, A `(r, in)` then B `(out, r)` (empty without
+    `config.lora`)."""
+    if config.lora is None:
+        return {}
+    rank, dense = config.lora.rank, dense_weight_shapes(config)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(config.num_hidden_layers):
+        for projection in config.lora.targets:
+            a_name, b_name = adapter_names(i, projection)
+            out_features, in_features = dense[f"{hf_module(i, projection)}.weight"]
+            shapes[a_name], shapes[b_name] = (rank, in_features), (out_features, rank)
     return shapes
 
 
@@ -202,6 +221,30 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.lora_state = LoraState()  # the adapter applies while active (`set_adapter_state`)
+        self._adapters = self._attach_adapters()
+
+    def _attach_adapters(self) -> dict[str, tuple[str, LoraPart]]:
+        """Give every targeted projection its adapter; returns pushed name -> (parameter
+        name, part) for A and B of each."""
+        lora = self.config.lora
+        if lora is None:
+            return {}
+        modules = dict(self.named_modules())
+        adapters: dict[str, tuple[str, LoraPart]] = {}
+        for i in range(self.config.num_hidden_layers):
+            for projection in lora.targets:
+                param_name, shard_id = self._param_name(f"{hf_module(i, projection)}.weight")
+                layer_name = param_name.removesuffix(".weight")
+                layer = modules[layer_name]
+                assert isinstance(layer, LinearBase)
+                layer.attach_lora(projection, shard_id, lora.rank, self.lora_state)
+                part = layer.lora[projection]
+                prefix = f"{layer_name}.lora.{projection}"
+                a_name, b_name = adapter_names(i, projection)
+                adapters[a_name] = (f"{prefix}.lora_A", part)
+                adapters[b_name] = (f"{prefix}.lora_B", part)
+        return adapters
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -232,6 +275,39 @@ class LlamaForCausalLM(nn.Module):
             layer = param.weight_loader.__self__
             copies.append((hf_name, param_name, layer.shard_copy(param, full_shape, shard_id)))
         return copies
+
+    def adapter_shard_copies(self) -> list[tuple[str, str, ShardCopy]]:
+        """This rank's slice map of the adapter tensors (`shard_copies`' form)."""
+        params = dict(self.named_parameters())
+        shapes = adapter_weight_shapes(self.config)
+        return [
+            (pushed, param_name, part.shard_copy(params[param_name], shapes[pushed]))
+            for pushed, (param_name, part) in self._adapters.items()
+        ]
+
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy pushed adapter tensors (peft's names, any subset) into this rank's slices.
+
+        Raises:
+            ValueError: an unknown name (a projection this engine does not adapt) or a wrong
+                shape; the message names the tensor.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in self._adapters:
+                    raise ValueError(
+                        f"unknown tensor {name!r}: this engine adapts "
+                        f"{self.config.lora.describe() if self.config.lora else 'nothing'}"
+                    )
+                param_name, part = self._adapters[name]
+                try:
+                    part.weight_loader(params[param_name], tensor)
+                except ValueError as exc:
+                    raise ValueError(f"tensor {name!r}: {exc}") from None
+                loaded.add(name)
+        return loaded
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face tensors into this rank's (fused, sharded) parameters, in place.

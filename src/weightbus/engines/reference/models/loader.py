@@ -10,7 +10,7 @@ from weightbus.core.checkpoint import iter_safetensors
 from weightbus.core.digest import tensor_digest
 from weightbus.core.fp8 import FP8_BLOCK_NAME, FP8_DTYPE, Fp8Block, quantize_weights, quantizes
 from weightbus.core.meta import dtype_name
-from weightbus.engines.reference.models.config import ModelConfig, tiny_config
+from weightbus.engines.reference.models.config import LoraShape, ModelConfig, tiny_config
 from weightbus.engines.reference.models.llama import (
     LlamaForCausalLM,
     dense_weight_shapes,
@@ -25,7 +25,17 @@ TINY = "tiny"
 QUANTIZATIONS = (FP8_BLOCK_NAME,)
 
 
-def resolve_config(model: str, quantization: str | None = None) -> ModelConfig:
+def lora_shape(rank: int, targets: tuple[str, ...] | list[str] = ()) -> LoraShape | None:
+    """The `--lora-rank` / `--lora-targets` flags as a `LoraShape` (None: rank 0, no LoRA;
+    no targets: every projection)."""
+    if rank == 0:
+        return None
+    return LoraShape(rank, tuple(targets)) if targets else LoraShape(rank)
+
+
+def resolve_config(
+    model: str, quantization: str | None = None, lora: LoraShape | None = None
+) -> ModelConfig:
     """Config of a `--model` value: `tiny` or a Hugging Face directory.
 
     Args:
@@ -33,12 +43,19 @@ def resolve_config(model: str, quantization: str | None = None) -> ModelConfig:
         quantization: `fp8-block` serves the decoder-layer matrices in block FP8 (128 x 128
             blocks unless the checkpoint's `quantization_config` says otherwise), quantizing
             an unquantized checkpoint as it loads. None: as the checkpoint is.
+        lora: the LoRA adapters the engine serves (None: none).
 
     Raises:
         FileNotFoundError: the directory has no config.json.
         ValueError: the config is not supported (the message names the field).
     """
     config = tiny_config() if model == TINY else ModelConfig.from_hf_dir(model)
+    config.lora = lora
+    if lora is not None and (quantization is not None or config.quantization is not None):
+        raise ValueError(
+            "--lora-rank with block FP8: adapters apply to unquantized layers only (serve the "
+            "model unquantized, or push the merged model quantized)"
+        )
     if quantization is None:
         return config
     if quantization not in QUANTIZATIONS:

@@ -14,8 +14,11 @@ from torch import nn
 
 from weightbus.core.meta import DRAFT_PREFIX, is_draft_name
 from weightbus.core.plan.shard import ShardCopy
+from weightbus.core.wire.adapter import is_adapter_name
+from weightbus.engines.reference.layers.lora import LoraState
 from weightbus.engines.reference.models.llama import (
     LlamaForCausalLM,
+    adapter_weight_shapes,
     hf_weight_dtypes,
     hf_weight_shapes,
 )
@@ -41,7 +44,7 @@ class ServedModels(nn.Module):
         if self.draft is not None:
             for name, shape in hf_weight_shapes(self.draft.config).items():
                 shapes[DRAFT_PREFIX + name] = shape
-        return shapes
+        return shapes | adapter_weight_shapes(self.main.config)
 
     def weight_dtypes(self, dtype: torch.dtype) -> dict[str, torch.dtype]:
         """Every pushed tensor's served dtype, in `weight_shapes` order: `dtype` but block-FP8
@@ -50,7 +53,7 @@ class ServedModels(nn.Module):
         if self.draft is not None:
             for name, draft_dtype in hf_weight_dtypes(self.draft.config, dtype).items():
                 dtypes[DRAFT_PREFIX + name] = draft_dtype
-        return dtypes
+        return dtypes | dict.fromkeys(adapter_weight_shapes(self.main.config), dtype)
 
     def shard_copies(self) -> list[tuple[str, str, ShardCopy]]:
         """This rank's slice map over both models: `(pushed name, parameter name, ShardCopy)`,
@@ -61,7 +64,8 @@ class ServedModels(nn.Module):
                 (DRAFT_PREFIX + hf, "draft." + param, copy)
                 for hf, param, copy in self.draft.shard_copies()
             ]
-        return copies
+        adapter = self.main.adapter_shard_copies()
+        return copies + [(name, "main." + param, copy) for name, param, copy in adapter]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load pushed tensors (any subset, any order) into the model they name.
@@ -72,17 +76,29 @@ class ServedModels(nn.Module):
         """
         main: list[tuple[str, torch.Tensor]] = []
         draft: list[tuple[str, torch.Tensor]] = []
+        adapter: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
-            if not is_draft_name(name):
+            if is_adapter_name(name):
+                adapter.append((name, tensor))
+            elif not is_draft_name(name):
                 main.append((name, tensor))
             elif self.draft is None:
                 raise ValueError(f"unknown tensor {name!r}: this engine serves no draft model")
             else:
                 draft.append((name.removeprefix(DRAFT_PREFIX), tensor))
-        loaded = self.main.load_weights(main)
+        loaded = self.main.load_weights(main) | self.main.load_adapter(adapter)
         if draft:
             loaded |= {DRAFT_PREFIX + name for name in self.draft.load_weights(draft)}
         return loaded
+
+    @property
+    def lora_state(self) -> LoraState:
+        """Whether the main model applies its adapter, and the scale."""
+        return self.main.lora_state
+
+    def base_parameters(self) -> list[nn.Parameter]:
+        """Every parameter but the adapter's (what an adapter push keeps)."""
+        return [p for name, p in self.named_parameters() if ".lora." not in name]
 
     def draft_parameters(self) -> list[nn.Parameter]:
         """The draft's parameters (empty without a draft)."""

@@ -27,6 +27,7 @@ from weightbus.engines.reference.server.metrics import Metrics
 from weightbus.engines.reference.server.peers import add_outcome_route
 from weightbus.engines.reference.server.protocol import (
     AbortWeightsRequest,
+    AdapterItem,
     CommitWeightsRequest,
     ContinueRequest,
     ControlAction,
@@ -102,6 +103,24 @@ def weights_info(state: messages.WeightsState) -> WeightsInfo:
         two_phase_aborts=state.two_phase_aborts,
         rollbacks=state.rollbacks,
         draft=_draft_item(state.draft),
+        adapter=_adapter_item(state.adapter),
+        base_fingerprint=state.base_fingerprint,
+    )
+
+
+def _adapter_item(adapter: messages.AdapterInfo | None) -> AdapterItem | None:
+    if adapter is None:
+        return None
+    spec = adapter.spec
+    return AdapterItem(
+        version=adapter.version,
+        fingerprint=adapter.fingerprint,
+        base_fingerprint=spec.base_fingerprint,
+        r=spec.r,
+        lora_alpha=spec.lora_alpha,
+        use_rslora=spec.use_rslora,
+        scaling=spec.scaling,
+        target_modules=list(spec.target_modules),
     )
 
 
@@ -126,6 +145,7 @@ def _history_item(entry: messages.HistoryEntry) -> HistoryItem:
         seconds=entry.seconds,
         bytes=entry.nbytes,
         draft=_draft_item(entry.draft),
+        adapter=_adapter_item(entry.adapter),
     )
 
 

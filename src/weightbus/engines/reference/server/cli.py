@@ -27,6 +27,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "float32 scale per 128x128 block), quantizing an unquantized checkpoint as it loads; "
         "an FP8 checkpoint's quantization_config is read without it",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="serve LoRA adapters of this rank, pushed with Publisher.push(..., adapter=...) "
+        "and applied unmerged to the base (docs/lora.md); 0: none",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma-separated projections the adapters target (default: q_proj, k_proj, "
+        "v_proj, o_proj, gate_proj, up_proj, down_proj)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences in a batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -103,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             draft_model=args.draft_model,
             draft_seed=args.draft_seed,
             num_speculative_tokens=args.num_speculative_tokens,
+            lora_rank=args.lora_rank,
+            lora_targets=tuple(args.lora_targets.split(",")) if args.lora_targets else (),
         )
         return serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:

@@ -31,7 +31,12 @@ from fastapi import FastAPI
 
 from weightbus.engines.reference.engine.worker import WorkerConfig
 from weightbus.engines.reference.models.config import ModelConfig
-from weightbus.engines.reference.models.loader import QUANTIZATIONS, TINY, resolve_config
+from weightbus.engines.reference.models.loader import (
+    QUANTIZATIONS,
+    TINY,
+    lora_shape,
+    resolve_config,
+)
 from weightbus.engines.reference.server.admin import AdminConfig
 from weightbus.engines.reference.server.api import AppConfig, create_app
 from weightbus.engines.reference.server.auth import is_loopback
@@ -82,6 +87,8 @@ class ServeConfig:
     draft_model: str | None = None
     draft_seed: int | None = None
     num_speculative_tokens: int = 0
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model != TINY and not (Path(self.model) / "config.json").is_file():
@@ -107,6 +114,10 @@ class ServeConfig:
                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         self._check_draft()
+        if self.lora_rank:
+            lora_shape(self.lora_rank, self.lora_targets)  # names the flag out of range
+        elif self.lora_targets:
+            raise ValueError("--lora-targets needs --lora-rank")
         for name in ("ready_timeout_s", "request_timeout_s", "dist_timeout_s", "idle_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -174,6 +185,8 @@ def worker_config(
         draft_model=config.draft_model,
         draft_seed=config.seed if config.draft_seed is None else config.draft_seed,
         num_speculative_tokens=config.num_speculative_tokens,
+        lora_rank=config.lora_rank,
+        lora_targets=config.lora_targets,
     )
 
 
@@ -183,7 +196,8 @@ def checked_model(config: ServeConfig) -> tuple[ModelConfig, int]:
     Raises:
         ValueError: the model cannot be served with these flags (names the flag or field).
     """
-    model_config = resolve_config(config.model, config.quantization)
+    lora = lora_shape(config.lora_rank, config.lora_targets)
+    model_config = resolve_config(config.model, config.quantization, lora)
     model_config.validate_tp(config.tp_size)
     max_model_len = config.max_model_len or min(
         model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN

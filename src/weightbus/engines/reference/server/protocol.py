@@ -457,6 +457,19 @@ class DraftItem(BaseModel):
     load_s: float = Field(0.0, description="seconds rank 0 spent loading them")
 
 
+class AdapterItem(BaseModel):
+    """The LoRA adapter applied to the base model."""
+
+    version: str = Field(description="the version it came with")
+    fingerprint: str = Field(description="the fingerprint of its tensors alone")
+    base_fingerprint: str = Field(description="the base model it applies to")
+    r: int = Field(description="its rank")
+    lora_alpha: float
+    use_rslora: bool
+    scaling: float = Field(description="what B @ A is multiplied by")
+    target_modules: list[str]
+
+
 class UpdateWeightsResponse(BaseModel):
     """A committed update: what the engine now serves and how long the update took; with
     `staged`, a two-phase update staged and verified, waiting for `/v1/commit_weights`."""
@@ -494,6 +507,7 @@ class HistoryItem(BaseModel):
     seconds: float
     bytes: int
     draft: DraftItem | None = None
+    adapter: AdapterItem | None = None
 
 
 class WeightsInfo(BaseModel):
@@ -518,4 +532,12 @@ class WeightsInfo(BaseModel):
     rollbacks: int = Field(0, description="rollbacks committed")
     draft: DraftItem | None = Field(
         None, description="the draft model served for speculative decoding (None: no draft)"
+    )
+    adapter: AdapterItem | None = Field(
+        None,
+        description="the LoRA adapter applied (None: the base alone); `fingerprint` is then "
+        "base and adapter's",
+    )
+    base_fingerprint: str | None = Field(
+        None, description="the base model's fingerprint, with or without an adapter"
     )
