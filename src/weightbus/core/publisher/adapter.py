@@ -37,7 +37,8 @@ class AdapterState:
     """What the fleet's engines serve as base and adapter, as this Publisher pushed them.
 
     Attributes:
-        base_fingerprint: the base model's (its last whole push, or `set_delta_base`).
+        base_fingerprint: the base model's (its last whole push, `set_delta_base`, or the
+            base of its last adapter push).
         shapes: the last adapter pushed, as `(name, shape, dtype)` (None: none pushed).
         spec: its description.
     """
@@ -69,7 +70,9 @@ class AdapterState:
         return zeros, msgspec.structs.replace(self.spec, active=False)
 
     def committed(self, tensors: dict[str, torch.Tensor], spec: AdapterSpec) -> None:
-        """An adapter push committed (a removal keeps the shapes for the next one)."""
+        """An adapter push committed: its base is the engines' (and the next adapter's by
+        default); a removal keeps the shapes for the next one."""
+        self.base_fingerprint = spec.base_fingerprint
         self.shapes = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
         self.spec = spec
 

@@ -1,0 +1,314 @@
+"""LoRA adapter pushes into reference engines at TP 2 and TP 1 serving adapters
+(`--lora-rank 4`): a real `peft` adapter trained on the engines' base travels alone (its
+`lora_A` / `lora_B` only), the engines apply it unmerged and compute what transformers + peft
+compute; an adapter for another base or of another shape is refused with nothing changed, a
+corrupted byte fails closed, a rollback returns the previous adapter, removing the adapter
+serves the base bit for bit, and a push of the base drops the adapter."""
+
+import copy
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from engine_harness import ServedEngine
+from update_harness import engine_greedy, hf_greedy, weights_state
+
+from weightbus import Publisher, PushError
+from weightbus.core.finite import NonFiniteWeightsError
+from weightbus.core.lora import adapter_tensors, base_weights
+from weightbus.core.publisher.targets import HttpEngineTarget
+from weightbus.core.wire.adapter import adapter_names, served_fingerprint
+
+pytestmark = pytest.mark.e2e  # starts `weightbus serve` (tests/conftest.py)
+
+LOGPROB_ATOL = 1e-4  # float32 engine vs transformers + peft, as test_update_e2e.py
+RANK = 4
+CONFIG = {
+    "vocab_size": 101,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "tie_word_embeddings": False,
+}
+
+
+def _base_model(path: Path) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norms near 1, the rest large enough that greedy choices are clear
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    model.save_pretrained(path)
+    return model
+
+
+def _peft(base: torch.nn.Module, rank: int = RANK) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    return get_peft_model(copy.deepcopy(base), config).eval()
+
+
+def trained(model: torch.nn.Module, seed: int, lr: float = 0.5) -> torch.nn.Module:
+    """A copy of the peft `model` after one SGD step of its adapter (the base stays frozen)."""
+    model = copy.deepcopy(model).train()
+    ids = torch.randint(
+        0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(seed)
+    )
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("lora-base")
+    return path, _base_model(path)
+
+
+def _start(path: Path, tp: str, log: Path) -> ServedEngine:
+    engine = ServedEngine("--model", str(path), "--tp", tp, "--lora-rank", str(RANK), log_path=log)
+    engine.base_state = weights_state(engine)  # what it serves before any adapter
+    engine.base_choice = engine_greedy(engine)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tp2(base, tmp_path_factory):
+    engine = _start(base[0], "2", tmp_path_factory.mktemp("log") / "tp2.log")
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def tp1(base, tmp_path_factory):
+    engine = _start(base[0], "1", tmp_path_factory.mktemp("log") / "tp1.log")
+    yield engine
+    engine.stop()
+
+
+def assert_serves(engine: ServedEngine, model: torch.nn.Module, version: str) -> None:
+    tokens, logprobs = hf_greedy(model)
+    choice = engine_greedy(engine)
+    assert (choice["weight_version"], choice["token_ids"]) == (version, tokens)
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+def _serving(engine: ServedEngine) -> tuple[str, dict]:
+    return weights_state(engine)["fingerprint"], engine_greedy(engine)
+
+
+def _back_to_the_base(engines: list[ServedEngine], base_model: torch.nn.Module) -> None:
+    """Serve the start checkpoint again (a test that pushed another base leaves it so)."""
+    for engine in engines:
+        if weights_state(engine)["base_fingerprint"] != engine.base_state["fingerprint"]:
+            with Publisher([engine.url], transport="shm") as publisher:
+                publisher.push(base_model, version="base", force=True)
+
+
+def test_three_adapter_pushes_serve_what_peft_serves(tp2, tp1, base, tmp_path):
+    """A fleet of a TP-2 and a TP-1 engine: each push two-phase, over shm, disk, nixl."""
+    _, base_model = base
+    _back_to_the_base([tp2, tp1], base_model)
+    model = _peft(base_model)
+    for i, transport in enumerate(("shm", "disk", "nixl")):
+        model = trained(model, seed=i)
+        version = f"adapter-{transport}"
+        options = {"root": tmp_path} if transport == "disk" else None
+        with Publisher([tp2.url, tp1.url], transport=transport, transport_options=options) as pub:
+            base_fp = pub.fingerprint(base_weights(model))
+            result = pub.push(
+                model,
+                version=version,
+                adapter=model.peft_config["default"],
+                base_fingerprint=base_fp,
+            )
+        tensors = adapter_tensors(model)
+        assert result.two_phase
+        assert result.nbytes == sum(t.nbytes for t in tensors.values())  # the adapter only
+        with Publisher([tp2.url]) as pub:
+            adapter_fp = pub.fingerprint(tensors)
+        assert result.fingerprint == served_fingerprint(result.adapter, adapter_fp)
+        for engine in (tp2, tp1):
+            state = weights_state(engine)
+            assert state["fingerprint"] == result.fingerprint
+            assert state["base_fingerprint"] == base_fp == engine.base_state["fingerprint"]
+            assert state["adapter"]["version"] == version
+            assert state["adapter"]["fingerprint"] == adapter_fp
+            assert (state["adapter"]["r"], state["adapter"]["scaling"]) == (RANK, 2.0)
+            assert_serves(engine, model, version)
+    full_bytes = sum(t.nbytes for t in base_weights(model).values())
+    assert result.nbytes < full_bytes / 4
+
+
+def test_a_rollback_returns_the_previous_adapter_and_in_place_pushes_land(tp2, base):
+    _, base_model = base
+    _back_to_the_base([tp2], base_model)
+    first, second = trained(_peft(base_model), seed=10), trained(_peft(base_model), seed=11)
+    config = first.peft_config["default"]
+    with Publisher([tp2.url], transport="shm") as pub:
+        base_fp = pub.fingerprint(base_weights(first))
+        one = pub.push(first, version="adapter-one", adapter=config, base_fingerprint=base_fp)
+        pub.push(second, version="adapter-two", adapter=config, base_fingerprint=base_fp)
+        assert_serves(tp2, second, "adapter-two")
+        back = pub.rollback()
+        assert (back.version, back.fingerprint) == ("adapter-one", one.fingerprint)
+        assert weights_state(tp2)["adapter"]["version"] == "adapter-one"
+        assert_serves(tp2, first, "adapter-one")
+        third = trained(second, seed=12)
+        pub.push(
+            third, version="adapter-in-place", adapter=config, atomic=False, pause_mode="in_place"
+        )
+    assert_serves(tp2, third, "adapter-in-place")
+
+
+def test_removing_the_adapter_serves_the_base_bit_for_bit(tp2, base):
+    _, base_model = base
+    _back_to_the_base([tp2], base_model)
+    model = trained(_peft(base_model), seed=20)
+    with Publisher([tp2.url], transport="shm") as pub:
+        base_fp = pub.fingerprint(base_weights(model))
+        pub.push(
+            model,
+            version="adapter-on",
+            adapter=model.peft_config["default"],
+            base_fingerprint=base_fp,
+        )
+        assert engine_greedy(tp2)["token_ids"] != tp2.base_choice["token_ids"]
+        removed = pub.remove_adapter(version="adapter-off")
+    assert removed.fingerprint == base_fp
+    state = weights_state(tp2)
+    assert (state["fingerprint"], state["adapter"]) == (tp2.base_state["fingerprint"], None)
+    choice = engine_greedy(tp2)
+    assert choice["token_ids"] == tp2.base_choice["token_ids"]
+    assert choice["logprobs"] == tp2.base_choice["logprobs"]  # exactly the start's
+    with model.disable_adapter():
+        assert_serves(tp2, model, "adapter-off")
+
+
+def test_refused_adapters_change_nothing(tp2, base, engine):
+    """Another base (409 naming both), another rank, NaN, an engine serving no adapters."""
+    _, base_model = base
+    model = trained(_peft(base_model), seed=30)
+    config = model.peft_config["default"]
+    before = _serving(tp2)
+    state = weights_state(tp2)
+    served_base, served_version = state["base_fingerprint"], state["version"]
+    with Publisher([tp2.url], transport="shm") as pub:
+        with pytest.raises(PushError) as refused:
+            pub.push(model, version="adapter-foreign", adapter=config, base_fingerprint="a" * 32)
+        assert refused.value.failures[tp2.url] == (
+            f"HTTP 409: adapter base {'a' * 32} is not served here: this engine serves base "
+            f"{served_base} (version {served_version!r})"
+        )
+        wide = trained(_peft(base_model, rank=8), seed=31)
+        with pytest.raises(PushError) as refused:
+            pub.push(
+                wide,
+                version="adapter-r8",
+                adapter=wide.peft_config["default"],
+                base_fingerprint=served_base,
+            )
+        assert refused.value.failures[tp2.url] == (
+            "HTTP 409: the adapter is rank 8, alpha 8 on down_proj, gate_proj, k_proj, o_proj, "
+            "q_proj, up_proj, v_proj; this engine serves adapters of rank 4 on down_proj, "
+            "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (--lora-rank, --lora-targets)"
+        )
+        broken = copy.deepcopy(model)
+        b_name = adapter_names(1, "up_proj")[1]
+        with torch.no_grad():
+            broken.state_dict()[b_name.replace("lora_B.", "lora_B.default.")][3, 1] = float("inf")
+        with pytest.raises(NonFiniteWeightsError, match=f"{b_name} \\(0 NaN, 1 inf\\)"):
+            pub.push(broken, version="adapter-inf", adapter=config, base_fingerprint=served_base)
+    assert _serving(tp2) == before
+    with Publisher([engine.url], transport="shm") as pub, pytest.raises(PushError) as refused:
+        pub.push(model, version="adapter-nowhere", adapter=config, base_fingerprint="a" * 32)
+    assert refused.value.failures[engine.url] == (
+        "HTTP 409: this engine serves no LoRA adapters: start it with --lora-rank"
+    )
+
+
+def _flip_a_byte_of(session: Path, name: str) -> None:
+    """Flip one byte of tensor `name` in the safetensors file of a disk session holding it."""
+    for shard in session.glob("*.safetensors"):
+        data = bytearray(shard.read_bytes())
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        if name in header:
+            start, _ = header[name]["data_offsets"]
+            data[8 + length + start] ^= 0x40
+            shard.write_bytes(bytes(data))
+            return
+    raise AssertionError(f"{name} is in no shard of {session}")
+
+
+class CorruptingTarget(HttpEngineTarget):
+    """An engine that reads a copy of each disk session with one byte of a lora_B flipped."""
+
+    NAME = adapter_names(0, "v_proj")[1]
+
+    def update(self, order):
+        session = Path(order.source["path"])
+        corrupted = session.with_name(session.name + "-corrupted")
+        shutil.copytree(session, corrupted)
+        _flip_a_byte_of(corrupted, self.NAME)
+        return super().update(
+            msgspec.structs.replace(order, source={**order.source, "path": str(corrupted)})
+        )
+
+
+def test_a_corrupted_adapter_byte_fails_closed(tp2, base, tmp_path):
+    _, base_model = base
+    model = trained(_peft(base_model), seed=40)
+    before = _serving(tp2)
+    target = CorruptingTarget(tp2.url)
+    with (
+        Publisher([target], transport="disk", transport_options={"root": tmp_path}) as pub,
+        pytest.raises(PushError) as failed,
+    ):
+        pub.push(
+            model,
+            version="adapter-corrupted",
+            adapter=model.peft_config["default"],
+            base_fingerprint=weights_state(tp2)["base_fingerprint"],
+        )
+    assert f"digest mismatch for tensor '{CorruptingTarget.NAME}'" in failed.value.failures[tp2.url]
+    assert _serving(tp2) == before
+
+
+def test_a_push_of_the_base_drops_the_adapter(tp2, base):
+    _, base_model = base
+    _back_to_the_base([tp2], base_model)
+    model = trained(_peft(base_model), seed=50)
+    config = model.peft_config["default"]
+    new_base = copy.deepcopy(base_model)
+    with torch.no_grad():
+        new_base.model.norm.weight.mul_(1.5)
+    with Publisher([tp2.url], transport="shm") as pub:
+        old_fp = pub.fingerprint(base_model)
+        pub.push(model, version="adapter-old-base", adapter=config, base_fingerprint=old_fp)
+        pushed = pub.push(new_base, version="new-base")  # the Publisher's base is this one now
+        state = weights_state(tp2)
+        assert (state["fingerprint"], state["base_fingerprint"]) == (pushed.fingerprint,) * 2
+        assert state["adapter"] is None
+        assert_serves(tp2, new_base, "new-base")
+        with pytest.raises(PushError, match=f"adapter base {old_fp} is not served here"):
+            pub.push(model, version="adapter-stale", adapter=config, base_fingerprint=old_fp)
+        on_new = pub.push(model, version="adapter-new-base", adapter=config)  # the last base
+    assert on_new.adapter.base_fingerprint == pushed.fingerprint
