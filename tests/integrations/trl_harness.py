@@ -38,10 +38,12 @@ def prompt_dataset() -> Dataset:
 
 class StepWeights(TrainerCallback):
     """Copies of the weights TRL holds before training and after every optimizer step, keyed
-    by TRL's global step (the weights a push at that step must carry)."""
+    by TRL's global step (the weights a push at that step must carry). With `peft_config`, TRL
+    wraps `model` in a peft model (the adapter's layers go into `model` itself)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, peft_config: Any = None) -> None:
         self.model = model
+        self.peft_config = peft_config
         # accelerate wraps the forward of the model TRL trains (autocast, outputs to fp32): a
         # copy of that model keeps the wrapper
         self._untouched = copy.deepcopy(model).eval()
@@ -61,8 +63,14 @@ class StepWeights(TrainerCallback):
 
     def model_at(self, step: int) -> torch.nn.Module:
         model = copy.deepcopy(self._untouched)
-        model.load_state_dict(self.by_step[step])
-        return model
+        if self.peft_config is None:
+            model.load_state_dict(self.by_step[step])
+            return model
+        from peft import get_peft_model
+
+        peft_model = get_peft_model(model, self.peft_config)
+        peft_model.base_model.model.load_state_dict(self.by_step[step])
+        return peft_model.eval()
 
 
 @dataclass
@@ -94,12 +102,18 @@ def grpo_config(output_dir: Path, max_steps: int = 3, **options: Any) -> Any:
 
 
 def run_grpo(
-    model: torch.nn.Module, model_dir: Path, output_dir: Path, rollout_func: Any, **options: Any
+    model: torch.nn.Module,
+    model_dir: Path,
+    output_dir: Path,
+    rollout_func: Any,
+    peft_config: Any = None,
+    **options: Any,
 ) -> GrpoRun:
-    """Train `model` with TRL's GRPOTrainer (`rollout_func` None: TRL's own generation)."""
+    """Train `model` with TRL's GRPOTrainer (`rollout_func` None: TRL's own generation; with
+    `peft_config`, a LoRA adapter on the frozen `model`)."""
     from trl import GRPOTrainer
 
-    weights = StepWeights(model)
+    weights = StepWeights(model, peft_config)
     run = GrpoRun(trainer=None, weights=weights)
 
     def recorded(prompts: list, trainer: Any) -> dict:
@@ -116,6 +130,7 @@ def run_grpo(
         processing_class=PreTrainedTokenizerFast.from_pretrained(model_dir),
         rollout_func=recorded if rollout_func is not None else None,
         callbacks=[weights],
+        peft_config=peft_config,
     )
     run.trainer.train()
     return run

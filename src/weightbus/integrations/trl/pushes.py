@@ -1,6 +1,7 @@
 """Pushing TRL's policy: the model TRL trains, from one process with a `Publisher`, or from every
 process with a `ShardedPublisher` (each sends the bytes it holds: DDP replicas split the model,
-FSDP2 ranks send their shards; nothing is gathered)."""
+FSDP2 ranks send their shards; nothing is gathered). A PEFT (LoRA) policy pushes its adapter
+only, onto the frozen base the engines serve (`Publisher.push(..., adapter=...)`)."""
 
 import time
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ from typing import Any
 
 import torch
 
+from weightbus.core.lora import base_weights
 from weightbus.core.publisher import Publisher
 from weightbus.core.sharded import ShardedPublisher
 
@@ -21,9 +23,9 @@ _FSDP1 = (
     "FSDP1 flattens parameters into FlatParameters weightbus cannot map to Hugging Face "
     "tensors; use FSDP2 (accelerate fsdp_version: 2) with a ShardedPublisher on every process"
 )
-_PEFT = (
-    "the model is a PEFT (LoRA) model: weightbus pushes whole models here; merge the adapter "
-    "into a plain model first (peft's merge_and_unload) or train without peft_config"
+_SHARDED_PEFT = (
+    "the model is a PEFT (LoRA) model trained by several processes: adapter pushes go from one "
+    "process with a Publisher (or merge the adapter, peft's merge_and_unload, and push the model)"
 )
 
 
@@ -51,8 +53,6 @@ def _refuse_unmappable(trainer: Any, model: torch.nn.Module) -> None:
     wrapped = getattr(trainer, "model_wrapped", model)
     if fsdp1 or any(type(m).__name__ == "FullyShardedDataParallel" for m in wrapped.modules()):
         raise NotImplementedError(_FSDP1)
-    if hasattr(model, "peft_config"):
-        raise NotImplementedError(_PEFT)
 
 
 class PolicyPusher:
@@ -75,6 +75,7 @@ class PolicyPusher:
         self.publisher = publisher
         self.version_prefix = version_prefix
         self.push_options = dict(push_options or {})
+        self._base_fingerprint: str | None = None  # a PEFT policy's frozen base, once read
 
     def version_of(self, step: int) -> str:
         """The version of the policy at TRL step `step`."""
@@ -83,8 +84,13 @@ class PolicyPusher:
     def push(self, trainer: Any, step: int) -> PushRecord:
         """Push the policy TRL holds at `step` (every process calls it when sharded).
 
+        A PEFT policy pushes its active adapter only (the engines serve adapters: `weightbus
+        serve --lora-rank`); the base's fingerprint is read once, on the first push (LoRA
+        training keeps the base frozen), and each engine checks it serves that base.
+
         Raises:
-            NotImplementedError: a trainer weightbus cannot push from (ZeRO-3, FSDP1, PEFT).
+            NotImplementedError: a trainer weightbus cannot push from (ZeRO-3, FSDP1, a PEFT
+                model trained by several processes).
             ValueError: several TRL processes with a `Publisher` (build a `ShardedPublisher`
                 on each).
             PushError, NonFiniteWeightsError, TrainerRankError: as the publisher's `push`.
@@ -99,7 +105,22 @@ class PolicyPusher:
             )
         version = self.version_of(step)
         start = time.perf_counter()
-        result = self.publisher.push(model, version=version, **self.push_options)
+        options = self.push_options | self._adapter_options(model)
+        result = self.publisher.push(model, version=version, **options)
         push_s = time.perf_counter() - start
         sent_bytes = getattr(result, "sent_bytes", None)  # a ShardedPushResult's
         return PushRecord(step, version, result.fingerprint, push_s, sent_bytes)
+
+    def _adapter_options(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The push's adapter options for a PEFT model (none for a plain one)."""
+        configs = getattr(model, "peft_config", None)
+        if configs is None:
+            return {}
+        if isinstance(self.publisher, ShardedPublisher):
+            raise NotImplementedError(_SHARDED_PEFT)
+        if self._base_fingerprint is None:
+            self._base_fingerprint = self.publisher.fingerprint(base_weights(model))
+        return {
+            "adapter": configs[model.active_adapter],
+            "base_fingerprint": self._base_fingerprint,
+        }
