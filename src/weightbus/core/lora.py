@@ -12,7 +12,7 @@ projections are refused by name: DoRA, LoRA biases, `fan_in_fan_out`, per-module
 alphas, `modules_to_save`, layer subsets.
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -99,6 +99,12 @@ def _saved_name(name: str, adapter_name: str) -> str | None:
         saved = ".".join(parts)
         return saved if saved.startswith(PEFT_PREFIX) else PEFT_PREFIX + saved
     return None
+
+
+def adapter_name_map(adapter_name: str = "default") -> Callable[[str], str | None]:
+    """A `name_map` keeping only the `adapter_name` adapter's matrices, under peft's saved
+    names (what a sharded trainer rank's adapter push sends)."""
+    return lambda name: _saved_name(name, adapter_name)
 
 
 def adapter_tensors(

@@ -4,11 +4,14 @@ AdamW steps, pushes through `ShardedPublisher`. It runs the actions of its JSON 
 order and writes one JSON line per action to `<out>/rank<r>.jsonl`; after each `push` with
 `save`, rank 0 writes the gathered weights (for the test's checks only) to `<out>/<version>.pt`.
 
+With `lora_rank`, the model is a peft LoRA model (every projection, the base frozen) and a
+`push` with `adapter` sends the adapter only.
+
 Actions: `train` (steps), `push` (version; `direct`: False packs the slots; `transport`:
-`shm`, `nixl`, `dist` or `disk`; `quantize`: "fp8-block"), `push_2d` (the
-same weights as DTensors on a 2-D FSDP x TP mesh, row- and column-parallel), `nan` (rank `on`
-holds a NaN), `raise` (rank `on` passes a non-tensor), `kill` (rank `on` dies by SIGKILL as its
-copies start; over `dist`, as it packs its first parts).
+`shm`, `nixl`, `dist` or `disk`; `quantize`: "fp8-block"; `adapter`: the LoRA adapter only),
+`push_2d` (the same weights as DTensors on a 2-D FSDP x TP mesh, row- and column-parallel),
+`nan` (rank `on` holds a NaN), `raise` (rank `on` passes a non-tensor), `kill` (rank `on` dies
+by SIGKILL as its copies start; over `dist`, as it packs its first parts).
 """
 
 import json
@@ -91,7 +94,10 @@ def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, ran
             _Sender._pack = die  # as its first bucket's parts are packed
         else:
             GroupWriter._copy = die
-    result = publisher.push(weights, version=action["version"], **action.get("options", {}))
+    options = dict(action.get("options", {}))
+    if action.get("adapter"):
+        options["adapter"] = model.peft_config["default"]
+    result = publisher.push(weights, version=action["version"], **options)
     engines = [] if result.result is None else [e.rank_nbytes for e in result.result.engines]
     return {
         "fingerprint": result.fingerprint,
@@ -119,8 +125,16 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     model = _model(args["model"])
+    layers = model.model.layers
+    if args.get("lora_rank"):
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=args["lora_rank"], lora_alpha=8, target_modules="all-linear", lora_dropout=0.0
+        )
+        model = get_peft_model(model, config)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -10,6 +10,7 @@ their pieces when told and return (or raise) what rank 0 does.
 """
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,7 +24,9 @@ import torch.distributed as dist
 
 from weightbus.core.finite import NOTHING_SENT, NonFiniteWeightsError, describe_nonfinite
 from weightbus.core.fp8 import Fp8Block, describe, fp8_spec
+from weightbus.core.lora import adapter_name_map, adapter_spec, check_adapter
 from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
+from weightbus.core.publisher.adapter import NO_BASE
 from weightbus.core.publisher.fleet import Fleet
 from weightbus.core.publisher.push_session import PushRequest, PushRun, push_options
 from weightbus.core.publisher.results import PushError, PushResult
@@ -54,6 +57,7 @@ from weightbus.core.sharded.steps import (
 )
 from weightbus.core.sharded.write import GroupWriter
 from weightbus.core.wire import PauseMode, VerifyLevel
+from weightbus.core.wire.adapter import AdapterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +92,15 @@ def _tied_everywhere(readies: list[_Ready]) -> set[str]:
 class ShardedPushResult:
     """A committed sharded push: the version, its fingerprint, the bytes each trainer rank
     copied (`sent_bytes[rank]`) and, on rank 0, the engines' results (`result`);
-    `quantization` as `PushResult.quantization` (the fingerprint is of the quantized tensors)."""
+    `quantization` as `PushResult.quantization` (the fingerprint is of the quantized tensors);
+    `adapter` as `PushResult.adapter` (a LoRA adapter push)."""
 
     version: str
     fingerprint: str
     sent_bytes: list[int]
     result: PushResult | None
     quantization: str | None = None
+    adapter: AdapterSpec | None = None
 
 
 class ShardedPublisher:
@@ -154,6 +160,8 @@ class ShardedPublisher:
         self._fleet: Fleet | None = None
         self._last_push: str | None = None
         self._http: httpx.Client | None = None
+        # the base the engines serve (the last whole push's, or the last adapter's base)
+        self._base_fingerprint: str | None = None
         if self.rank == 0:
             if not engines:
                 raise ValueError("engines: rank 0 needs at least one engine URL or target")
@@ -206,6 +214,8 @@ class ShardedPublisher:
         two_phase: bool | None = None,
         keep_draft: bool = False,
         allow_nonfinite: bool = False,
+        adapter: Any = None,
+        base_fingerprint: str | None = None,
     ) -> ShardedPushResult:
         """Push what every rank holds as `version` (call it on every rank, with its shards).
 
@@ -214,6 +224,9 @@ class ShardedPublisher:
                 `(name, tensor)` pairs of DTensors, `DeclaredShard`s and plain tensors.
             version, step, name_map, pause_mode, atomic, verify, force, two_phase, keep_draft,
                 allow_nonfinite: as `Publisher.push` (the push's options are rank 0's).
+            adapter, base_fingerprint: as `Publisher.push`: each rank sends its shards of the
+                LoRA adapter's matrices only (a peft model's `lora_A` / `lora_B`; the same on
+                every rank).
 
         Returns:
             The same result on every rank (rank 0's also carries the engines' results).
@@ -224,7 +237,7 @@ class ShardedPublisher:
             PushError: an engine did not commit (as `Publisher.push`), raised on every rank.
             TrainerRankError: a rank failed, died or did not answer in time (named).
             ValueError: ranks disagree on the model, or some part of a tensor is held by no
-                rank (named).
+                rank (named); an adapter as for `Publisher.push`.
         """
         options = {
             "pause_mode": pause_mode,
@@ -234,6 +247,9 @@ class ShardedPublisher:
             "two_phase": two_phase,
             "keep_draft": keep_draft,
         }
+        spec = None
+        if adapter is not None:
+            spec, name_map = self._adapter(adapter, base_fingerprint, name_map)
         prefix = self._last_push = self._control.next_push()
         deadline = time.monotonic() + self.timeout_s
         holdings = self._ready(f"{prefix}/ready", weights, name_map, allow_nonfinite)
@@ -243,16 +259,35 @@ class ShardedPublisher:
         names = {meta.name for meta in layout.metas}  # without tied heads
         held = {holding.name: holding for holding in holdings if holding.name in names}
         if self.rank == 0:
-            return self._lead(
+            result = self._lead(
                 prefix,
                 layout,
                 held,
                 version=version,
                 step=step,
                 allow_nonfinite=allow_nonfinite,
-                options=options,
+                options={**options, "adapter": spec},
             )
-        return self._follow(prefix, layout, held, version, deadline + _OUTCOME_GRACE_S)
+        else:
+            result = self._follow(prefix, layout, held, version, deadline + _OUTCOME_GRACE_S)
+        self._base_fingerprint = result.fingerprint if spec is None else spec.base_fingerprint
+        return dataclasses.replace(result, adapter=spec)
+
+    def _adapter(
+        self, config: Any, base_fingerprint: str | None, name_map: NameMap | None
+    ) -> tuple[AdapterSpec, NameMap]:
+        """An adapter push's spec and the name map keeping its matrices (peft's names).
+
+        Raises:
+            ValueError: a `name_map` or `quantize` with it, no base known, or a peft option
+                the engines cannot serve.
+        """
+        if name_map is not None or self.quantize is not None:
+            raise ValueError("an adapter push goes as trained: no name_map or quantize")
+        base = base_fingerprint or self._base_fingerprint
+        if base is None:
+            raise ValueError(NO_BASE)
+        return adapter_spec(config, base), adapter_name_map()
 
     def _ready(
         self, key: str, weights: Any, name_map: NameMap | None, allow: bool
@@ -323,12 +358,16 @@ class ShardedPublisher:
         try:
             if isinstance(self._sink, ShardedDistSink):
                 self._sink.ensure_group(self._fleet.targets)
+            adapter = options.pop("adapter")
             order = push_options(
                 self._fleet, version=version, step=step, allow_nonfinite=allow_nonfinite, **options
             )
             metas = {
                 m.name: torch.empty(m.shape, dtype=m.dtype, device="meta") for m in layout.metas
             }
+            if adapter is not None:
+                check_adapter(metas, adapter)
+                order = msgspec.structs.replace(order, adapter=adapter)
             request = PushRequest(metas, version, step, order)
             result = PushRun(self._fleet, self._sessions, request).run()
         except PushError as exc:
