@@ -136,6 +136,15 @@ def test_peft_options_an_engine_cannot_serve_are_refused_by_name(option, message
     assert str(refused.value) == message
 
 
+def test_a_base_fingerprint_that_is_not_one_is_refused():
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    with pytest.raises(ValueError, match="must be a fingerprint") as refused:
+        adapter_spec(config, "step-3")
+    assert str(refused.value) == (
+        "adapter: base_fingerprint must be a fingerprint (32 hex digits), got 'step-3'"
+    )
+
+
 def test_tensors_off_the_config_are_refused_each_named(all_linear):
     _, model = all_linear
     tensors = adapter_tensors(model)

@@ -1,9 +1,11 @@
-"""`weightbus push`: push a Hugging Face checkpoint directory into running engines."""
+"""`weightbus push`: push a Hugging Face checkpoint directory, or a peft adapter directory,
+into running engines."""
 
 import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from weightbus.core.units import byte_size_arg
 
@@ -13,7 +15,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--engine", action="append", required=True, help="engine URL (repeat for several)"
     )
-    parser.add_argument("--from", dest="model_dir", required=True, help="HF checkpoint directory")
+    parser.add_argument(
+        "--from",
+        dest="model_dir",
+        required=True,
+        help="HF checkpoint directory, or a peft adapter directory (adapter_config.json: the "
+        "adapter alone is pushed, onto --base-fingerprint)",
+    )
+    parser.add_argument(
+        "--base-fingerprint",
+        default=None,
+        help="with an adapter directory: the fingerprint of the base model it was trained on "
+        "(engines serving another base refuse it)",
+    )
     parser.add_argument("--version", required=True, help="name of the new version")
     parser.add_argument("--step", type=int, default=None, help="optional increasing step")
     parser.add_argument("--transport", default="disk")
@@ -39,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         weights = list(iter_safetensors(args.model_dir))
+        adapter = _adapter_config(Path(args.model_dir), args.base_fingerprint)
         if args.dtype is not None:
             dtype: torch.dtype = dtype_from_name(args.dtype)
             weights = [(name, tensor.to(dtype)) for name, tensor in weights]
@@ -57,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
                 atomic=args.atomic,
                 verify=args.verify,
                 force=args.force,
+                **adapter,
             )
     except (PushError, ValueError, OSError) as exc:
         print(f"weightbus push: error: {exc}", file=sys.stderr)
@@ -70,3 +86,25 @@ def run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(summary))
     return 0
+
+
+def _adapter_config(model_dir: Path, base_fingerprint: str | None) -> dict:
+    """The push's adapter options when `model_dir` is a peft adapter directory (else none).
+
+    Raises:
+        ValueError: an adapter directory without --base-fingerprint, or the flag without one.
+    """
+    config_path = model_dir / "adapter_config.json"
+    if not config_path.is_file():
+        if base_fingerprint is not None:
+            raise ValueError(
+                f"--base-fingerprint needs a peft adapter directory: {config_path} is missing"
+            )
+        return {}
+    if base_fingerprint is None:
+        raise ValueError(
+            f"{model_dir} is a peft adapter: give --base-fingerprint, the fingerprint of the base "
+            "model it was trained on"
+        )
+    config = json.loads(config_path.read_text())
+    return {"adapter": config, "base_fingerprint": base_fingerprint}

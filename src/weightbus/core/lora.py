@@ -12,6 +12,7 @@ projections are refused by name: DoRA, LoRA biases, `fan_in_fan_out`, per-module
 alphas, `modules_to_save`, layer subsets.
 """
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -72,6 +73,11 @@ def adapter_spec(config: Any, base_fingerprint: str, *, active: bool = True) -> 
         value = _config_value(config, name, plain)
         if value is not None and value != plain and value != type(plain)():
             raise ValueError(f"adapter: {what} is not supported (got {value!r})")
+    if re.fullmatch("[0-9a-f]{32}", str(base_fingerprint)) is None:
+        raise ValueError(
+            f"adapter: base_fingerprint must be a fingerprint (32 hex digits), got "
+            f"{base_fingerprint!r}"
+        )
     peft_type = _config_value(config, "peft_type", "LORA")
     if peft_type not in (None, "LORA"):  # peft's PeftType is a str enum
         raise ValueError(f"adapter: peft_type {peft_type!r} is not LoRA")

@@ -9,6 +9,8 @@ import copy
 import json
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -343,3 +345,25 @@ def test_fsdp2_ranks_push_their_shards_of_the_adapter(tp2, base, tmp_path):
     assert min(sent) > 0
     assert sum(sent) <= 2 * sum(t.nbytes for t in tensors.values())
     assert_serves(tp2, model.eval(), "adapter-fsdp")
+
+
+def test_weightbus_push_sends_a_peft_adapter_directory(tp2, base, tmp_path):
+    _, base_model = base
+    _back_to_the_base([tp2], base_model)
+    model = trained(_peft(base_model), seed=60)
+    model.save_pretrained(tmp_path / "adapter")  # adapter_config.json, adapter_model.safetensors
+    base_fp = weights_state(tp2)["base_fingerprint"]
+    command = [
+        sys.executable, "-m", "weightbus", "push", "--engine", tp2.url,
+        "--from", str(tmp_path / "adapter"), "--version", "adapter-cli", "--transport", "shm",
+    ]  # fmt: skip
+    missing = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert missing.returncode == 1
+    assert "is a peft adapter: give --base-fingerprint" in missing.stderr
+    done = subprocess.run(
+        [*command, "--base-fingerprint", base_fp],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["fingerprint"] == weights_state(tp2)["fingerprint"]
+    assert_serves(tp2, model, "adapter-cli")
