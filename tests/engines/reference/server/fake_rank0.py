@@ -39,6 +39,8 @@ AT_REST_FLEET_INFO = {
     "two_phase_aborts": 0,
     "rollbacks": 0,
     "draft": None,
+    "adapter": None,
+    "base_fingerprint": None,
 }
 
 

@@ -134,6 +134,7 @@ def test_update_commits_and_is_visible_at_once(rig: InProcessServer) -> None:
                 "seconds": 0.25,
                 "bytes": 4096,
                 "draft": None,
+                "adapter": None,
             }
         ],
         **AT_REST_FLEET_INFO,

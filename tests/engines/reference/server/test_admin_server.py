@@ -211,6 +211,8 @@ def test_broken_bodies_are_4xx(engine: ServedEngine, path: str) -> None:
 def test_weights_start_from_ready(engine: ServedEngine) -> None:
     state = engine.client.get("/v1/weights", headers=AUTH).json()
     fingerprint = state.pop("fingerprint")
+    # the base's own: no adapter is applied
+    assert state.pop("base_fingerprint") == fingerprint
     assert state == {
         "version": "init",
         "step": None,
@@ -218,7 +220,7 @@ def test_weights_start_from_ready(engine: ServedEngine) -> None:
         "generation": "running",
         "released": [],
         "history": [],
-        **AT_REST_FLEET_INFO,
+        **{k: v for k, v in AT_REST_FLEET_INFO.items() if k != "base_fingerprint"},
     }
     # null from Ready alone; the worker's first WeightsState fills it in once it sends one
     assert fingerprint is None or HEX32.fullmatch(fingerprint)
