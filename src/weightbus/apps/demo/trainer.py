@@ -48,8 +48,17 @@ class Trainer:
         from transformers import LlamaForCausalLM
 
         torch.manual_seed(seed)
-        self.model = LlamaForCausalLM(hf_llama_config(config)).float().train()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.model = self._policy(LlamaForCausalLM(hf_llama_config(config)).float()).train()
+        trained = [param for param in self.model.parameters() if param.requires_grad]
+        self.optimizer = torch.optim.Adam(trained, lr=lr)
+
+    def _policy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The trained policy built on the freshly initialised `model`: the model itself."""
+        return model
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model the engine serves, under Hugging Face names (what a whole push carries)."""
+        return dict(self.model.state_dict())
 
     def save(self, directory: Path) -> None:
         """Write the weights as a Hugging Face checkpoint directory (config + safetensors)."""
