@@ -1,6 +1,6 @@
 """Real vLLM servers (each takes ~40-65 s to start on 2 cores), each shared by the modules that
-use it: `tied_tp1` (test_vllm_backend.py, test_vllm_draft.py, ...), `untied_tp2`
-(test_vllm_backend.py, test_vllm_fleet.py)."""
+use it: `tied_tp1` (test_vllm_backend.py, test_vllm_draft.py, test_vllm_lora.py, ...),
+`untied_tp2` (test_vllm_backend.py, test_vllm_fleet.py)."""
 
 import contextlib
 from collections.abc import Iterator
@@ -10,11 +10,16 @@ import torch
 from vllm_harness import make_vllm_model
 
 from process_pool import SharedProcesses
-from weightbus.engines.vllm.launch import VllmServer
+from weightbus.engines.vllm.launch import LoraServing, VllmServer
 
-# (case, tp_size): tied Qwen2 on TP 1, untied Llama on TP 2 -- float32, where vLLM-CPU and
-# transformers agree to ~1e-5 in logprob, so greedy tokens can be compared exactly.
-SERVERS = {"tied_tp1": ("qwen2_tied", 1), "untied_tp2": ("llama_untied", 2)}
+# (case, tp_size, lora): tied Qwen2 on TP 1, untied Llama on TP 2 -- float32, where vLLM-CPU and
+# transformers agree to ~1e-5 in logprob, so greedy tokens can be compared exactly. `tied_tp1`
+# also takes LoRA adapters (test_vllm_lora.py): every other module's whole pushes into it go
+# into vLLM's LoRA-wrapped layers.
+SERVERS = {
+    "tied_tp1": ("qwen2_tied", 1, LoraServing(max_rank=8)),
+    "untied_tp2": ("llama_untied", 2, None),
+}
 
 
 class Served:
@@ -27,11 +32,11 @@ class Served:
 
 
 def _serve(name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    case, tp_size = SERVERS[name]
+    case, tp_size, lora = SERVERS[name]
     path = tmp_path_factory.mktemp(name)
     model = make_vllm_model(case, path / "model", torch.float32)
     server = VllmServer(
-        path / "model", tp_size=tp_size, dtype="float32", log_path=path / "vllm.log"
+        path / "model", tp_size=tp_size, dtype="float32", log_path=path / "vllm.log", lora=lora
     )
     try:
         server.wait_ready()

@@ -336,3 +336,21 @@ def test_a_layer_the_map_does_not_know_is_received_whole_and_reported():
     metas = {"attn.q_proj.weight": TensorMeta("attn.q_proj.weight", torch.float32, (64, 8))}
     slice_map = worker_slice_map(model, metas)
     assert (slice_map.slices, slice_map.whole) == ({}, ["attn.q_proj.weight"])
+
+
+def test_a_lora_wrapped_layer_is_mapped_by_its_base_layer():
+    from vllm.lora.layers import RowParallelLinearWithLoRA
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from weightbus.engines.vllm.slices import worker_slice_map
+
+    base = _layer(RowParallelLinear, tp_rank=1, tp_size=2, input_size=64, output_size=64,
+                  input_size_per_partition=32, weight=torch.empty(64, 32))  # fmt: skip
+    model = torch.nn.Module()
+    model.o_proj = RowParallelLinearWithLoRA(base)  # what `--enable-lora` puts in its place
+    metas = {"o_proj.weight": TensorMeta("o_proj.weight", torch.float32, (64, 64))}
+    slice_map = worker_slice_map(model, metas)
+    assert (slice_map.slices, slice_map.whole) == (
+        {"o_proj.weight": SliceSpec("o_proj.weight", 1, 32, 32)},
+        [],
+    )

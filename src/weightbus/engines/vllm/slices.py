@@ -9,7 +9,9 @@ are fewer KV heads than ranks; gate and up of `MergedColumnParallelLinear`), a
 everything. This module reads those figures from the live layers, so a worker receives only
 its part (`SliceSpec`) and stages it where vLLM's loader will read it. A parallel layer this
 module does not know is received whole for that tensor only (`SliceMap.whole`: logged and
-reported), which is always correct, only larger.
+reported), which is always correct, only larger. A server started with `--enable-lora` wraps
+its layers (`MergedQKVParallelLinearWithLoRA`, ...): the part is its `base_layer`'s, whose
+loaders vLLM's load goes through.
 """
 
 import logging
@@ -74,9 +76,19 @@ def _module_of(
     if fused is not None:
         path[-1], part = fused
     try:
-        return model.get_submodule(".".join(path)), part
+        return _unwrapped(model.get_submodule(".".join(path))), part
     except AttributeError:
         return None, part
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The layer a LoRA wrapper of vLLM's (`BaseLayerWithLoRA`, `--enable-lora`) loads its
+    weights through: its `base_layer`; any other module itself."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    while isinstance(module, BaseLayerWithLoRA):
+        module = module.base_layer
+    return module
 
 
 def _rows(name: str, start: int, length: int, shape: tuple[int, ...], dim: int = 0) -> SliceSpec:

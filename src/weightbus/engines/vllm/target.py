@@ -23,12 +23,17 @@ has no session: a refused push leaves every rank as it was.
 A push the workers refused leaves vLLM serving the previous weights and resumes it; a load that
 failed after touching the model, or a failed logprob probe, leaves it paused (fail closed)
 until a good push lands.
+
+A LoRA adapter push (`order.adapter`) never reaches the workers' backend: vLLM loads adapters
+from a directory (`adapter_pushes.py`, over a file transport). A whole push that lands unloads
+the target's adapter: it was trained on the base it replaced.
 """
 
 import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -49,6 +54,8 @@ from weightbus.core.wire import PauseMode
 from weightbus.core.wire.delta import DELTA_BASE_REFUSAL, DeltaSpec
 from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.vllm import WORKER_EXTENSION
+from weightbus.engines.vllm.adapter_pushes import AdapterChange, AdapterPushes
+from weightbus.engines.vllm.adapters import LORA_UPDATING_ENV, AdapterDirectories
 from weightbus.engines.vllm.messages import (
     UNTOUCHED,
     VllmDecision,
@@ -132,7 +139,33 @@ class WorkerStates(msgspec.Struct, frozen=True):
         return ""
 
 
-class VllmEngineTarget(EngineTarget):
+class ServerConfig(msgspec.Struct, frozen=True):
+    """What the target reads of a vLLM server's configuration (`GET /server_info`, once).
+
+    Attributes:
+        worker_extension: its workers run weightbus's worker extension.
+        max_lora_rank: `--max-lora-rank` (None: started without `--enable-lora`).
+        lora_updating: `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is set (`/v1/load_lora_adapter`).
+    """
+
+    worker_extension: bool
+    max_lora_rank: int | None
+    lora_updating: bool
+
+    @classmethod
+    def of(cls, answer: dict) -> "ServerConfig":
+        """The configuration in `/server_info?config_format=json`'s answer."""
+        config = answer.get("vllm_config", {})
+        lora = config.get("lora_config") or {}
+        return cls(
+            worker_extension=config.get("parallel_config", {}).get("worker_extension_cls")
+            == WORKER_EXTENSION,
+            max_lora_rank=lora.get("max_lora_rank"),
+            lora_updating=bool(answer.get("vllm_env", {}).get(LORA_UPDATING_ENV)),
+        )
+
+
+class VllmEngineTarget(AdapterPushes, EngineTarget):
     """A vLLM server at `url` started with `--weight-transfer-config '{"backend": "weightbus"}'`.
 
     Args:
@@ -148,6 +181,13 @@ class VllmEngineTarget(EngineTarget):
             (`GET /server_info`, once). Never probed by calling it: on a server without it
             every worker would fail the call, and vLLM would answer later calls with the
             queued failures.
+        lora_name: the name vLLM serves pushed LoRA adapters under: requests select the
+            adapter with it as their `model` (the base stays under its own name).
+        adapter_root: where adapter directories are written: one vLLM's server can read (its
+            host, or a filesystem shared with it). Default: a new directory under /dev/shm,
+            for a server on this host running as this user.
+        start_fingerprint: the fingerprint of the weights vLLM started with (in the dtype it
+            serves): the base an adapter may apply to until a whole weightbus push loads.
     """
 
     reports_fingerprint = False  # None without the worker extension: its ranks verify it
@@ -164,6 +204,9 @@ class VllmEngineTarget(EngineTarget):
         api_key: str | None = None,
         client: httpx.Client | None = None,
         worker_extension: bool | None = None,
+        lora_name: str = "weightbus-adapter",
+        adapter_root: str | Path | None = None,
+        start_fingerprint: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.init_info = init_info or VllmInitInfo()
@@ -178,6 +221,12 @@ class VllmEngineTarget(EngineTarget):
         self._model: str | None = None
         self._pending: PushOrder | RollbackOrder | None = None  # staged, awaiting commit
         self._extension = worker_extension  # the workers answer `weightbus_state`
+        self._config: ServerConfig | None = None
+        self.lora_name = lora_name
+        self.start_fingerprint = start_fingerprint
+        self._adapter_root = adapter_root
+        self._adapter_dirs: AdapterDirectories | None = None  # made by the first adapter push
+        self._pending_adapter: AdapterChange | None = None  # staged, awaiting commit
 
     # requests
     def _request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
@@ -206,13 +255,17 @@ class VllmEngineTarget(EngineTarget):
             return None
         return WorkerStates(self._worker_call("weightbus_state", timeout_s))
 
-    def _has_extension(self, timeout_s: float) -> bool:
-        if self._extension is None:
+    def _server_config(self, timeout_s: float) -> ServerConfig:
+        if self._config is None:
             answer = self._request(
                 "GET", "/server_info", timeout_s, params={"config_format": "json"}
             )
-            config = answer.get("vllm_config", {}).get("parallel_config", {})
-            self._extension = config.get("worker_extension_cls") == WORKER_EXTENSION
+            self._config = ServerConfig.of(answer)
+        return self._config
+
+    def _has_extension(self, timeout_s: float) -> bool:
+        if self._extension is None:
+            self._extension = self._server_config(timeout_s).worker_extension
             if not self._extension:
                 logger.warning(
                     "%s: the workers cannot report what they serve (no fingerprints read back, "
@@ -273,8 +326,10 @@ class VllmEngineTarget(EngineTarget):
 
     # the EngineTarget seam
     def update(self, order: PushOrder) -> EngineResult:
+        if order.adapter is not None:
+            return self._update_adapter(order)
         start = time.perf_counter()
-        self._pending = None  # the workers drop anything staged when a new push arrives
+        self._forget_pending()  # the workers drop anything staged when a new push arrives
         _refuse_contradictory_draft(order)
         if order.two_phase and order.carries_draft:
             raise EngineRequestError(
@@ -312,14 +367,17 @@ class VllmEngineTarget(EngineTarget):
         start: float,
         phases: dict[str, float],
     ) -> EngineResult:
-        """The workers loaded `version`: name it in vLLM, resume, check the probe, and read
-        back what the workers serve."""
-        # vLLM's version: a start/finish pair (the backend's are no-ops: nothing can fail)
-        tick = time.perf_counter()
-        self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
-        body = {"weight_version": version}
-        self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json=body)
-        phases["version_s"] = time.perf_counter() - tick
+        """The workers loaded `version`: name it in vLLM, unload this target's adapter (it was
+        trained on the base just replaced), resume, check the probe, and read back what the
+        workers serve."""
+        self._name_version(version, phases)
+        try:  # vLLM is paused still: no request meets the adapter of the replaced base
+            self._unload_adapter()
+        except EngineRequestError as exc:
+            raise EngineRequestError(
+                f"{version!r} loaded, but adapter {self.lora_name!r} of the replaced base could "
+                f"not be unloaded: {exc} (vLLM stays paused until a good push)"
+            ) from None
         tick = time.perf_counter()
         self._resume()
         phases["resume_s"] = time.perf_counter() - tick
@@ -332,6 +390,15 @@ class VllmEngineTarget(EngineTarget):
         phases["report_s"] = time.perf_counter() - tick
         return _committed(self.url, version, start, phases, reported=reported)
 
+    def _name_version(self, version: str, phases: dict[str, float]) -> None:
+        """vLLM's version: a start/finish pair (the backend's are no-ops: nothing can fail;
+        vLLM's finish drops its workers' LoRA adapters, which reload from their directory)."""
+        tick = time.perf_counter()
+        self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
+        body = {"weight_version": version}
+        self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json=body)
+        phases["version_s"] = time.perf_counter() - tick
+
     def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
         """Load the version every worker staged, pausing vLLM as its push asked. A refusal
         (nothing staged, expired) leaves vLLM serving the previous weights; a load that fails
@@ -340,6 +407,8 @@ class VllmEngineTarget(EngineTarget):
         pending = self._pending
         if pending is None or pending.version != version:
             raise EngineRequestError(f"{self.url}: nothing of version {version!r} is staged")
+        if self._pending_adapter is not None:
+            return self._commit_adapter(self._pending_adapter, fingerprint, start)
         tick = time.perf_counter()
         self._pause(pending.pause_mode, timeout_s)  # a failed pause leaves it pending
         self._pending = None
@@ -352,9 +421,13 @@ class VllmEngineTarget(EngineTarget):
         return self._serve(version, probe, start, phases)
 
     def abort(self, version: str, reason: str, timeout_s: float) -> None:
-        """Discard the staged version on every worker (vLLM kept serving the previous one)."""
+        """Discard the staged version on every worker (vLLM kept serving the previous one), or
+        a staged adapter's directory (vLLM never saw it)."""
         if self._pending is not None and self._pending.version == version:
-            self._pending = None
+            adapter = self._pending_adapter is not None
+            self._forget_pending()
+            if adapter:
+                return
         self._init(timeout_s, abort=VllmDecision(version=version, reason=reason[:1000]))
 
     def rollback(self, order: RollbackOrder) -> EngineResult:
@@ -369,12 +442,13 @@ class VllmEngineTarget(EngineTarget):
         )
         if order.two_phase:
             self._init(order.timeout_s, rollback=rollback)
+            self._forget_pending()
             self._pending = order
             reported = self._reported("staged")
             return _committed(self.url, order.version, start, {}, reported=reported, staged=True)
         tick = time.perf_counter()
         self._pause(order.pause_mode, order.timeout_s)
-        self._pending = None  # the workers drop anything staged for the rollback
+        self._forget_pending()  # the workers drop anything staged for the rollback
         phases = {"pause_s": time.perf_counter() - tick}
         tick = time.perf_counter()
         self._decide(order.timeout_s, rollback=rollback)
@@ -463,11 +537,12 @@ class VllmEngineTarget(EngineTarget):
                 "to load it again)"
             )
 
-    def _check_probe(self, probe: LogprobProbe, version: str) -> None:
+    def _check_probe(self, probe: LogprobProbe, version: str, model: str | None = None) -> None:
         """Fail closed: a gap above the tolerance, a non-finite logprob on either side, or a
-        scoring call that fails each pause vLLM (it stays paused until a good push)."""
+        scoring call that fails each pause vLLM (it stays paused until a good push). `model`:
+        the name scored (default: the base model's)."""
         try:
-            gap = probe.gap(self.score(probe.token_ids))
+            gap = probe.gap(self.score(probe.token_ids, model))
         except (EngineRequestError, KeyError, IndexError, TypeError, ValueError) as exc:
             self._pause("abort", _CONTROL_TIMEOUT_S)
             raise EngineRequestError(
@@ -483,10 +558,13 @@ class VllmEngineTarget(EngineTarget):
                 "until a good push)"
             )
 
-    def score(self, token_ids: tuple[int, ...] | list[int]) -> list[float]:
-        """vLLM's logprob of each token after the first, teacher-forced (`prompt_logprobs`)."""
+    def score(
+        self, token_ids: tuple[int, ...] | list[int], model: str | None = None
+    ) -> list[float]:
+        """vLLM's logprob of each token after the first, teacher-forced (`prompt_logprobs`), by
+        `model` (default: the base model; `lora_name`: with the adapter)."""
         body = {
-            "model": self.served_model(),
+            "model": model or self.served_model(),
             "prompt": list(token_ids),
             "max_tokens": 1,
             "temperature": 0.0,
@@ -505,16 +583,18 @@ class VllmEngineTarget(EngineTarget):
         return self._model
 
     def weights(self, timeout_s: float) -> EngineWeights:
-        """vLLM's version and pause state, and what the workers report they serve and hold for
-        a rollback (without the worker extension: no fingerprint, no rollback)."""
+        """vLLM's version and pause state, what it serves (the workers' base, with the adapter
+        listed under `lora_name`: `served_fingerprint`) and what the workers hold for a
+        rollback (without the worker extension: no fingerprint, no rollback)."""
         version = self._request("GET", "/weight_info", timeout_s)["weight_version"]
         paused = self._request("GET", "/is_paused", timeout_s).get("is_paused", False)
         states = self.worker_states(timeout_s)
+        fingerprint = self._served_fingerprint(states, timeout_s)
         if states is None:
-            fingerprint, previous = None, None
+            previous = None
             unavailable = f"start vLLM with --worker-extension-cls {WORKER_EXTENSION}"
         else:
-            fingerprint, previous = states.fingerprint(), states.agreed("previous")
+            previous = states.agreed("previous")
             unavailable = states.previous_unavailable()
         return EngineWeights(
             url=self.url,
@@ -539,6 +619,11 @@ class VllmEngineTarget(EngineTarget):
         self.setup_transport(transport, info, timeout_s)
 
     def close(self) -> None:
+        """Close the HTTP client (if the target's) and drop a staged adapter's directory; the
+        directories vLLM loaded stay (`AdapterDirectories`)."""
+        self._forget_pending()
+        if self._adapter_dirs is not None:
+            self._adapter_dirs.close()
         if self._owns_client:
             self._http.close()
 
@@ -578,6 +663,11 @@ class VllmClientTarget(EngineTarget):
             raise EngineRequestError(
                 f"{self.url}: vLLM's weight-sync clients open no draft session: push a draft "
                 f"model ({DRAFT_PREFIX!r} tensors) with VllmEngineTarget (nothing was changed)"
+            )
+        if order.adapter is not None:
+            raise EngineRequestError(
+                f"{self.url}: vLLM's weight-sync clients cannot load LoRA adapters: push them "
+                "with VllmEngineTarget (nothing was changed)"
             )
         info = update_info(order)
         init_info = msgspec.to_builtins(VllmInitInfo(push=info))

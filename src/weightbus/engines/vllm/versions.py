@@ -61,6 +61,8 @@ class WorkerVersions:
         self.served: HeldVersion | None = None  # what vLLM's parameters hold, by weightbus
         self.served_index: int | None = None  # the buffers that hold the served version
         self.staged: Staged | None = None
+        # a weightbus load started once: vLLM's parameters are no longer those it started with
+        self.touched = False
 
     @property
     def keeps_previous(self) -> bool:
@@ -193,8 +195,10 @@ class WorkerVersions:
         self.served, self.served_index = held, self.sets.index(buffers)
 
     def untrusted(self) -> None:
-        """A load failed midway: nothing is known of what vLLM's parameters hold."""
+        """A load starts (or failed midway): nothing is known of what vLLM's parameters hold
+        until it `loaded`."""
         self.served = self.served_index = None
+        self.touched = True
 
     def delta_base(self) -> str | None:
         """The fingerprint a delta may apply to: the served version's, while a copy of it is
@@ -252,4 +256,5 @@ class WorkerVersions:
             "previous": None if buffers is None or buffers.held is None else buffers.held.summary(),
             "previous_unavailable": why,
             "staging_bytes": sum(buffers.nbytes for buffers in self.sets),
+            "touched": self.touched,
         }

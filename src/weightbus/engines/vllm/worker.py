@@ -74,6 +74,10 @@ DRAFT_SESSION_WITHOUT_DRAFT = (
     f"{DRAFT_PREFIX!r} tensors: a push in a draft session carries both models (if a publisher "
     "died inside the session, POST /finish_weight_update closes it)"
 )
+ADAPTER_NOT_HERE = (
+    "a LoRA adapter push does not go through vLLM's weight-transfer backend: vLLM loads "
+    "adapters from a directory (VllmEngineTarget pushes them over 'hf_dir' or 'disk')"
+)
 DRAFT_OUTSIDE_SESSION = (
     f"the push carries {DRAFT_PREFIX!r} tensors outside a draft session: this vLLM server "
     f"serves no draft model (speculative method {DRAFT_METHOD!r}), or the push set keep_draft, "
@@ -363,8 +367,11 @@ class WeightbusWeightTransferEngine(
         draft's under `draft.`.
 
         Raises:
-            ValueError: the push's draft settings do not fit the draft served (the reason).
+            ValueError: the push's draft settings do not fit the draft served (the reason), or
+                it carries a LoRA adapter.
         """
+        if info.adapter is not None:
+            raise ValueError(ADAPTER_NOT_HERE)
         self._slices()  # the staging buffers hold this rank's parts from the first push on
         draft_served = _served_draft_config(self.vllm_config) is not None
         if self._drafting and info.keep_draft:
