@@ -18,6 +18,8 @@ from trl_harness import check_rollouts_came_from_their_step, run_grpo
 from vllm_harness import hf_greedy
 
 from weightbus import Publisher
+from weightbus.core.digest import fingerprint
+from weightbus.core.publisher import normalize_weights
 from weightbus.engines.vllm.target import VllmEngineTarget
 from weightbus.integrations.trl import WeightbusRollouts
 
@@ -41,6 +43,29 @@ def test_every_step_generates_with_vllm_from_the_policy_pushed_at_that_step(tied
     trained = run.weights.model_at(3)  # TRL's model itself stays TRL's
     assert served.server.complete([5, 17, 99])["token_ids"] == hf_greedy(trained, [5, 17, 99])
     served.model = trained
+
+
+def test_a_peft_policy_generates_with_vllm_from_each_steps_adapter(tied_tp1, tmp_path):
+    """GRPOTrainer(peft_config=...): every step pushes the adapter alone (over `disk`: vLLM
+    loads adapters from a directory) and samples it under the target's `lora_name`."""
+    from peft import LoraConfig
+
+    served = tied_tp1
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    # the base vLLM serves: what it started from until a weightbus push loaded another
+    start = fingerprint(normalize_weights(served.model.float()))
+    target = VllmEngineTarget(served.url, start_fingerprint=start)
+    options = {"root": tmp_path / "sessions"}
+    with Publisher([target], transport="disk", transport_options=options) as publisher:
+        rollouts = WeightbusRollouts(publisher, version_prefix="trl-lora-")
+        model = copy.deepcopy(served.model).float().train()
+        run = run_grpo(model, served.server.model_dir, tmp_path, rollouts, config)
+        rollouts.close()
+        assert [step.off_policy for step in rollouts.steps] == [0, 0, 0]
+        check_rollouts_came_from_their_step(run, "trl-lora-")
+        assert target.completion_model(30.0) == target.lora_name
+        publisher.remove_adapter(version="trl-lora-removed")  # the next module's base alone
+        assert target.completion_model(30.0) == target.served_model()
 
 
 def _patched_trl(root: Path) -> Path:

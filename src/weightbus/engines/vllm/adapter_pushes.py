@@ -322,6 +322,13 @@ class AdapterPushes:
         if response.status_code != 200:
             raise EngineRequestError(f"{path}: {error_reason(response)}")
 
+    def completion_model(self, timeout_s: float) -> str:
+        """The `model` a request names to sample what this target last pushed: `lora_name`
+        while vLLM lists an adapter under it, else the base model's name."""
+        if self._server_config(timeout_s).max_lora_rank is None:
+            return self.served_model()
+        return self.lora_name if self._listed_adapter(timeout_s) else self.served_model()
+
     def _listed_adapter(self, timeout_s: float) -> str | None:
         """The directory vLLM serves `lora_name` from (`GET /v1/models`), None: not listed."""
         for card in self._request("GET", "/v1/models", timeout_s).get("data", []):

@@ -170,7 +170,8 @@ class EngineCompletions:
         # vLLM does not stamp completions: the version it reports before and after the batch
         assert self._vllm is not None
         before = self._served_version()
-        model = self._ask_vllm(self._vllm.served_model)
+        # a PEFT policy's adapter is served under its own name (`lora_name`)
+        model = self._ask_vllm(lambda: self._vllm.completion_model(self.timeout_s))
         body = {
             "model": model,
             "prompt": prompt_ids,
