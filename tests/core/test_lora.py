@@ -114,6 +114,14 @@ def test_the_spec_reads_a_peft_config_and_the_adapter_config_json_peft_writes(al
             "adapter: per-module ranks (rank_pattern) is not supported (got {'q_proj': 8})",
         ),
         (
+            {"alora_invocation_tokens": [5, 6]},
+            "adapter: aLoRA (alora_invocation_tokens) is not supported (got [5, 6])",
+        ),
+        (
+            {"layer_replication": [[0, 1]]},
+            "adapter: layer_replication is not supported (got [[0, 1]])",
+        ),
+        (
             {"target_modules": ["q_proj", "lm_head"]},
             (
                 "adapter: target_modules ['lm_head'] are not decoder projections an engine "
@@ -134,6 +142,15 @@ def test_peft_options_an_engine_cannot_serve_are_refused_by_name(option, message
     with pytest.raises(ValueError, match=r"^adapter: ") as refused:
         adapter_spec(config, BASE)
     assert str(refused.value) == message
+
+
+def test_options_that_are_off_or_only_describe_training_pass():
+    config = {
+        "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "modules_to_save": [],
+        "bias": "none", "lora_dropout": 0.1, "init_lora_weights": "gaussian",
+        "peft_version": "0.21.2", "task_type": "CAUSAL_LM",
+    }  # fmt: skip
+    assert adapter_spec(config, BASE).target_modules == ["q_proj"]
 
 
 def test_a_base_fingerprint_that_is_not_one_is_refused():
@@ -221,6 +238,53 @@ def test_each_rank_holds_its_slice_of_a_and_b(all_linear):
         assert torch.equal(params[f"{mlp}.down_proj.lora.down_proj.lora_B"], down_b)
         with pytest.raises(ValueError, match=r"tensor '.*q_proj.lora_A.weight': shape mismatch"):
             engine_model.load_adapter([(adapter_names(0, "q_proj")[0], torch.zeros(8, 64))])
+
+
+def test_replicated_kv_heads_hold_the_b_rows_of_their_head(all_linear):
+    """TP 4 over 2 KV heads: ranks 0-1 hold head 0, ranks 2-3 head 1 (vLLM's rule)."""
+    _, model = all_linear
+    tensors = adapter_tensors(model)
+    k_a, k_b = (tensors[name] for name in adapter_names(1, "k_proj"))
+    q_b = tensors[adapter_names(1, "q_proj")[1]]
+    for rank in range(4):
+        with tp_context(TPContext(rank, 4)):
+            engine_model = create_model(_config_with(LoraShape(4)))
+        engine_model.load_adapter(tensors.items())
+        part = engine_model.model.layers[1].self_attn.qkv_proj.lora
+        head = rank // 2
+        assert torch.equal(part["k_proj"].lora_A, k_a)
+        assert torch.equal(part["k_proj"].lora_B, k_b[16 * head : 16 * (head + 1)])
+        assert torch.equal(part["q_proj"].lora_B, q_b[16 * rank : 16 * (rank + 1)])
+        assert part["k_proj"].rows == (16, 16)  # after this rank's one q head
+
+
+def test_a_bf16_engine_applies_a_float32_adapter_as_peft_does(tmp_path):
+    """peft keeps an adapter in float32 on a bf16 base (its default): the engine holds it in
+    float32 (`--lora-dtype`'s default) and adds the product to the bf16 output, as peft."""
+    base, model = _peft_model(["q_proj", "down_proj"], rank=2)
+    base.to(torch.bfloat16).save_pretrained(tmp_path)
+    model = model.to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if "lora_" in name:  # float32, as peft's autocast_adapter_dtype leaves them; a larger
+            scale = 20.0 if "lora_B" in name else 1.0  # update, well above bf16's rounding
+            param.data = param.data.float() * scale
+    config = _config_with(LoraShape(2, ("q_proj", "down_proj")))
+    runner = ModelRunner(
+        config=config, source=str(tmp_path), dtype=torch.bfloat16, max_num_seqs=1, max_model_len=64
+    )
+    assert runner.served.weight_dtypes(torch.bfloat16)[adapter_names(0, "q_proj")[0]] == (
+        torch.float32
+    )
+    base_logits, _ = greedy_generate(runner, PROMPT, 2)
+    tensors = adapter_tensors(model)
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    runner.served.load_weights(tensors.items())
+    runner.served.lora_state.set(True, adapter_spec(model.peft_config["default"], BASE).scaling)
+    logits, _ = greedy_generate(runner, PROMPT, 2, slot=0)
+    peft_logits, _ = hf_reference(model)
+    gap = (logits.float() - peft_logits.float()).abs().max()
+    moved = (logits.float() - base_logits.float()).abs().max()
+    assert gap < moved / 10, (gap, moved)  # bf16 rounding, far below the adapter's change
 
 
 @pytest.mark.parametrize("use_rslora", [False, True], ids=["lora", "rslora"])

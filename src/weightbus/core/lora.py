@@ -7,9 +7,12 @@ B `(out_features, r)`), and an `AdapterSpec` (rank, alpha, targets, the base's f
 the order. Nothing here imports `peft`: a `LoraConfig` is read by its attributes, so a dict
 as `adapter_config.json` holds it works too.
 
-`peft` options an engine cannot serve as plain `base + scaling * B @ A` on the targeted
-projections are refused by name: DoRA, LoRA biases, `fan_in_fan_out`, per-module ranks or
-alphas, `modules_to_save`, layer subsets.
+A config is read through an allowlist: the fields that describe a plain
+`base + (B (A x)) * scaling` on the targeted projections (or only how peft initialises or
+records the adapter) may hold anything; every other peft option must be off (None, False,
+empty), else it is refused by name: DoRA, LoRA biases, `fan_in_fan_out`, per-module ranks or
+alphas, `modules_to_save`, layer subsets, aLoRA, trainable tokens, ... change what the model
+computes, and an engine serving the plain form would serve another model.
 """
 
 import re
@@ -22,23 +25,48 @@ from torch import nn
 from weightbus.core.wire.adapter import LORA_TARGETS, PEFT_PREFIX, AdapterSpec
 
 _LORA_PARTS = ("lora_A", "lora_B")
-# peft options that change the computation, and the value an engine serving plain LoRA needs
-_UNSUPPORTED = {
-    "use_dora": (False, "DoRA (use_dora)"),
-    "bias": ("none", "LoRA biases (bias)"),
-    "lora_bias": (False, "LoRA biases (lora_bias)"),
-    "fan_in_fan_out": (False, "fan_in_fan_out"),
-    "rank_pattern": ({}, "per-module ranks (rank_pattern)"),
-    "alpha_pattern": ({}, "per-module alphas (alpha_pattern)"),
-    "modules_to_save": (None, "modules_to_save"),
-    "layers_to_transform": (None, "a layer subset (layers_to_transform)"),
+# peft config fields an engine serving plain LoRA reads (the spec's), or that only say how peft
+# initialises, trains or records the adapter: they may hold anything
+_PLAIN_FIELDS = frozenset(
+    {
+        "r", "lora_alpha", "target_modules", "use_rslora", "peft_type", "task_type",
+        "inference_mode", "lora_dropout", "init_lora_weights", "peft_version", "revision",
+        "base_model_name_or_path", "auto_mapping", "megatron_core", "qalora_group_size",
+        "loftq_config", "eva_config", "corda_config", "lora_ga_config", "ensure_weight_tying",
+    }
+)  # fmt: skip
+# every other field must be off; these are named in the refusal
+_FIELD_NAMES = {
+    "use_dora": "DoRA (use_dora)",
+    "bias": "LoRA biases (bias)",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "layers_to_transform": "a layer subset (layers_to_transform)",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
 }
+_OFF = (None, False, "", "none", {}, [], ())
 
 
 def _config_value(config: Any, name: str, default: Any = None) -> Any:
     if isinstance(config, Mapping):
         return config.get(name, default)
     return getattr(config, name, default)
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    """A peft config's fields (a `LoraConfig`'s `to_dict()`, or the dict itself)."""
+    return dict(config) if isinstance(config, Mapping) else dict(config.to_dict())
+
+
+def _refuse_unserved_options(config: Any) -> None:
+    """Raise ValueError naming the first peft option that is on and changes the computation."""
+    for name, value in _fields(config).items():
+        if name in _PLAIN_FIELDS or any(value == off for off in _OFF if type(value) is type(off)):
+            continue
+        what = _FIELD_NAMES.get(name, name)
+        raise ValueError(f"adapter: {what} is not supported (got {value!r})")
 
 
 def _targets(config: Any) -> list[str]:
@@ -69,10 +97,7 @@ def adapter_spec(config: Any, base_fingerprint: str, *, active: bool = True) -> 
     Raises:
         ValueError: a peft option the engines cannot serve, or targets they do not adapt.
     """
-    for name, (plain, what) in _UNSUPPORTED.items():
-        value = _config_value(config, name, plain)
-        if value is not None and value != plain and value != type(plain)():
-            raise ValueError(f"adapter: {what} is not supported (got {value!r})")
+    _refuse_unserved_options(config)
     if re.fullmatch("[0-9a-f]{32}", str(base_fingerprint)) is None:
         raise ValueError(
             f"adapter: base_fingerprint must be a fingerprint (32 hex digits), got "
@@ -115,7 +140,7 @@ def adapter_name_map(adapter_name: str = "default") -> Callable[[str], str | Non
 
 def adapter_tensors(
     weights: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-    adapter_name: str = "default",
+    adapter_name: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """The adapter's matrices under peft's saved names, detached.
 
@@ -123,11 +148,14 @@ def adapter_tensors(
         weights: a `PeftModel` (its `adapter_name` adapter's `lora_A` / `lora_B` are taken,
             the base's weights left), or an adapter's state dict (as `get_peft_model_state_dict`
             returns it or `adapter_model.safetensors` holds it).
+        adapter_name: the peft adapter (None: a `PeftModel`'s active one, else "default").
 
     Raises:
         ValueError: a state dict holding something else than LoRA matrices (named), or none.
     """
     from_module = isinstance(weights, nn.Module)
+    if adapter_name is None:
+        adapter_name = getattr(weights, "active_adapter", None) or "default"
     items = weights.state_dict().items() if from_module else dict(weights).items()
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in items:

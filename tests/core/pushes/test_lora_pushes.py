@@ -165,7 +165,7 @@ def test_a_rollback_returns_the_previous_adapter_and_in_place_pushes_land(tp2, b
     _back_to_the_base([tp2], base_model)
     first, second = trained(_peft(base_model), seed=10), trained(_peft(base_model), seed=11)
     config = first.peft_config["default"]
-    with Publisher([tp2.url], transport="shm") as pub:
+    with Publisher([tp2.url], transport="hf_dir") as pub:
         base_fp = pub.fingerprint(base_weights(first))
         one = pub.push(first, version="adapter-one", adapter=config, base_fingerprint=base_fp)
         pub.push(second, version="adapter-two", adapter=config, base_fingerprint=base_fp)
@@ -314,7 +314,10 @@ def test_a_push_of_the_base_drops_the_adapter(tp2, base):
         with pytest.raises(PushError, match=f"adapter base {old_fp} is not served here"):
             pub.push(model, version="adapter-stale", adapter=config, base_fingerprint=old_fp)
         on_new = pub.push(model, version="adapter-new-base", adapter=config)  # the last base
-    assert on_new.adapter.base_fingerprint == pushed.fingerprint
+        assert on_new.adapter.base_fingerprint == pushed.fingerprint
+        pub.push(new_base, version="new-base-again")  # drops the adapter again
+        removed = pub.remove_adapter(version="no-adapter")  # stamped with the current base
+    assert removed.fingerprint == weights_state(tp2)["fingerprint"] == pushed.fingerprint
 
 
 def test_fsdp2_ranks_push_their_shards_of_the_adapter(tp2, base, tmp_path):

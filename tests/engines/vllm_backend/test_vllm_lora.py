@@ -126,7 +126,9 @@ def test_three_adapter_pushes_serve_what_peft_generates_and_removal_serves_the_b
             assert tokens not in served_tokens  # each push changed what the adapter generates
             served_tokens.append(tokens)
             assert tied_tp1.server.complete(PROMPT)["token_ids"] == base_tokens
-        assert target.weights(10).fingerprint == result.fingerprint
+        held = target.weights(10)
+        assert held.fingerprint == result.fingerprint
+        assert held.rollback is None  # no rollback across an adapter (vLLM keeps none)
         removed = publisher.remove_adapter(version="lora-removed")
     assert removed.engines[0].fingerprint == removed.fingerprint == base_fingerprint
     assert _missing(tied_tp1, target.lora_name).startswith(

@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     weights = llama_weights(args.size, torch.bfloat16)
-    adapter = random_adapter(llama_shape(args.size), args.rank, torch.bfloat16)
+    # float32, as peft keeps an adapter on a bf16 base (the engine's default --lora-dtype)
+    adapter = random_adapter(llama_shape(args.size), args.rank, torch.float32)
     config = lora_config(args.rank)
     scaling = config["lora_alpha"] / args.rank
     merged = merged_weights(weights, adapter, scaling)

@@ -59,15 +59,17 @@ class AdapterState:
         return adapter_spec(config, base)
 
     def removal(self) -> tuple[dict[str, torch.Tensor], AdapterSpec]:
-        """Zeros of the last adapter's shapes, and its spec with `active` off.
+        """Zeros of the last adapter's shapes, and its spec with `active` off, on the base the
+        engines serve now (a whole push since may have replaced it).
 
         Raises:
             ValueError: no adapter was pushed.
         """
-        if self.shapes is None or self.spec is None:
+        if self.shapes is None or self.spec is None or self.base_fingerprint is None:
             raise ValueError(NO_ADAPTER)
         zeros = {name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in self.shapes}
-        return zeros, msgspec.structs.replace(self.spec, active=False)
+        base = self.base_fingerprint
+        return zeros, msgspec.structs.replace(self.spec, active=False, base_fingerprint=base)
 
     def committed(self, tensors: dict[str, torch.Tensor], spec: AdapterSpec) -> None:
         """An adapter push committed: its base is the engines' (and the next adapter's by

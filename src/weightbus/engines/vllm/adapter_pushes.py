@@ -215,6 +215,12 @@ class AdapterPushes:
                 f"{change.fingerprint}, not {fingerprint}; {ADAPTER_UNTOUCHED}"
             )
         self._pending = self._pending_adapter = None
+        try:  # vLLM may have restarted or loaded another base since the adapter was staged
+            self._refuse_foreign_adapter_base(change.order.adapter)
+        except EngineRequestError:
+            if change.directory is not None and self._adapter_dirs is not None:
+                self._adapter_dirs.discard(change.directory)
+            raise
         return self._serve_adapter(change, start, {})
 
     def _serve_adapter(

@@ -16,6 +16,7 @@ the fingerprint against the trainer's. A directory is published (renamed into pl
 verified; a mismatch removes it and names the tensor.
 """
 
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -190,6 +191,7 @@ class AdapterDirectories:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._count = 0
+        self._instance = secrets.token_hex(4)
         self._loaded: list[Path] = []  # the directories vLLM loaded, oldest first
 
     def write(
@@ -205,7 +207,7 @@ class AdapterDirectories:
             ValueError: the written bytes are not the trainer's (nothing is published).
         """
         self._count += 1
-        name = f"{self._count:06d}"
+        name = f"{self._count:06d}-{self._instance}"  # unique beside other targets' and runs
         tmp = self.root / f".tmp-{name}"
         tmp.mkdir(mode=0o700)
         try:

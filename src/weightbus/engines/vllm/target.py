@@ -114,6 +114,19 @@ def _committed(
     )
 
 
+def _rollback_of(states: "WorkerStates", version: str) -> tuple[dict | None, str]:
+    """The version the workers hold for a rollback and why none: none while vLLM serves an
+    adapter push made after the workers' last whole load (a rollback to the workers' previous
+    version would skip back past that load; vLLM keeps no previous adapter)."""
+    served = states.agreed("served")
+    if served is not None and served["version"] != version:
+        return None, (
+            f"vLLM serves {version!r}, an adapter push after the workers' last whole load "
+            f"{served['version']!r}: no rollback of adapters (push the previous adapter again)"
+        )
+    return states.agreed("previous"), states.previous_unavailable()
+
+
 class WorkerStates(msgspec.Struct, frozen=True):
     """What every worker of a vLLM engine holds (`weightbus_state`, in rank order)."""
 
@@ -594,8 +607,7 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
             previous = None
             unavailable = f"start vLLM with --worker-extension-cls {WORKER_EXTENSION}"
         else:
-            previous = states.agreed("previous")
-            unavailable = states.previous_unavailable()
+            previous, unavailable = _rollback_of(states, version)
         return EngineWeights(
             url=self.url,
             version=version,

@@ -189,18 +189,20 @@ class UpdateController(ControlRequests, PeerOutcome):
             return f"version {order.version!r} is already being served (set force to re-push)"
         if order.step is not None and self.step is not None and order.step <= self.step:
             return f"step {order.step} is not above the current step {self.step}"
-        if order.delta is not None:
-            return self._delta_conflict(order.delta)
-        return None if order.adapter is None else self._adapter_conflict(order.adapter)
+        if order.adapter is not None:
+            return self._adapter_conflict(order.adapter, delta=order.delta is not None)
+        return None if order.delta is None else self._delta_conflict(order.delta)
 
     @property
     def base_fingerprint(self) -> str | None:
         """The base model's fingerprint, whether an adapter applies or not."""
         return self.fingerprint if self.adapter is None else self.adapter.spec.base_fingerprint
 
-    def _adapter_conflict(self, spec: AdapterSpec) -> str | None:
+    def _adapter_conflict(self, spec: AdapterSpec, *, delta: bool) -> str | None:
         """An adapter applies only onto the base it was trained on, with the rank and targets
-        the engine holds adapters of."""
+        the engine holds adapters of, and goes whole."""
+        if delta:
+            return "an adapter push goes whole: it cannot be a delta"
         if self.lora is None:
             return "this engine serves no LoRA adapters: start it with --lora-rank"
         if spec.r != self.lora.rank or tuple(spec.target_modules) != self.lora.targets:

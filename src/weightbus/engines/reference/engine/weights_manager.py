@@ -69,17 +69,27 @@ def _new_served(served: ServedModels, dtype: torch.dtype) -> ServedModels:
 
 
 def _prepare_staging(
-    order: UpdateOrder, live: ServedModels, staging: ServedModels, base_held: bool
+    order: UpdateOrder,
+    live: ServedModels,
+    staging: ServedModels,
+    *,
+    base_held: bool,
+    on_base_held: Callable[[], None],
 ) -> Callable[[], None]:
     """What the staging model must hold before a push writes into it: the live weights for a
     delta (it changes them), the live base for an adapter (unless `base_held`: the staging
-    memory holds it already), the live draft when the push keeps it, else nothing."""
+    memory holds it already; `on_base_held` is called once it does), the live draft when the
+    push keeps it, else nothing."""
     if order.delta:
         return lambda: copy_parameters(live.parameters(), staging.parameters())
     if order.adapter is not None:
-        if base_held:
-            return lambda: None
-        return lambda: copy_parameters(live.base_parameters(), staging.base_parameters())
+
+        def copy_base() -> None:
+            if not base_held:
+                copy_parameters(live.base_parameters(), staging.base_parameters())
+            on_base_held()
+
+        return copy_base
     if order.keep_draft:
         return lambda: copy_parameters(live.draft_parameters(), staging.draft_parameters())
     return lambda: None
@@ -243,8 +253,14 @@ class WeightsManager:
             self._staging = _new_served(self.served, self.dtype)
             self._staging_arena = self._place(self._staging, copy=False)
         staging = self._staging
-        prepare = _prepare_staging(order, self.served, staging, self._staging_has_base)
-        self._staging_has_base = order.adapter is not None
+        prepare = _prepare_staging(
+            order,
+            self.served,
+            staging,
+            base_held=self._staging_has_base,
+            on_base_held=self._base_held,
+        )
+        self._staging_has_base = False  # until the receive thread copied the base (if it does)
         self._staged_adapter = order.adapter is not None
         staging.lora_state.set(*_adapter_state(order))
         self._staged = _StagedReceive(
@@ -253,6 +269,10 @@ class WeightsManager:
             self._placement(self._staging_arena),
             prepare,
         )
+
+    def _base_held(self) -> None:
+        """The staging memory holds the live base (called from the receive thread)."""
+        self._staging_has_base = True
 
     def staged_result(self) -> RankResult | None:
         """The staged receive's verdict once it ended, else None."""
@@ -300,6 +320,8 @@ class WeightsManager:
         no draft, or failed)."""
         if self.served.draft is None or order.keep_draft or not result.ok:
             return None
+        if order.adapter is not None:
+            return None  # an adapter push carries no draft: the draft served stays
         return draft_info(order.version, self.expected, result, self._draft_loads)
 
     # memory

@@ -102,6 +102,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: str | None = None
     lora_rank: int = 0  # LoRA adapters served (`--lora-rank`; 0: none)
     lora_targets: tuple[str, ...] = ()
+    lora_dtype: str = "float32"
 
 
 def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
@@ -117,9 +118,8 @@ class Worker:
         self.is_driver = config.tp_rank == 0
         self.tp_size = config.tp_size
         self._join_tp_group()
-        model_config = resolve_config(
-            config.model, config.quantization, lora_shape(config.lora_rank, config.lora_targets)
-        )
+        lora = lora_shape(config.lora_rank, config.lora_targets, config.lora_dtype)
+        model_config = resolve_config(config.model, config.quantization, lora)
         self.draft_source = self._draft_source()
         self._load_model(model_config)
         self._init_step_state()

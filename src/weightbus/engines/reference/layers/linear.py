@@ -63,13 +63,15 @@ class LinearBase(nn.Module):
         self.lora = nn.ModuleDict()  # Hugging Face projection -> its adapter (`attach_lora`)
         self.lora_state: LoraState | None = None
 
-    def attach_lora(self, projection: str, shard_id: ShardId, rank: int, state: LoraState) -> None:
+    def attach_lora(
+        self, projection: str, shard_id: ShardId, rank: int, dtype: torch.dtype, state: LoraState
+    ) -> None:
         """Hold a rank-`rank` adapter of the Hugging Face `projection` (`shard_id` of this
-        layer), applied while `state.active`."""
-        self.lora[projection] = self._lora_part(shard_id, rank)
+        layer) in `dtype`, applied while `state.active`."""
+        self.lora[projection] = self._lora_part(shard_id, rank, dtype)
         self.lora_state = state
 
-    def _lora_part(self, shard_id: ShardId, rank: int) -> LoraPart:
+    def _lora_part(self, shard_id: ShardId, rank: int, dtype: torch.dtype) -> LoraPart:
         raise NotImplementedError
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -186,10 +188,10 @@ class ColumnParallelLinear(LinearBase):
         check_full_shape(full_shape, (shard_size * self.tp_size, *param.shape[1:]))
         return ShardCopy(0, self.tp_rank * shard_size, 0, 0, shard_size)
 
-    def _lora_part(self, shard_id: ShardId, rank: int) -> LoraPart:
+    def _lora_part(self, shard_id: ShardId, rank: int, dtype: torch.dtype) -> LoraPart:
         full = self._full_weight_shape(shard_id)
         rows = self._weight_copy(self.weight, full, shard_id)
-        return column_part(rank, self.weight.shape[1], rows, full[0])
+        return column_part(rank, self.weight.shape[1], rows, full[0], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_lora(x, linear(x, self.dense_weight(x.dtype), self.bias))
@@ -352,10 +354,10 @@ class RowParallelLinear(LinearBase):
         check_full_shape(full_shape, (param.shape[0], shard_size * self.tp_size))
         return ShardCopy(1, self.tp_rank * shard_size, 1, 0, shard_size)
 
-    def _lora_part(self, shard_id: ShardId, rank: int) -> LoraPart:
+    def _lora_part(self, shard_id: ShardId, rank: int, dtype: torch.dtype) -> LoraPart:
         full = self._full_weight_shape(shard_id)
         cols = self._weight_copy(self.weight, full, shard_id)
-        return row_part(rank, self.weight.shape[0], cols, full[1])
+        return row_part(rank, self.weight.shape[0], cols, full[1], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dense_weight(x.dtype)

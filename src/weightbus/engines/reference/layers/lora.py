@@ -48,6 +48,7 @@ class LoraPart(nn.Module):
         a_full, b_full: the full shapes of the pushed A and B.
         a_copy, b_copy: this rank's slice of each (`ShardCopy`, destination its own parameter).
         rows: `(start, length)` of the layer's local output this projection fills.
+        dtype: what A and B are held in (the input is cast to it, as peft does).
     """
 
     def __init__(
@@ -56,13 +57,16 @@ class LoraPart(nn.Module):
         b_full: tuple[int, int],
         a_copy: ShardCopy,
         b_copy: ShardCopy,
+        *,
         rows: tuple[int, int],
+        dtype: torch.dtype,
     ) -> None:
         super().__init__()
         self.full_shapes = {"lora_A": a_full, "lora_B": b_full}
         self.copies = {"lora_A": a_copy, "lora_B": b_copy}
-        self.lora_A = nn.Parameter(torch.zeros(_local(a_full, a_copy)), requires_grad=False)
-        self.lora_B = nn.Parameter(torch.zeros(_local(b_full, b_copy)), requires_grad=False)
+        a_local, b_local = _local(a_full, a_copy), _local(b_full, b_copy)
+        self.lora_A = nn.Parameter(torch.zeros(a_local, dtype=dtype), requires_grad=False)
+        self.lora_B = nn.Parameter(torch.zeros(b_local, dtype=dtype), requires_grad=False)
         for param in (self.lora_A, self.lora_B):
             param.weight_loader = self.weight_loader
         self.rows = rows
@@ -82,8 +86,9 @@ class LoraPart(nn.Module):
         self.shard_copy(param, tuple(loaded.shape)).apply(param.data, loaded)
 
     def delta(self, x: torch.Tensor, scaling: float) -> torch.Tensor:
-        """`(B (A x)) * scaling`, peft's order of operations."""
-        return linear(linear(x, self.lora_A), self.lora_B) * scaling
+        """`(B (A x)) * scaling` in the adapter's dtype, peft's order of operations (the caller
+        adds it to the layer's output, rounded to the output's dtype as peft does)."""
+        return linear(linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B) * scaling
 
 
 def _local(full: tuple[int, int], copy: ShardCopy) -> tuple[int, int]:
@@ -92,18 +97,23 @@ def _local(full: tuple[int, int], copy: ShardCopy) -> tuple[int, int]:
     return shape[0], shape[1]
 
 
-def column_part(rank: int, in_features: int, b_rows: ShardCopy, b_full_rows: int) -> LoraPart:
+def column_part(
+    rank: int, in_features: int, b_rows: ShardCopy, b_full_rows: int, dtype: torch.dtype
+) -> LoraPart:
     """The adapter of a column-parallel projection: A whole, the rows `b_rows` of B (the
     base layer's own slice of that projection's weight, with its offset in the output)."""
     a_full, b_full = (rank, in_features), (b_full_rows, rank)
     b_copy = ShardCopy(0, b_rows.src_start, 0, 0, b_rows.length)
     rows = (b_rows.dst_start, b_rows.length)
-    return LoraPart(a_full, b_full, ShardCopy.whole(a_full), b_copy, rows)
+    return LoraPart(a_full, b_full, ShardCopy.whole(a_full), b_copy, rows=rows, dtype=dtype)
 
 
-def row_part(rank: int, out_features: int, a_cols: ShardCopy, a_full_cols: int) -> LoraPart:
+def row_part(
+    rank: int, out_features: int, a_cols: ShardCopy, a_full_cols: int, dtype: torch.dtype
+) -> LoraPart:
     """The adapter of a row-parallel projection: the columns `a_cols` of A (the base layer's
     slice of its input), B whole."""
     a_full, b_full = (rank, a_full_cols), (out_features, rank)
     a_copy = ShardCopy(1, a_cols.src_start, 1, 0, a_cols.length)
-    return LoraPart(a_full, b_full, a_copy, ShardCopy.whole(b_full), (0, out_features))
+    whole_b = ShardCopy.whole(b_full)
+    return LoraPart(a_full, b_full, a_copy, whole_b, rows=(0, out_features), dtype=dtype)

@@ -11,19 +11,23 @@ from weightbus.core.wire.adapter import LORA_TARGETS, MAX_LORA_RANK
 from weightbus.engines.reference.layers.rotary import ROPE_TYPES
 
 MODEL_TYPES = ("llama", "qwen2")
+LORA_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
 class LoraShape:
-    """The adapters an engine serves (`--lora-rank`, `--lora-targets`): rank `rank` on the
-    projections `targets` (sorted) of every decoder layer.
+    """The adapters an engine serves (`--lora-rank`, `--lora-targets`, `--lora-dtype`): rank
+    `rank` on the projections `targets` (sorted) of every decoder layer, held in `dtype` (peft
+    keeps adapters in float32 on a bf16 or fp16 base by default; the product is computed in
+    it and added to the layer's output, as peft does).
 
     Raises:
-        ValueError: a rank out of range or an unknown projection (the flag named).
+        ValueError: a rank out of range, an unknown projection or dtype (the flag named).
     """
 
     rank: int
     targets: tuple[str, ...] = tuple(sorted(LORA_TARGETS))
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank <= MAX_LORA_RANK:
@@ -35,6 +39,8 @@ class LoraShape:
                 f"{', '.join(self.targets) or 'none'}"
             )
         object.__setattr__(self, "targets", tuple(sorted(set(self.targets))))
+        if self.dtype not in LORA_DTYPES:
+            raise ValueError(f"--lora-dtype must be one of {LORA_DTYPES}, got {self.dtype!r}")
 
     def describe(self) -> str:
         return f"rank {self.rank} on {', '.join(self.targets)}"

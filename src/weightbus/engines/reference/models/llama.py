@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from weightbus.core.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantizes
+from weightbus.core.meta import dtype_from_name
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.wire.adapter import adapter_names, hf_module
 from weightbus.engines.reference.layers.activation import SiluAndMul
@@ -231,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         if lora is None:
             return {}
         modules = dict(self.named_modules())
+        dtype = dtype_from_name(lora.dtype)
         adapters: dict[str, tuple[str, LoraPart]] = {}
         for i in range(self.config.num_hidden_layers):
             for projection in lora.targets:
@@ -238,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
                 layer_name = param_name.removesuffix(".weight")
                 layer = modules[layer_name]
                 assert isinstance(layer, LinearBase)
-                layer.attach_lora(projection, shard_id, lora.rank, self.lora_state)
+                layer.attach_lora(projection, shard_id, lora.rank, dtype, self.lora_state)
                 part = layer.lora[projection]
                 prefix = f"{layer_name}.lora.{projection}"
                 a_name, b_name = adapter_names(i, projection)

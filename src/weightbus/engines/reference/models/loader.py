@@ -25,12 +25,16 @@ TINY = "tiny"
 QUANTIZATIONS = (FP8_BLOCK_NAME,)
 
 
-def lora_shape(rank: int, targets: tuple[str, ...] | list[str] = ()) -> LoraShape | None:
-    """The `--lora-rank` / `--lora-targets` flags as a `LoraShape` (None: rank 0, no LoRA;
-    no targets: every projection)."""
+def lora_shape(
+    rank: int, targets: tuple[str, ...] | list[str] = (), dtype: str = "float32"
+) -> LoraShape | None:
+    """The `--lora-rank` / `--lora-targets` / `--lora-dtype` flags as a `LoraShape` (None:
+    rank 0, no LoRA; no targets: every projection)."""
     if rank == 0:
         return None
-    return LoraShape(rank, tuple(targets)) if targets else LoraShape(rank)
+    if not targets:
+        return LoraShape(rank, dtype=dtype)
+    return LoraShape(rank, tuple(targets), dtype)
 
 
 def resolve_config(

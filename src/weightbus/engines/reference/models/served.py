@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from weightbus.core.meta import DRAFT_PREFIX, is_draft_name
+from weightbus.core.meta import DRAFT_PREFIX, dtype_from_name, is_draft_name
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.wire.adapter import is_adapter_name
 from weightbus.engines.reference.layers.lora import LoraState
@@ -53,7 +53,9 @@ class ServedModels(nn.Module):
         if self.draft is not None:
             for name, draft_dtype in hf_weight_dtypes(self.draft.config, dtype).items():
                 dtypes[DRAFT_PREFIX + name] = draft_dtype
-        return dtypes | dict.fromkeys(adapter_weight_shapes(self.main.config), dtype)
+        lora = self.main.config.lora
+        adapter_dtype = None if lora is None else dtype_from_name(lora.dtype)
+        return dtypes | dict.fromkeys(adapter_weight_shapes(self.main.config), adapter_dtype)
 
     def shard_copies(self) -> list[tuple[str, str, ShardCopy]]:
         """This rank's slice map over both models: `(pushed name, parameter name, ShardCopy)`,

@@ -4,6 +4,7 @@ import argparse
 import os
 import sys
 
+from weightbus.engines.reference.models.config import LORA_DTYPES
 from weightbus.engines.reference.models.loader import QUANTIZATIONS
 from weightbus.engines.reference.server.launcher import DTYPES, ServeConfig
 
@@ -39,6 +40,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="comma-separated projections the adapters target (default: q_proj, k_proj, "
         "v_proj, o_proj, gate_proj, up_proj, down_proj)",
+    )
+    parser.add_argument(
+        "--lora-dtype",
+        default="float32",
+        choices=LORA_DTYPES,
+        help="what adapters are held and applied in (float32: peft's default on a bf16 or "
+        "fp16 base); pushed adapters must have it",
     )
     parser.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences in a batch")
@@ -118,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             num_speculative_tokens=args.num_speculative_tokens,
             lora_rank=args.lora_rank,
             lora_targets=tuple(args.lora_targets.split(",")) if args.lora_targets else (),
+            lora_dtype=args.lora_dtype,
         )
         return serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:

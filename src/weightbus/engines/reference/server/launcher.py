@@ -89,6 +89,7 @@ class ServeConfig:
     num_speculative_tokens: int = 0
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    lora_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.model != TINY and not (Path(self.model) / "config.json").is_file():
@@ -115,7 +116,7 @@ class ServeConfig:
             )
         self._check_draft()
         if self.lora_rank:
-            lora_shape(self.lora_rank, self.lora_targets)  # names the flag out of range
+            lora_shape(self.lora_rank, self.lora_targets, self.lora_dtype)  # names a bad flag
         elif self.lora_targets:
             raise ValueError("--lora-targets needs --lora-rank")
         for name in ("ready_timeout_s", "request_timeout_s", "dist_timeout_s", "idle_wait_s"):
@@ -187,6 +188,7 @@ def worker_config(
         num_speculative_tokens=config.num_speculative_tokens,
         lora_rank=config.lora_rank,
         lora_targets=config.lora_targets,
+        lora_dtype=config.lora_dtype,
     )
 
 
@@ -196,7 +198,7 @@ def checked_model(config: ServeConfig) -> tuple[ModelConfig, int]:
     Raises:
         ValueError: the model cannot be served with these flags (names the flag or field).
     """
-    lora = lora_shape(config.lora_rank, config.lora_targets)
+    lora = lora_shape(config.lora_rank, config.lora_targets, config.lora_dtype)
     model_config = resolve_config(config.model, config.quantization, lora)
     model_config.validate_tp(config.tp_size)
     max_model_len = config.max_model_len or min(
