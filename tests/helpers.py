@@ -17,6 +17,23 @@ from weightbus.core.publisher import (
 from weightbus.core.receiver import Receiver
 from weightbus.core.transport import open_source
 
+# a small Llama whose matrices split over TP 2 (KV heads too) and TP 4 (KV heads replicated)
+SMALL_LLAMA = {
+    "vocab_size": 101,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "tie_word_embeddings": False,
+}
+
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """A tensor of random bit patterns (NaNs and infinities included for float dtypes)."""

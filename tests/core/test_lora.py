@@ -9,6 +9,7 @@ import pytest
 import torch
 from engine_harness import NUM_GREEDY_TOKENS, PROMPT, greedy_generate, hf_reference
 
+from helpers import SMALL_LLAMA as CONFIG
 from weightbus.core.lora import adapter_spec, adapter_tensors, base_weights, check_adapter
 from weightbus.core.wire.adapter import AdapterSpec, adapter_names, served_fingerprint
 from weightbus.engines.reference.engine.model_runner import ModelRunner
@@ -17,21 +18,6 @@ from weightbus.engines.reference.models.config import LoraShape, ModelConfig
 from weightbus.engines.reference.models.loader import create_model, resolve_config
 
 BASE = "0" * 32
-CONFIG = {
-    "vocab_size": 101,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-5,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
-    "tie_word_embeddings": False,
-}
 
 
 def _peft_model(targets, rank: int = 4, **options):

@@ -5,17 +5,19 @@ dequantized weights, over each transport, atomic and in place, as a delta; a cor
 fails closed, NaN is refused before quantizing, unquantized weights are refused by name."""
 
 import copy
-import json
-import shutil
-import struct
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 from engine_harness import PROMPT, ServedEngine
 from sharded_harness import run_trainers
-from update_harness import engine_greedy, hf_greedy, trained_copy, weights_state
+from update_harness import (
+    ByteFlippingTarget,
+    engine_greedy,
+    hf_greedy,
+    trained_copy,
+    weights_state,
+)
 
 from weightbus import Publisher, PushError
 from weightbus.core.finite import NonFiniteWeightsError
@@ -227,33 +229,7 @@ def test_a_probe_passes_a_good_fp8_push_and_rolls_back_one_with_misplaced_scales
     assert_serves(engine, good, "fp8-probed")
 
 
-def _flip_a_byte_of(session: Path, name: str) -> None:
-    """Flip one byte of tensor `name` in the safetensors shard of a disk session that holds it."""
-    for shard in session.glob("*.safetensors"):
-        data = bytearray(shard.read_bytes())
-        (length,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + length])
-        if name in header:
-            start, _ = header[name]["data_offsets"]
-            data[8 + length + start] ^= 0x40
-            shard.write_bytes(bytes(data))
-            return
-    raise AssertionError(f"{name} is in no shard of {session}")
-
-
-class ScaleCorruptingTarget(HttpEngineTarget):
-    """An engine that reads a copy of each disk session with one scale's byte flipped."""
-
-    SCALE = "model.layers.1.mlp.down_proj.weight_scale_inv"
-
-    def update(self, order):
-        session = Path(order.source["path"])
-        copy_path = session.with_name(session.name + "-corrupted")
-        shutil.copytree(session, copy_path)
-        _flip_a_byte_of(copy_path, self.SCALE)
-        return super().update(
-            msgspec.structs.replace(order, source={**order.source, "path": str(copy_path)})
-        )
+SCALE = "model.layers.1.mlp.down_proj.weight_scale_inv"
 
 
 def _serving(engine):
@@ -263,7 +239,7 @@ def _serving(engine):
 def test_a_corrupted_scale_fails_closed(engine, hf_model, tmp_path):
     _, model = hf_model
     before = _serving(engine)
-    target = ScaleCorruptingTarget(engine.url)
+    target = ByteFlippingTarget(engine.url, SCALE)
     with (
         Publisher(
             [target], transport="disk", transport_options={"root": tmp_path}, quantize="fp8-block"
@@ -272,7 +248,7 @@ def test_a_corrupted_scale_fails_closed(engine, hf_model, tmp_path):
     ):
         publisher.push(trained_copy(model, seed=30), version="fp8-corrupted", force=True)
     reason = failed.value.failures[engine.url]
-    assert f"digest mismatch for tensor '{ScaleCorruptingTarget.SCALE}'" in reason, reason
+    assert f"digest mismatch for tensor '{SCALE}'" in reason, reason
     assert _serving(engine) == before
 
 

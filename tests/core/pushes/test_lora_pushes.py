@@ -7,44 +7,26 @@ serves the base bit for bit, and a push of the base drops the adapter."""
 
 import copy
 import json
-import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 from engine_harness import ServedEngine
 from sharded_harness import gathered, run_trainers
-from update_harness import engine_greedy, hf_greedy, weights_state
+from update_harness import ByteFlippingTarget, engine_greedy, hf_greedy, weights_state
 
+from helpers import SMALL_LLAMA as CONFIG
 from weightbus import Publisher, PushError
 from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.lora import adapter_spec, adapter_tensors, base_weights
-from weightbus.core.publisher.targets import HttpEngineTarget
 from weightbus.core.wire.adapter import adapter_names, served_fingerprint
 
 pytestmark = pytest.mark.e2e  # starts `weightbus serve` (tests/conftest.py)
 
 LOGPROB_ATOL = 1e-4  # float32 engine vs transformers + peft, as test_update_e2e.py
 RANK = 4
-CONFIG = {
-    "vocab_size": 101,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-5,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
-    "tie_word_embeddings": False,
-}
 
 
 def _base_model(path: Path) -> torch.nn.Module:
@@ -247,40 +229,14 @@ def test_refused_adapters_change_nothing(tp2, base, engine):
     )
 
 
-def _flip_a_byte_of(session: Path, name: str) -> None:
-    """Flip one byte of tensor `name` in the safetensors file of a disk session holding it."""
-    for shard in session.glob("*.safetensors"):
-        data = bytearray(shard.read_bytes())
-        (length,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + length])
-        if name in header:
-            start, _ = header[name]["data_offsets"]
-            data[8 + length + start] ^= 0x40
-            shard.write_bytes(bytes(data))
-            return
-    raise AssertionError(f"{name} is in no shard of {session}")
-
-
-class CorruptingTarget(HttpEngineTarget):
-    """An engine that reads a copy of each disk session with one byte of a lora_B flipped."""
-
-    NAME = adapter_names(0, "v_proj")[1]
-
-    def update(self, order):
-        session = Path(order.source["path"])
-        corrupted = session.with_name(session.name + "-corrupted")
-        shutil.copytree(session, corrupted)
-        _flip_a_byte_of(corrupted, self.NAME)
-        return super().update(
-            msgspec.structs.replace(order, source={**order.source, "path": str(corrupted)})
-        )
+CORRUPTED = adapter_names(0, "v_proj")[1]
 
 
 def test_a_corrupted_adapter_byte_fails_closed(tp2, base, tmp_path):
     _, base_model = base
     model = trained(_peft(base_model), seed=40)
     before = _serving(tp2)
-    target = CorruptingTarget(tp2.url)
+    target = ByteFlippingTarget(tp2.url, CORRUPTED)
     with (
         Publisher([target], transport="disk", transport_options={"root": tmp_path}) as pub,
         pytest.raises(PushError) as failed,
@@ -291,7 +247,7 @@ def test_a_corrupted_adapter_byte_fails_closed(tp2, base, tmp_path):
             adapter=model.peft_config["default"],
             base_fingerprint=weights_state(tp2)["base_fingerprint"],
         )
-    assert f"digest mismatch for tensor '{CorruptingTarget.NAME}'" in failed.value.failures[tp2.url]
+    assert f"digest mismatch for tensor '{CORRUPTED}'" in failed.value.failures[tp2.url]
     assert _serving(tp2) == before
 
 

@@ -2,11 +2,17 @@
 
 import contextlib
 import copy
+import json
+import shutil
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import torch
 from engine_harness import NUM_GREEDY_TOKENS, PROMPT, VOCAB_SIZE, ServedEngine
+
+from weightbus.core.publisher.targets import HttpEngineTarget
 
 KiB = 1024
 
@@ -73,3 +79,35 @@ def targets_and_reference(log_dir: Path, seed: int) -> Iterator[dict[str, Served
     finally:
         for engine in started.values():
             engine.stop()
+
+
+def flip_a_byte_of(session: Path, name: str) -> None:
+    """Flip one byte of tensor `name` in the safetensors file of a disk session holding it."""
+    for shard in session.glob("*.safetensors"):
+        data = bytearray(shard.read_bytes())
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        if name in header:
+            start, _ = header[name]["data_offsets"]
+            data[8 + length + start] ^= 0x40
+            shard.write_bytes(bytes(data))
+            return
+    raise AssertionError(f"{name} is in no shard of {session}")
+
+
+class ByteFlippingTarget(HttpEngineTarget):
+    """An engine that reads a copy of each disk session with one byte of tensor `name`
+    flipped."""
+
+    def __init__(self, url: str, name: str) -> None:
+        super().__init__(url)
+        self.name = name
+
+    def update(self, order):
+        session = Path(order.source["path"])
+        corrupted = session.with_name(session.name + "-corrupted")
+        shutil.copytree(session, corrupted)
+        flip_a_byte_of(corrupted, self.name)
+        return super().update(
+            msgspec.structs.replace(order, source={**order.source, "path": str(corrupted)})
+        )
