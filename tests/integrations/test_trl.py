@@ -23,11 +23,7 @@ from trl_harness import (
 from vllm_harness import make_vllm_model
 
 from weightbus import Publisher
-from weightbus.core.digest import fingerprint
 from weightbus.core.finite import NonFiniteWeightsError
-from weightbus.core.lora import adapter_spec, adapter_tensors
-from weightbus.core.publisher import normalize_weights
-from weightbus.core.wire.adapter import served_fingerprint
 from weightbus.integrations.trl import (
     EngineCompletionError,
     OffPolicyRolloutsError,
@@ -87,46 +83,6 @@ def test_every_step_generates_from_the_policy_trl_held_at_that_step(
     assert [step.off_policy for step in rollouts.steps] == [0, 0, 0]
     assert [sum(step.versions.values()) for step in rollouts.steps] == [COMPLETIONS_PER_STEP] * 3
     check_rollouts_came_from_their_step(run, prefix)
-
-
-@pytest.fixture(scope="module")
-def lora_engine(qwen2, tmp_path_factory: pytest.TempPathFactory):
-    """A TP-1 engine on the same base that serves rank-4 adapters of q_proj and v_proj."""
-    log_path = tmp_path_factory.mktemp("serve") / "serve-lora.log"
-    flags = ("--lora-rank", "4", "--lora-targets", "q_proj,v_proj")
-    served = ServedEngine("--model", str(qwen2[0]), *flags, log_path=log_path)
-    yield served
-    served.stop()
-
-
-def test_a_peft_policy_pushes_its_adapter_only(lora_engine, qwen2, tmp_path):
-    """GRPOTrainer with a `peft_config`: every step pushes the LoRA adapter alone onto the
-    frozen base the engine serves, and each step's completions come from base + that step's
-    adapter (versions, fingerprints, logprobs against peft)."""
-    from peft import LoraConfig
-
-    path, base = qwen2
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    with Publisher([lora_engine.url], transport="shm") as publisher:
-        rollouts = WeightbusRollouts(publisher, version_prefix="lora-")
-        try:
-            run = run_grpo(copy.deepcopy(base).train(), path, tmp_path, rollouts, config)
-            final = rollouts.sync(run.trainer)
-        finally:
-            rollouts.close()
-    pushes = [step.push for step in rollouts.steps] + [final]
-    spec = adapter_spec(config, fingerprint(normalize_weights(base)))
-    held = [run.weights.by_step[s] for s in range(4)]  # base and adapter, peft's inner names
-    adapters = [adapter_tensors({k: v for k, v in h.items() if ".lora_" in k}) for h in held]
-    expected = [served_fingerprint(spec, fingerprint(a.items())) for a in adapters]
-    assert [p.fingerprint for p in pushes] == expected
-    assert len(set(expected)) == 4  # the adapter trained at every step
-    history = _history(lora_engine)
-    assert [history[p.version] for p in pushes] == expected
-    served = lora_engine.client.get("/v1/weights").json()
-    assert served["adapter"]["version"] == "lora-3"
-    assert served["base_fingerprint"] == spec.base_fingerprint
-    check_rollouts_came_from_their_step(run, "lora-")
 
 
 def test_steps_between_pushes_are_reported_off_policy_or_refused(engine, qwen2, tmp_path, caplog):
