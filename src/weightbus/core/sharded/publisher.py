@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from weightbus.core.finite import NOTHING_SENT, NonFiniteWeightsError, describe_nonfinite
 from weightbus.core.fp8 import Fp8Block, describe, fp8_spec
-from weightbus.core.lora import adapter_name_map, adapter_spec, check_adapter
+from weightbus.core.lora import adapter_name_map, check_adapter
 from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
-from weightbus.core.publisher.adapter import NO_BASE
+from weightbus.core.publisher.adapter import AdapterState
 from weightbus.core.publisher.fleet import Fleet
 from weightbus.core.publisher.push_session import PushRequest, PushRun, push_options
 from weightbus.core.publisher.results import PushError, PushResult
@@ -161,7 +161,7 @@ class ShardedPublisher:
         self._last_push: str | None = None
         self._http: httpx.Client | None = None
         # the base the engines serve (the last whole push's, or the last adapter's base)
-        self._base_fingerprint: str | None = None
+        self._adapter_state = AdapterState()
         if self.rank == 0:
             if not engines:
                 raise ValueError("engines: rank 0 needs at least one engine URL or target")
@@ -270,7 +270,8 @@ class ShardedPublisher:
             )
         else:
             result = self._follow(prefix, layout, held, version, deadline + _OUTCOME_GRACE_S)
-        self._base_fingerprint = result.fingerprint if spec is None else spec.base_fingerprint
+        base = result.fingerprint if spec is None else spec.base_fingerprint
+        self._adapter_state.base_fingerprint = base
         return dataclasses.replace(result, adapter=spec)
 
     def _adapter(
@@ -284,10 +285,7 @@ class ShardedPublisher:
         """
         if name_map is not None or self.quantize is not None:
             raise ValueError("an adapter push goes as trained: no name_map or quantize")
-        base = base_fingerprint or self._base_fingerprint
-        if base is None:
-            raise ValueError(NO_BASE)
-        return adapter_spec(config, base), adapter_name_map()
+        return self._adapter_state.spec_for(config, base_fingerprint), adapter_name_map()
 
     def _ready(
         self, key: str, weights: Any, name_map: NameMap | None, allow: bool
