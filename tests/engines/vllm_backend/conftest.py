@@ -5,6 +5,7 @@ use it: `tied_tp1` (test_vllm_backend.py, test_vllm_draft.py, test_vllm_lora.py,
 import contextlib
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
 from vllm_harness import make_vllm_model
@@ -45,13 +46,21 @@ def _serve(name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
         server.stop()
 
 
+def _healthy(served: Served) -> bool:
+    """The server answers (a test may kill one of its workers: vLLM's engine then stops)."""
+    try:
+        return httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def tied_tp1(tmp_path_factory: pytest.TempPathFactory, shared_processes: SharedProcesses) -> Served:
     """One server for every module: each test starts from what the last one left (it pushes
     first, or reads the served version and tokens first) and records what it pushed in
     `Served.model`."""
     start = contextlib.contextmanager(lambda: _serve("tied_tp1", tmp_path_factory))
-    return shared_processes.get(("vllm", "tied_tp1"), ("tied_tp1",), start)
+    return shared_processes.get(("vllm", "tied_tp1"), ("tied_tp1",), start, _healthy)
 
 
 @pytest.fixture(scope="module")
@@ -60,4 +69,4 @@ def untied_tp2(
 ) -> Served:
     """One TP-2 server for every module, as `tied_tp1`."""
     start = contextlib.contextmanager(lambda: _serve("untied_tp2", tmp_path_factory))
-    return shared_processes.get(("vllm", "untied_tp2"), ("untied_tp2",), start)
+    return shared_processes.get(("vllm", "untied_tp2"), ("untied_tp2",), start, _healthy)

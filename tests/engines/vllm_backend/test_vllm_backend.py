@@ -45,8 +45,8 @@ def _push(served, model, version, **options):
         return publisher.push(model, version=version, probe=probe, **options)
 
 
-@pytest.mark.parametrize("name", ["tied_tp1", "untied_tp2"])
-def test_three_trained_versions_serve_exactly_what_transformers_generates(name, request):
+@pytest.mark.parametrize(("name", "tp"), [("tied_tp1", 1), ("untied_tp2", 2)])
+def test_three_trained_versions_serve_exactly_what_transformers_generates(name, tp, request):
     served = request.getfixturevalue(name)
     model = served.model
     assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
@@ -59,6 +59,8 @@ def test_three_trained_versions_serve_exactly_what_transformers_generates(name, 
             result = publisher.push(model, version=f"{name}-v{step}", probe=probe)
             assert result.fingerprint == publisher.fingerprint(model)
             assert result.engines[0].fingerprint == result.fingerprint
+            # `shm` direct mode: the publisher wrote each worker's part into its staging
+            assert result.engines[0].rank_nbytes == _planned_rank_bytes(served, model, tp=tp)
             assert _served_version(served) == f"{name}-v{step}"
             tokens = served.server.complete(PROMPT)["token_ids"]
             assert tokens == hf_greedy(model)
@@ -220,14 +222,45 @@ def test_dist_pushes_reach_every_worker_over_a_weights_group(untied_tp2, dist_mo
     untied_tp2.model = model
 
 
+@pytest.mark.parametrize(("name", "tp"), [("tied_tp1", 1), ("untied_tp2", 2)])
+def test_nixl_writes_each_worker_its_part_into_its_staging(name, tp, request):
+    """One-sided NIXL writes into the workers' staging memory, each worker only its part; a
+    delta's payload reaches the workers' inboxes and applies to their parts bit-exactly."""
+    served = request.getfixturevalue(name)
+    model = served.model
+    target = VllmEngineTarget(served.url)
+    with Publisher([target], transport="nixl", timeout_s=60, delta="always") as publisher:
+        for step, delta in ((1, "always"), (2, "never")):  # the first goes whole: no base yet
+            model = trained(model, seed=90 + step)
+            probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
+            result = publisher.push(model, version=f"{name}-nixl-v{step}", probe=probe, delta=delta)
+            assert not result.delta.sent
+            assert result.engines[0].fingerprint == publisher.fingerprint(model)
+            assert result.engines[0].rank_nbytes == _planned_rank_bytes(served, model, tp=tp)
+            assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+        small = copy.deepcopy(model)
+        with torch.no_grad():
+            small.model.norm.weight.add_(1e-3)  # one tensor changed: a small delta
+        result = publisher.push(small, version=f"{name}-nixl-delta")
+    assert result.delta.sent, result.delta
+    assert result.delta.stream_bytes < result.delta.full_bytes
+    assert result.engines[0].fingerprint == publisher.fingerprint(small)
+    assert _served_version(served) == f"{name}-nixl-delta"
+    assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(small)
+    served.model = small
+
+
 def _planned_rank_bytes(served, model, tp: int) -> list[int]:
-    """The bytes each engine rank loads, as `weightbus plan` counts them."""
+    """The bytes each engine rank loads, as `weightbus plan` counts them (a tied head is not
+    pushed)."""
     from weightbus.apps.capacity.sharding import EngineLayout, rank_shares
     from weightbus.core.meta import TensorMeta
 
     config = json.loads((served.server.model_dir / "config.json").read_text())
     per_rank = [0] * tp
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
         shares = rank_shares(TensorMeta.of(name, tensor), config, EngineLayout(tp=tp))
         per_rank = [total + share for total, share in zip(per_rank, shares, strict=True)]
     return per_rank
@@ -286,8 +319,9 @@ def test_vllms_own_trainer_api_pushes_with_weightbus(tied_tp1):
 
 
 def test_two_fsdp2_ranks_push_into_vllm_tp2_without_a_gather(untied_tp2, tmp_path):
-    """A sharded trainer (2 FSDP2 processes) pushes into vLLM through the shm slots: each rank
-    packs the rows it holds; vLLM then generates what transformers does on the gathered model."""
+    """A sharded trainer (2 FSDP2 processes) pushes into vLLM over `shm` direct, then over
+    `nixl`: each trainer rank writes the rows it holds of each worker's part into that
+    worker's staging; vLLM then generates what transformers does on the gathered model."""
     from sharded_harness import gathered, run_trainers
 
     from weightbus.core.digest import fingerprint
@@ -296,15 +330,20 @@ def test_two_fsdp2_ranks_push_into_vllm_tp2_without_a_gather(untied_tp2, tmp_pat
     served = untied_tp2
     actions = [
         {"kind": "train", "steps": 1},
-        {"kind": "push", "version": "sharded-1", "save": True},
+        {"kind": "push", "version": "sharded-shm", "save": True},
+        {"kind": "train", "steps": 1},
+        {"kind": "push", "version": "sharded-nixl", "transport": "nixl", "save": True},
     ]
     model_dir = str(served.server.model_dir)
     records = run_trainers(2, model_dir, [served.url], actions, tmp_path, vllm=True)
-    assert [rank[0]["ok"] for rank in records] == [True, True], records
-    model = copy.deepcopy(served.model)
-    model.load_state_dict(gathered(tmp_path, "sharded-1"))
-    assert records[0][0]["fingerprint"] == fingerprint(normalize_weights(model))
-    assert sum(records[0][0]["sent_bytes"]) == sum(t.nbytes for t in model.state_dict().values())
-    assert _served_version(served) == "sharded-1"
+    for index, version in enumerate(["sharded-shm", "sharded-nixl"]):
+        assert [rank[index]["ok"] for rank in records] == [True, True], records
+        model = copy.deepcopy(served.model)
+        model.load_state_dict(gathered(tmp_path, version))
+        assert records[0][index]["fingerprint"] == fingerprint(normalize_weights(model))
+        # each worker's part once (the replicated norms once per worker), summed over the ranks
+        sent = sum(records[0][index]["sent_bytes"])  # per trainer rank, as rank 0 reports
+        assert sent == sum(_planned_rank_bytes(served, model, tp=2))
+    assert _served_version(served) == "sharded-nixl"
     assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
     served.model = model

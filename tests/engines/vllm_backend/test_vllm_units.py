@@ -15,6 +15,8 @@ from weightbus.core.publisher import Publisher
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.targets import HttpEngineTarget
 from weightbus.core.receiver import RankResult
+from weightbus.core.transport import ParamArena
+from weightbus.core.transport.parts.shared_memory import SHM_DIR
 from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.vllm.messages import UNTOUCHED, VllmUpdateInfo
 from weightbus.engines.vllm.reload import tied_modules, unloaded
@@ -64,12 +66,53 @@ def test_a_changed_tensor_reloads_its_whole_block_and_nothing_else():
 def test_staging_reuses_its_buffers_across_pushes():
     staging = StagingBuffers()
     first = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    staging.prepare({"w": TensorMeta.of("w", first)})
     assert staging.put([("w", first)]) == ["w"]
     buffer = staging.pairs(["w"])[0][1]
+    staging.prepare({"w": TensorMeta.of("w", first)})  # the same layout: kept
     staging.put([("w", first * 2)])
     assert staging.pairs(["w"])[0][1].data_ptr() == buffer.data_ptr()
     assert torch.equal(buffer, first * 2)
     assert staging.nbytes == first.nbytes
+    with pytest.raises(KeyError, match=r"hold no torch.float32 \(3,\) 'w'"):
+        staging.put([("w", torch.ones(3))])
+    staging.release()
+
+
+def test_staging_backs_only_a_workers_parts_and_offers_them_for_direct_writes():
+    metas = {
+        "col": TensorMeta("col", torch.float32, (512, 1024)),  # rows 256..511: contiguous
+        "row": TensorMeta("row", torch.float32, (4, 2048)),  # columns 0..1023 of each row
+        "norm": TensorMeta("norm", torch.float32, (1024,)),
+    }
+    slices = {"col": SliceSpec("col", 0, 256, 256), "row": SliceSpec("row", 1, 0, 1024)}
+    staging = StagingBuffers(slices)
+    staging.prepare(metas)
+    arena = staging._arena
+    assert arena.shared
+    # the file backs rows 256..511 of `col`, the span of `row`'s parts and all of `norm`
+    backed = (SHM_DIR / arena.name).stat().st_blocks * 512
+    part_bytes = 256 * 1024 * 4 + (3 * 2048 + 1024) * 4 + 1024 * 4
+    assert part_bytes <= backed < part_bytes + 3 * 4096
+    assert staging.nbytes == part_bytes
+    placement = staging.placement(shared=True)
+    assert placement.target.file == arena.name
+    col = placement.regions["col"]
+    assert (col.shape, col.data_ptr()) == (
+        (256, 1024),
+        staging.pairs(["col"])[0][1][256].data_ptr(),
+    )
+    assert placement.regions["row"].shape == (4, 1024)
+    # the parts a transport writes are what vLLM's loader narrows to, and `put` copies
+    full = torch.randn(512, 1024)
+    staging.put([("col", full)])
+    assert torch.equal(placement.regions["col"], full[256:])
+    staging.release()
+    assert not (SHM_DIR / arena.name).exists()
+    private = StagingBuffers()
+    private._arena = ParamArena([("w", torch.empty(4, device="meta"))], shared=False)
+    assert private.placement(shared=True) is None  # `shm` cannot map private memory
+    assert private.placement(shared=False).memory.data_ptr() == private._arena.memory.data_ptr()
 
 
 @pytest.mark.parametrize("reason", ["", "digest mismatch for tensor 'x'", "é" * 5000])
@@ -184,8 +227,12 @@ def _held(version: str, tensor: torch.Tensor) -> HeldVersion:
     return HeldVersion(version, None, f"fp-{version}", {"w": tensor_digest(tensor)})
 
 
+def _metas(tensor: torch.Tensor) -> dict[str, TensorMeta]:
+    return {"w": TensorMeta.of("w", tensor)}
+
+
 def _land(versions: WorkerVersions, version: str, tensor: torch.Tensor) -> None:
-    buffers = versions.receiving(None)
+    buffers = versions.receiving(None, _metas(tensor))
     buffers.put([("w", tensor)])
     versions.loaded(buffers, _held(version, tensor))
 
@@ -197,14 +244,14 @@ def test_one_staging_copy_holds_no_previous_version_and_a_failed_push_loses_the_
     assert versions.previous() == (None, NO_PREVIOUS_ONE_SET)
     assert versions.delta_base() == "fp-v1"
     # a delta applies to the served copy in place
-    assert versions.receiving("fp-v1") is versions.sets[0]
+    assert versions.receiving("fp-v1", _metas(torch.ones(4))) is versions.sets[0]
     # that push did not land: the copy is overwritten, the served version unchanged
     assert versions.served.version == "v1"
     assert versions.delta_base() is None
     with pytest.raises(ValueError, match="delta base fp-v1 is served but its staging copy"):
-        versions.receiving("fp-v1")
+        versions.receiving("fp-v1", _metas(torch.ones(4)))
     with pytest.raises(ValueError, match=r"delta base fp-v0 is not served .* serves 'v1'"):
-        versions.receiving("fp-v0")
+        versions.receiving("fp-v0", _metas(torch.ones(4)))
 
 
 def test_two_staging_copies_keep_the_previous_version_and_copy_a_deltas_base():
@@ -218,13 +265,13 @@ def test_two_staging_copies_keep_the_previous_version_and_copy_a_deltas_base():
     with pytest.raises(ValueError, match=r"previous version held is 'v1' \(fp-v1\), not 'v0'"):
         versions.find_previous("v0", None)
     # a delta on v2 lands in the other copy, starting from v2's bytes; v1 is given up
-    receiving = versions.receiving("fp-v2")
+    receiving = versions.receiving("fp-v2", _metas(torch.ones(4)))
     assert torch.equal(receiving.pairs(["w"])[0][1], torch.full((4,), 2.0))
     assert versions.previous() == (None, NO_PREVIOUS_OVERWRITTEN)
 
 
 def _stage(versions: WorkerVersions, version: str, timeout_s: float = 60) -> None:
-    buffers = versions.receiving(None)
+    buffers = versions.receiving(None, _metas(torch.ones(2)))
     buffers.put([("w", torch.ones(2))])
     versions.stage(buffers, _held(version, torch.ones(2)), timeout_s=timeout_s)
 

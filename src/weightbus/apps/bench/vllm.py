@@ -13,7 +13,6 @@ log line (`weightbus: version ...`), the only channel vLLM leaves a backend.
 
 import argparse
 import json
-import re
 import statistics
 import tempfile
 import time
@@ -31,17 +30,13 @@ from weightbus.apps.bench.vllm_parity import (
     measure_deltas,
     parity_operations,
     report_parity,
+    worker_split,
 )
 from weightbus.apps.tables import print_table
 from weightbus.core.units import format_bytes
 
 MIB = 2**20
 
-_WORKER_LINE = re.compile(
-    r"weightbus: version (?P<version>\S+): received \d+ bytes in (?P<received>[\d.]+) s "
-    r"\(wait (?P<wait>[\d.]+) s, verify (?P<verify>[\d.]+) s, staging (?P<staging>[\d.]+) s\); "
-    r"vLLM loaded (?P<loaded>\d+) of (?P<total>\d+) tensors in (?P<load>[\d.]+) s"
-)
 _TIMEOUT_S = 300.0
 
 
@@ -72,7 +67,7 @@ class _Bench:
         self.history: list[tuple[int, int]] = []  # what weightbus served before (rollbacks)
         self.shm_rank_bytes: list[int] = []
         self.count = 0
-        self.splits: dict[str, list[dict]] = {"full": [], "partial": []}
+        self.splits: dict[str, list[dict]] = {"full": [], "partial": [], "nixl": []}
         self.baseline: dict[str, list[float]] = {"save_s": [], "reload_s": []}
 
     def state(self, served: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -126,11 +121,12 @@ def _measure(bench: "_Bench", repeat: int, figures: ParityFigures) -> list[Measu
     # of what they loaded is current (the reload row changes it)
     full, partial, two_phase = publisher(), publisher(skip_unchanged=True), publisher()
     dist = publisher("dist", transport_options={"mode": "scatter"})
+    nixl = publisher("nixl")
     delta, whole = publisher(delta="always"), publisher(delta="never")
-    with full, partial, two_phase, dist, delta, whole:
+    with full, partial, two_phase, dist, nixl, delta, whole:
         dist.init_weights_group("127.0.0.1")
         operations = _operations(bench, full, partial)
-        operations[2:2] = parity_operations(bench, two_phase, dist, figures)
+        operations[2:2] = parity_operations(bench, two_phase, dist, nixl, figures)
         results = measure_interleaved(operations, repeat)
         measure_deltas(bench, delta, whole, repeat, figures)
     return results
@@ -157,7 +153,7 @@ def _operations(bench: _Bench, full, partial) -> list[tuple[str, int, Callable[[
             bench.history.append(bench.served)
             bench.served = served
             bench.shm_rank_bytes = result.engines[0].rank_nbytes
-            bench.splits[kind].append(_worker_split(bench, version))
+            bench.splits[kind].append(worker_split(bench.server.log_path, version))
 
         return run_push
 
@@ -189,23 +185,6 @@ def _reload_directory(url: str, directory: Path) -> None:
         http.post("/resume").raise_for_status()
 
 
-def _worker_split(bench: _Bench, version: str) -> dict:
-    """The last worker's line for `version`: transfer (received) and vLLM load seconds."""
-    for line in reversed(bench.server.log_path.read_text(errors="replace").splitlines()):
-        match = _WORKER_LINE.search(line)
-        if match and match["version"] == version:
-            return {
-                "transfer_s": float(match["received"]),
-                "wait_s": float(match["wait"]),
-                "verify_s": float(match["verify"]),
-                "staging_s": float(match["staging"]),
-                "load_s": float(match["load"]),
-                "loaded": int(match["loaded"]),
-                "tensors": int(match["total"]),
-            }
-    raise RuntimeError(f"no worker line for version {version} in {bench.server.log_path}")
-
-
 def _report(bench: _Bench, results: list[Measurement], args: argparse.Namespace) -> None:
     by_name = {m.name: m for m in results}
     floor = by_name["floor (memcpy)"].median_s
@@ -235,10 +214,14 @@ def _report(bench: _Bench, results: list[Measurement], args: argparse.Namespace)
     print_table(["push", "transfer s (rank)", "vLLM load s", "tensors loaded"], split_rows)
     save_s = statistics.median(bench.baseline["save_s"][-args.repeat :])
     reload_s = statistics.median(bench.baseline["reload_s"][-args.repeat :])
-    transfer_s = statistics.median([s["transfer_s"] for s in splits["full"]])
+    transfer = {
+        kind: statistics.median([s["transfer_s"] for s in splits[kind]]) / floor
+        for kind in ("full", "nixl")
+    }
     print(
         f"\nsave + reload: save {save_s:.3f} s, reload {reload_s:.3f} s\n"
-        f"transfer / floor: {transfer_s / floor:.1f}x (target <= 2.5x); "
+        f"transfer / floor (target <= 2.5x): shm {transfer['full']:.1f}x, "
+        f"nixl {transfer['nixl']:.1f}x; "
         f"save + reload / weightbus: {baseline / full:.1f}x (target >= 2.5x)"
     )
     if args.json:

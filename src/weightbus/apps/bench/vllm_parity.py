@@ -8,16 +8,23 @@ The two-phase, rollback and dist rows are interleaved with the shm and save + re
 version its publisher pushed last to be the one served.
 """
 
+import re
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from weightbus.apps.tables import print_table
 from weightbus.core.units import format_bytes
 
+_WORKER_LINE = re.compile(
+    r"weightbus: version (?P<version>\S+): received \d+ bytes in (?P<received>[\d.]+) s "
+    r"\(wait (?P<wait>[\d.]+) s, verify (?P<verify>[\d.]+) s, staging (?P<staging>[\d.]+) s\); "
+    r"vLLM loaded (?P<loaded>\d+) of (?P<total>\d+) tensors in (?P<load>[\d.]+) s"
+)
 # Share of each tensor's elements a delta round changes.
 DELTA_CHANGED_FRACTION = 0.01
 
@@ -32,17 +39,21 @@ class ParityFigures:
 
 
 def parity_operations(
-    bench, two_phase, dist, figures: ParityFigures
+    bench, two_phase, dist, nixl, figures: ParityFigures
 ) -> list[tuple[str, int, Callable[[], object]]]:
-    """Interleaved rows: two-phase push, rollback, dist scatter push (`bench`: vllm._Bench)."""
+    """Interleaved rows: two-phase push, rollback, dist scatter push, nixl push (`bench`:
+    vllm._Bench; the nixl push's worker split goes to `bench.splits["nixl"]`)."""
 
     def push(publisher, name: str, **options) -> Callable[[], None]:
         def run_push() -> None:
             served = (1 - bench.served[0], 1 - bench.served[1])
-            result = publisher.push(bench.state(served), version=bench.version(), **options)
+            version = bench.version()
+            result = publisher.push(bench.state(served), version=version, **options)
             bench.history.append(bench.served)
             bench.served = served
             figures.rank_bytes[name] = result.engines[0].rank_nbytes
+            if name in bench.splits:
+                bench.splits[name].append(worker_split(bench.server.log_path, version))
 
         return run_push
 
@@ -55,7 +66,25 @@ def parity_operations(
                                                                          two_phase=True)),
         ("rollback (second staging copy)", bench.nbytes, rollback),
         ("weightbus dist scatter", bench.nbytes, push(dist, "dist scatter")),
+        ("weightbus nixl", bench.nbytes, push(nixl, "nixl")),
     ]  # fmt: skip
+
+
+def worker_split(log_path: Path, version: str) -> dict:
+    """The last worker's line for `version`: transfer (received) and vLLM load seconds."""
+    for line in reversed(log_path.read_text(errors="replace").splitlines()):
+        match = _WORKER_LINE.search(line)
+        if match and match["version"] == version:
+            return {
+                "transfer_s": float(match["received"]),
+                "wait_s": float(match["wait"]),
+                "verify_s": float(match["verify"]),
+                "staging_s": float(match["staging"]),
+                "load_s": float(match["load"]),
+                "loaded": int(match["loaded"]),
+                "tensors": int(match["total"]),
+            }
+    raise RuntimeError(f"no worker line for version {version} in {log_path}")
 
 
 def measure_deltas(bench, delta, whole, repeat: int, figures: ParityFigures) -> None:
@@ -92,7 +121,7 @@ def _step(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def report_parity(figures: ParityFigures, shm_rank_bytes: list[int]) -> None:
     print()
-    rows = [["weightbus shm (read from shared memory)", shm_rank_bytes]]
+    rows = [["weightbus shm (direct: each worker's part written into its staging)", shm_rank_bytes]]
     rows += [[name, values] for name, values in figures.rank_bytes.items()]
     print_table(
         ["row", "bytes received per worker"],

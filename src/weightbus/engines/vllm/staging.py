@@ -1,13 +1,17 @@
 """Stage, then load: a vLLM rank keeps a whole push in reusable buffers until every rank has
 verified it, so a killed, corrupted or refused push never reaches vLLM's parameters.
 
-Staging costs one copy of the pushed tensors per rank (full, unsharded: vLLM's loaders narrow
-them to the rank's shard), allocated by the first push and reused by every later push of the
-same layout, so later pushes copy at memcpy speed instead of faulting fresh pages in. A set of
-buffers that holds a whole verified version says which (`HeldVersion`): the base of a delta, a
-staged two-phase version, or the previous version a rollback loads again.
+Staging costs one copy of this worker's part of the pushed tensors (in full-shaped buffers:
+vLLM's loaders narrow them to the rank's shard; the rest is never backed by memory), allocated
+by the first push and reused by every later push of the same layout, so later pushes write at
+memcpy speed instead of faulting fresh pages in. Transports that write into a rank's memory
+(`shm` direct mode, `nixl`) write each part straight into the staging: no copy on the worker.
+A set of buffers that holds a whole verified version says which (`HeldVersion`): the base of a
+delta, a staged two-phase version, or the previous version a rollback loads again.
 """
 
+import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +23,11 @@ from weightbus.core.delta import apply_to_slice, slice_of
 from weightbus.core.digest import tensor_digest
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan.shard import ShardCopy
+from weightbus.core.transport import DirectPlacement, ParamArena, direct_placement
 from weightbus.core.wire.messages import SliceSpec
+
+# a child of vLLM's logger: vLLM configures handlers for its own tree only
+logger = logging.getLogger("vllm.weightbus")
 
 # The head of a tied model is its embedding: checkpoints may or may not carry it, pushes do not.
 TIED_HEAD = "lm_head.weight"
@@ -60,10 +68,13 @@ class HeldVersion:
 
 
 class StagingBuffers:
-    """One reusable buffer per tensor name, full-shaped; of a tensor this worker loads a part of
-    (`slices`) only that part is copied and held, where vLLM's loader narrows to it (the rest
-    of the buffer is never written). `put` is a `Receiver` loader that copies into them,
-    `apply` and `digest` make the buffers a delta's `SliceWriter`.
+    """One full-shaped buffer per tensor name, all in one `ParamArena` (a file under /dev/shm,
+    or private memory where /dev/shm cannot hold it); of a tensor this worker loads a part of
+    (`slices`) only that part is written and backed by memory, where vLLM's loader narrows to
+    it (the rest of the buffer is a hole). Transports that write into a rank's memory (`shm`
+    direct mode, `nixl`) write each part straight into it (`placement`); the others go
+    through `put`, a `Receiver` loader that copies into it. `apply` and `digest` make the
+    buffers a delta's `SliceWriter`.
 
     Attributes:
         slices: the part of each tensor this worker loads (absent: all of it).
@@ -72,15 +83,62 @@ class StagingBuffers:
 
     def __init__(self, slices: dict[str, SliceSpec] | None = None) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._metas: dict[str, TensorMeta] = {}
+        self._arena: ParamArena | None = None
+        self._placement: DirectPlacement | None = None
         self.slices = slices or {}
         self.held: HeldVersion | None = None
 
+    def prepare(self, metas: Mapping[str, TensorMeta]) -> None:
+        """Hold a buffer for each tensor of `metas`: the memory of the same layout is kept
+        (and what it holds); another layout replaces it (holding nothing)."""
+        if dict(metas) == self._metas:
+            return
+        self.release()
+        layout = [
+            (name, torch.empty(meta.shape, dtype=meta.dtype, device="meta"))
+            for name, meta in metas.items()
+        ]
+        written = {name: _written_bytes(metas[name], spec) for name, spec in self.slices.items()}
+        written = {name: span for name, span in written.items() if name in metas}
+        try:
+            self._arena = ParamArena(layout, written=written)
+        except OSError as exc:
+            logger.warning("weightbus: staging in private memory (no shm direct writes): %s", exc)
+            self._arena = ParamArena(layout, shared=False)
+        self._buffers = dict(self._arena.views)
+        self._metas = dict(metas)
+
+    def placement(self, *, shared: bool) -> DirectPlacement | None:
+        """Where a transport writes each part straight into these buffers (None: nothing
+        allocated, or `shared` asked of private memory)."""
+        arena = self._arena
+        if arena is None or (shared and not arena.shared):
+            return None
+        if self._placement is None:
+            copies = [(name, name, self._copy(name)) for name in self._buffers]
+            self._placement = direct_placement(arena, copies)
+        return self._placement
+
+    def _copy(self, name: str) -> ShardCopy:
+        spec = self.slices.get(name)
+        if spec is None:
+            return ShardCopy.whole(tuple(self._buffers[name].shape))
+        return ShardCopy(spec.dim, spec.start, spec.dim, spec.start, spec.length)
+
     def put(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy each tensor's part into its buffer.
+
+        Raises:
+            KeyError: a tensor these buffers were not prepared for, or of another shape.
+        """
         names = []
         for name, tensor in pairs:
             buffer = self._buffers.get(name)
             if buffer is None or buffer.dtype != tensor.dtype or buffer.shape != tensor.shape:
-                buffer = self._buffers[name] = torch.empty_like(tensor, device="cpu")
+                raise KeyError(
+                    f"the staging buffers hold no {tensor.dtype} {tuple(tensor.shape)} {name!r}"
+                )
             spec = self.slices.get(name)
             if spec is None:
                 buffer.copy_(tensor)
@@ -94,6 +152,7 @@ class StagingBuffers:
 
     def copy_from(self, other: "StagingBuffers") -> None:
         """Hold what `other` holds (the base of a delta received into these buffers)."""
+        self.prepare(other._metas)
         self.put(other.pairs(list(other._buffers)))
         self.held = other.held
 
@@ -113,11 +172,34 @@ class StagingBuffers:
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.nbytes for buffer in self._buffers.values())
+        """The memory these buffers hold: every part this worker writes (0: none yet)."""
+        return sum(
+            stop - start
+            for name, meta in self._metas.items()
+            for start, stop in [_written_bytes(meta, self.slices.get(name))]
+        )
 
     def release(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+        self._arena = self._placement = None
         self._buffers.clear()
+        self._metas.clear()
         self.held = None
+
+
+def _written_bytes(meta: TensorMeta, spec: SliceSpec | None) -> tuple[int, int]:
+    """The byte range `[start, stop)` of a full tensor that holds part `spec` (all of it:
+    None), row-major."""
+    if spec is None or not meta.shape:
+        return 0, meta.nbytes
+    itemsize = meta.dtype.itemsize
+    inner = math.prod(meta.shape[spec.dim + 1 :]) * itemsize
+    outer = math.prod(meta.shape[: spec.dim])
+    if outer == 0 or spec.length == 0:
+        return 0, 0
+    last_outer = (outer - 1) * meta.shape[spec.dim] * inner
+    return spec.start * inner, last_outer + (spec.start + spec.length) * inner
 
 
 def load_group(name: str) -> str:

@@ -10,8 +10,10 @@ the previous version a rollback loads. Only buffers whose every tensor is verifi
 """
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from weightbus.core.meta import TensorMeta
 from weightbus.core.wire.delta import DELTA_BASE_REFUSAL
 from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.vllm.staging import HeldVersion, StagingBuffers
@@ -90,10 +92,12 @@ class WorkerVersions:
             buffers.slices = slices
 
     # receiving
-    def receiving(self, base_fingerprint: str | None) -> StagingBuffers:
-        """The buffers a push receives into, holding nothing from now on; for a delta
-        (`base_fingerprint`), holding the base the delta applies to. A version staged and not
-        decided is dropped (the new push replaces it).
+    def receiving(
+        self, base_fingerprint: str | None, metas: Mapping[str, TensorMeta]
+    ) -> StagingBuffers:
+        """The buffers a push of the tensors `metas` receives into, holding nothing from now
+        on; for a delta (`base_fingerprint`), holding the base the delta applies to. A version
+        staged and not decided is dropped (the new push replaces it).
 
         Raises:
             ValueError: a delta whose base is not served or not held (the publisher then pushes
@@ -108,6 +112,7 @@ class WorkerVersions:
             source = self.sets[self.served_index]
             if source is not buffers:
                 buffers.copy_from(source)
+        buffers.prepare(metas)
         buffers.held = None
         return buffers
 

@@ -324,17 +324,24 @@ class WeightbusWeightTransferEngine(
         self._versions.drop_staged()
         try:
             expected = self._expected_metas(info)
-            source = open_source(info.transport, info.source, rank=rank, tp_size=tp_size)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             return StagingBuffers(), RankResult(ok=False, errors=[str(exc)])
         refusal = ""
         try:
             if info.two_phase or info.delta is not None:
                 self._refuse_with_draft("a two-phase push" if info.two_phase else "a delta")
             base = None if info.delta is None else info.delta.base_fingerprint
-            buffers = self._versions.receiving(base)
+            buffers = self._versions.receiving(base, expected)
         except ValueError as exc:
             buffers, refusal = StagingBuffers(), str(exc)
+        # `shm` direct mode maps the staging's file; `nixl` registers its memory, any memory
+        direct = buffers.placement(shared=info.transport != "nixl")
+        try:
+            source = open_source(
+                info.transport, info.source, rank=rank, tp_size=tp_size, direct=direct
+            )
+        except (ValueError, OSError) as exc:
+            return buffers, RankResult(ok=False, errors=[refusal or str(exc)])
         receiver = Receiver(
             load_weights=_discard if refusal else buffers.put,  # a refused push is read, not kept
             expected=expected,

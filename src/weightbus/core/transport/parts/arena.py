@@ -10,7 +10,7 @@ co-located publisher writes each update straight into them (`DirectTarget` tells
 import mmap
 import os
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -39,17 +39,29 @@ def _aligned(nbytes: int) -> int:
 
 
 class ParamArena:
-    """Named parameters laid out in one shared-memory file.
+    """Named parameters laid out in one shared-memory file (or one block of private memory).
 
     Args:
         params: `(name, tensor)` pairs whose dtypes and shapes define the layout (the values
             are not copied; see `adopt`).
+        written: per name, the byte range `[start, stop)` of its tensor that will ever be
+            written (the rest stays a hole: never backed by memory, read as zeros); absent
+            names: all of it. A vLLM worker's staging holds full-shaped tensors of which it
+            writes its TP slice only.
+        shared: in a file under /dev/shm (another process can map it: `shm` direct mode);
+            else in this process's private memory (`nixl` can still register it).
 
     Raises:
         OSError: /dev/shm cannot hold the parameters (the file is removed again).
     """
 
-    def __init__(self, params: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        params: Iterable[tuple[str, torch.Tensor]],
+        *,
+        written: Mapping[str, tuple[int, int]] | None = None,
+        shared: bool = True,
+    ) -> None:
         params = list(params)
         self.regions: list[ParamRegion] = []
         offset = 0
@@ -58,21 +70,49 @@ class ParamArena:
             self.regions.append(ParamRegion(name, dtype_name(tensor.dtype), shape, offset))
             offset += _aligned(tensor.numel() * tensor.element_size())
         self.nbytes = max(offset, ALIGN_BYTES)
+        self.shared = shared
         self.name = f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        if shared:
+            self._mmap = self._map_file(params, written)
+            self._bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        else:
+            self._mmap = None
+            self._bytes = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.views = {
+            region.name: self._view(region, tensor)
+            for region, (_, tensor) in zip(self.regions, params, strict=True)
+        }
+
+    def _map_file(
+        self,
+        params: list[tuple[str, torch.Tensor]],
+        written: Mapping[str, tuple[int, int]] | None,
+    ) -> mmap.mmap:
         fd = os.open(SHM_DIR / self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(fd, 0, self.nbytes)
-            self._mmap = mmap.mmap(fd, self.nbytes)
+            if written is None:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            else:
+                os.ftruncate(fd, self.nbytes)
+                for start, nbytes in self._spans(params, written):
+                    os.posix_fallocate(fd, start, nbytes)
+            return mmap.mmap(fd, self.nbytes)
         except OSError:
             self.unlink()
             raise
         finally:
             os.close(fd)
-        self._bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self.views = {
-            region.name: self._view(region, tensor)
-            for region, (_, tensor) in zip(self.regions, params, strict=True)
-        }
+
+    def _spans(
+        self,
+        params: list[tuple[str, torch.Tensor]],
+        written: Mapping[str, tuple[int, int]],
+    ) -> Iterator[tuple[int, int]]:
+        """`(offset, nbytes)` in the file of what `written` says will be written."""
+        for region, (name, tensor) in zip(self.regions, params, strict=True):
+            start, stop = written.get(name, (0, tensor.numel() * tensor.element_size()))
+            if stop > start:
+                yield region.offset + start, stop - start
 
     def _view(self, region: ParamRegion, like: torch.Tensor) -> torch.Tensor:
         nbytes = like.numel() * like.element_size()
@@ -94,7 +134,8 @@ class ParamArena:
 
     def unlink(self) -> None:
         """Remove the file's name (the memory lives until every mapping is gone)."""
-        (SHM_DIR / self.name).unlink(missing_ok=True)
+        if self.shared:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Unlink and drop this arena's references: the memory is unmapped (and freed) once
