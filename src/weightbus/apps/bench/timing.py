@@ -27,14 +27,17 @@ class Measurement:
 
 
 def measure_interleaved(
-    operations: Sequence[tuple[str, int, Callable[[], object]]], repeat: int
+    operations: Sequence[tuple[str, int, Callable[[], object]]],
+    repeat: int,
+    settle: Callable[[], object] | None = None,
 ) -> list[Measurement]:
     """Time `(name, nbytes, fn)` operations in rounds, each round running every operation once.
 
     Interleaving makes the ratios between rows robust to load that comes and goes on a shared
     machine: every operation sees the same conditions. One untimed round warms up first (page
     faults, caches). The objects alive after it are frozen out of the garbage collector, so a
-    full collection of the benchmark's own heap never lands inside a timed row.
+    full collection of the benchmark's own heap never lands inside a timed row. `settle`, if
+    given, runs untimed before each timed operation.
     """
     for _, _, fn in operations:
         fn()
@@ -44,6 +47,8 @@ def measure_interleaved(
     try:
         for _ in range(repeat):
             for samples, (_, _, fn) in zip(seconds, operations, strict=True):
+                if settle is not None:
+                    settle()
                 start = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - start)

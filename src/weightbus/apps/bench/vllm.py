@@ -12,6 +12,7 @@ log line (`weightbus: version ...`), the only channel vLLM leaves a backend.
 """
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -38,6 +39,12 @@ from weightbus.core.units import format_bytes
 MIB = 2**20
 
 _TIMEOUT_S = 300.0
+# vLLM's processes spin (sched_yield) for 1 s after every message on their shared-memory queues
+# (`shm_broadcast.SpinCondition`, busy_loop_s=1, not configurable): pushes back to back would
+# each start while the engine core and both workers spin, which on 2 cores starves the
+# publisher. A trainer pushes once per step, seconds apart: each timed operation starts after
+# the spin ended.
+VLLM_SPIN_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=2, help="vLLM tensor-parallel size")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (median)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=VLLM_SPIN_S + 0.2,
+        help="untimed pause before each timed operation (default: vLLM's spin after a message, "
+        "%(default)s s; 0: back to back)",
+    )
 
 
 class _Bench:
@@ -95,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         )
         try:
             bench.server.wait_ready()
-            results = floor + _measure(bench, args.repeat, figures)
+            results = floor + _measure(bench, args.repeat, figures, args.settle_s)
         finally:
             bench.server.stop()
     _report(bench, results, args)
@@ -103,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(bench: "_Bench", repeat: int, figures: ParityFigures) -> list[Measurement]:
+def _measure(
+    bench: "_Bench", repeat: int, figures: ParityFigures, settle_s: float
+) -> list[Measurement]:
     from weightbus.core.publisher import Publisher
     from weightbus.engines.vllm.messages import VllmInitInfo
     from weightbus.engines.vllm.target import VllmEngineTarget
@@ -127,8 +143,9 @@ def _measure(bench: "_Bench", repeat: int, figures: ParityFigures) -> list[Measu
         dist.init_weights_group("127.0.0.1")
         operations = _operations(bench, full, partial)
         operations[2:2] = parity_operations(bench, two_phase, dist, nixl, figures)
-        results = measure_interleaved(operations, repeat)
-        measure_deltas(bench, delta, whole, repeat, figures)
+        settle = functools.partial(time.sleep, settle_s)
+        results = measure_interleaved(operations, repeat, settle)
+        measure_deltas(bench, delta, whole, repeat, figures, settle=settle)
     return results
 
 
@@ -191,8 +208,8 @@ def _report(bench: _Bench, results: list[Measurement], args: argparse.Namespace)
     full = by_name["weightbus shm"].median_s
     baseline = by_name["save + vLLM reload"].median_s
     print(
-        f"\nvLLM TP {args.tp}, Llama {format_bytes(bench.nbytes)} bf16, shm, "
-        f"median of {args.repeat} interleaved rounds\n"
+        f"\nvLLM TP {args.tp}, Llama {format_bytes(bench.nbytes)} bf16, "
+        f"median of {args.repeat} interleaved rounds, {args.settle_s:g} s untimed before each\n"
     )
     rows = [
         [m.name, f"{m.median_s:.3f}", f"{m.gb_per_s:.2f}", f"{m.median_s / floor:.1f}x"]

@@ -87,14 +87,17 @@ def worker_split(log_path: Path, version: str) -> dict:
     raise RuntimeError(f"no worker line for version {version} in {log_path}")
 
 
-def measure_deltas(bench, delta, whole, repeat: int, figures: ParityFigures) -> None:
+def measure_deltas(
+    bench, delta, whole, repeat: int, figures: ParityFigures, *, settle: Callable[[], object]
+) -> None:
     """`repeat` delta pushes of steps that change `DELTA_CHANGED_FRACTION` of every tensor, then
-    the same number of whole pushes of such steps."""
+    the same number of whole pushes of such steps (`settle` untimed before each)."""
     state = bench.state(bench.served)
     delta.push(state, version=bench.version(), force=True)  # the base
     for publisher, kind in ((delta, "delta"), (whole, "whole")):
         for _ in range(repeat):
             state = _step(state)
+            settle()
             tick = time.perf_counter()
             result = publisher.push(state, version=bench.version())
             figures.delta[kind].append(time.perf_counter() - tick)

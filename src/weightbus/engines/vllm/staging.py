@@ -23,7 +23,12 @@ from weightbus.core.delta import apply_to_slice, slice_of
 from weightbus.core.digest import tensor_digest
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan.shard import ShardCopy
-from weightbus.core.transport import DirectPlacement, ParamArena, direct_placement
+from weightbus.core.transport import (
+    DirectPlacement,
+    ParamArena,
+    direct_placement,
+    remove_stale_slots,
+)
 from weightbus.core.wire.messages import SliceSpec
 
 # a child of vLLM's logger: vLLM configures handlers for its own tree only
@@ -101,6 +106,7 @@ class StagingBuffers:
         ]
         written = {name: _written_bytes(metas[name], spec) for name, spec in self.slices.items()}
         written = {name: span for name, span in written.items() if name in metas}
+        remove_stale_slots()  # staging files of killed workers
         try:
             self._arena = ParamArena(layout, written=written)
         except OSError as exc:
