@@ -239,11 +239,14 @@ def test_nixl_writes_each_worker_its_part_into_its_staging(name, tp, request):
             assert result.engines[0].rank_nbytes == _planned_rank_bytes(served, model, tp=tp)
             assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
         small = copy.deepcopy(model)
-        with torch.no_grad():
-            small.model.norm.weight.add_(1e-3)  # one tensor changed: a small delta
+        attention = small.model.layers[0].self_attn
+        with torch.no_grad():  # 1% of a column-parallel and of a row-parallel matrix
+            for weight in (attention.q_proj.weight, attention.o_proj.weight):
+                weight.view(-1)[::100] += 1e-3
         result = publisher.push(small, version=f"{name}-nixl-delta")
-    assert result.delta.sent, result.delta
-    assert result.delta.stream_bytes < result.delta.full_bytes
+    # sent as changed elements, through the workers' inboxes, applied to each worker's part
+    assert (result.delta.sent, result.delta.tensors["sparse"]) == (True, 2), result.delta
+    assert result.delta.stream_bytes < result.delta.full_bytes / 10
     assert result.engines[0].fingerprint == publisher.fingerprint(small)
     assert _served_version(served) == f"{name}-nixl-delta"
     assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(small)

@@ -16,6 +16,7 @@ from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.targets import HttpEngineTarget
 from weightbus.core.receiver import RankResult
 from weightbus.core.transport import ParamArena
+from weightbus.core.transport.parts.arena import PAGE_BYTES
 from weightbus.core.transport.parts.shared_memory import SHM_DIR
 from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.vllm.messages import UNTOUCHED, VllmUpdateInfo
@@ -73,7 +74,7 @@ def test_staging_reuses_its_buffers_across_pushes():
     staging.put([("w", first * 2)])
     assert staging.pairs(["w"])[0][1].data_ptr() == buffer.data_ptr()
     assert torch.equal(buffer, first * 2)
-    assert staging.nbytes == first.nbytes
+    assert first.nbytes <= staging.nbytes <= PAGE_BYTES  # a page at most
     with pytest.raises(KeyError, match=r"hold no torch.float32 \(3,\) 'w'"):
         staging.put([("w", torch.ones(3))])
     staging.release()
@@ -81,20 +82,20 @@ def test_staging_reuses_its_buffers_across_pushes():
 
 def test_staging_backs_only_a_workers_parts_and_offers_them_for_direct_writes():
     metas = {
-        "col": TensorMeta("col", torch.float32, (512, 1024)),  # rows 256..511: contiguous
-        "row": TensorMeta("row", torch.float32, (4, 2048)),  # columns 0..1023 of each row
+        "col": TensorMeta("col", torch.float32, (512, 1024)),  # rows 256..511: one run
+        "row": TensorMeta("row", torch.float32, (8, 8192)),  # columns 4096.. of each row
         "norm": TensorMeta("norm", torch.float32, (1024,)),
     }
-    slices = {"col": SliceSpec("col", 0, 256, 256), "row": SliceSpec("row", 1, 0, 1024)}
+    slices = {"col": SliceSpec("col", 0, 256, 256), "row": SliceSpec("row", 1, 4096, 4096)}
     staging = StagingBuffers(slices)
     staging.prepare(metas)
     arena = staging._arena
     assert arena.shared
-    # the file backs rows 256..511 of `col`, the span of `row`'s parts and all of `norm`
+    # the file backs the pages of the parts only (each of the 10 runs: at most one page more)
     backed = (SHM_DIR / arena.name).stat().st_blocks * 512
-    part_bytes = 256 * 1024 * 4 + (3 * 2048 + 1024) * 4 + 1024 * 4
-    assert part_bytes <= backed < part_bytes + 3 * 4096
-    assert staging.nbytes == part_bytes
+    part_bytes = 256 * 1024 * 4 + 8 * 4096 * 4 + 1024 * 4
+    assert backed == staging.nbytes == arena.reserved_bytes
+    assert part_bytes <= backed <= part_bytes + 10 * PAGE_BYTES
     placement = staging.placement(shared=True)
     assert placement.target.file == arena.name
     col = placement.regions["col"]
@@ -102,7 +103,7 @@ def test_staging_backs_only_a_workers_parts_and_offers_them_for_direct_writes():
         (256, 1024),
         staging.pairs(["col"])[0][1][256].data_ptr(),
     )
-    assert placement.regions["row"].shape == (4, 1024)
+    assert placement.regions["row"].shape == (8, 4096)
     # the parts a transport writes are what vLLM's loader narrows to, and `put` copies
     full = torch.randn(512, 1024)
     staging.put([("col", full)])
@@ -231,8 +232,14 @@ def _metas(tensor: torch.Tensor) -> dict[str, TensorMeta]:
     return {"w": TensorMeta.of("w", tensor)}
 
 
+def _receiving(versions: WorkerVersions, base: str | None, tensor: torch.Tensor):
+    buffers = versions.receiving(base, _metas(tensor))
+    versions.begin_receive(buffers, base)
+    return buffers
+
+
 def _land(versions: WorkerVersions, version: str, tensor: torch.Tensor) -> None:
-    buffers = versions.receiving(None, _metas(tensor))
+    buffers = _receiving(versions, None, tensor)
     buffers.put([("w", tensor)])
     versions.loaded(buffers, _held(version, tensor))
 
@@ -244,7 +251,7 @@ def test_one_staging_copy_holds_no_previous_version_and_a_failed_push_loses_the_
     assert versions.previous() == (None, NO_PREVIOUS_ONE_SET)
     assert versions.delta_base() == "fp-v1"
     # a delta applies to the served copy in place
-    assert versions.receiving("fp-v1", _metas(torch.ones(4))) is versions.sets[0]
+    assert _receiving(versions, "fp-v1", torch.ones(4)) is versions.sets[0]
     # that push did not land: the copy is overwritten, the served version unchanged
     assert versions.served.version == "v1"
     assert versions.delta_base() is None
@@ -264,14 +271,17 @@ def test_two_staging_copies_keep_the_previous_version_and_copy_a_deltas_base():
     assert versions.find_previous("v1", "fp-v1")[1].version == "v1"
     with pytest.raises(ValueError, match=r"previous version held is 'v1' \(fp-v1\), not 'v0'"):
         versions.find_previous("v0", None)
+    # a push whose source could not be opened changed nothing
+    versions.receiving("fp-v2", _metas(torch.ones(4)))
+    assert versions.previous()[0].held.version == "v1"
     # a delta on v2 lands in the other copy, starting from v2's bytes; v1 is given up
-    receiving = versions.receiving("fp-v2", _metas(torch.ones(4)))
+    receiving = _receiving(versions, "fp-v2", torch.ones(4))
     assert torch.equal(receiving.pairs(["w"])[0][1], torch.full((4,), 2.0))
     assert versions.previous() == (None, NO_PREVIOUS_OVERWRITTEN)
 
 
 def _stage(versions: WorkerVersions, version: str, timeout_s: float = 60) -> None:
-    buffers = versions.receiving(None, _metas(torch.ones(2)))
+    buffers = _receiving(versions, None, torch.ones(2))
     buffers.put([("w", torch.ones(2))])
     versions.stage(buffers, _held(version, torch.ones(2)), timeout_s=timeout_s)
 

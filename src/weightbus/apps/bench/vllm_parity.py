@@ -42,7 +42,8 @@ def parity_operations(
     bench, two_phase, dist, nixl, figures: ParityFigures
 ) -> list[tuple[str, int, Callable[[], object]]]:
     """Interleaved rows: two-phase push, rollback, dist scatter push, nixl push (`bench`:
-    vllm._Bench; the nixl push's worker split goes to `bench.splits["nixl"]`)."""
+    vllm._Bench; `nixl` None: NIXL is not installed, no row; the nixl push's worker split goes
+    to `bench.splits["nixl"]`)."""
 
     def push(publisher, name: str, **options) -> Callable[[], None]:
         def run_push() -> None:
@@ -66,8 +67,7 @@ def parity_operations(
                                                                          two_phase=True)),
         ("rollback (second staging copy)", bench.nbytes, rollback),
         ("weightbus dist scatter", bench.nbytes, push(dist, "dist scatter")),
-        ("weightbus nixl", bench.nbytes, push(nixl, "nixl")),
-    ]  # fmt: skip
+    ] + ([("weightbus nixl", bench.nbytes, push(nixl, "nixl"))] if nixl else [])  # fmt: skip
 
 
 def worker_split(log_path: Path, version: str) -> dict:

@@ -104,8 +104,11 @@ class StagingBuffers:
             (name, torch.empty(meta.shape, dtype=meta.dtype, device="meta"))
             for name, meta in metas.items()
         ]
-        written = {name: _written_bytes(metas[name], spec) for name, spec in self.slices.items()}
-        written = {name: span for name, span in written.items() if name in metas}
+        written = {
+            name: _written_ranges(metas[name], spec)
+            for name, spec in self.slices.items()
+            if name in metas
+        }
         remove_stale_slots()  # staging files of killed workers
         try:
             self._arena = ParamArena(layout, written=written)
@@ -178,12 +181,8 @@ class StagingBuffers:
 
     @property
     def nbytes(self) -> int:
-        """The memory these buffers hold: every part this worker writes (0: none yet)."""
-        return sum(
-            stop - start
-            for name, meta in self._metas.items()
-            for start, stop in [_written_bytes(meta, self.slices.get(name))]
-        )
+        """The memory these buffers hold once every part was written (0: none yet)."""
+        return 0 if self._arena is None else self._arena.reserved_bytes
 
     def release(self) -> None:
         if self._arena is not None:
@@ -194,18 +193,16 @@ class StagingBuffers:
         self.held = None
 
 
-def _written_bytes(meta: TensorMeta, spec: SliceSpec | None) -> tuple[int, int]:
-    """The byte range `[start, stop)` of a full tensor that holds part `spec` (all of it:
-    None), row-major."""
-    if spec is None or not meta.shape:
-        return 0, meta.nbytes
-    itemsize = meta.dtype.itemsize
-    inner = math.prod(meta.shape[spec.dim + 1 :]) * itemsize
+def _written_ranges(meta: TensorMeta, spec: SliceSpec) -> list[tuple[int, int]]:
+    """The byte ranges `[start, stop)` of a full row-major tensor that hold part `spec`: one
+    run per index of the dimensions before `spec.dim`."""
+    if not meta.shape:
+        return [(0, meta.nbytes)]
+    inner = math.prod(meta.shape[spec.dim + 1 :]) * meta.dtype.itemsize
+    stride = meta.shape[spec.dim] * inner
+    start, stop = spec.start * inner, (spec.start + spec.length) * inner
     outer = math.prod(meta.shape[: spec.dim])
-    if outer == 0 or spec.length == 0:
-        return 0, 0
-    last_outer = (outer - 1) * meta.shape[spec.dim] * inner
-    return spec.start * inner, last_outer + (spec.start + spec.length) * inner
+    return [(index * stride + start, index * stride + stop) for index in range(outer)]
 
 
 def load_group(name: str) -> str:

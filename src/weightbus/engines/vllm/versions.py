@@ -95,9 +95,8 @@ class WorkerVersions:
     def receiving(
         self, base_fingerprint: str | None, metas: Mapping[str, TensorMeta]
     ) -> StagingBuffers:
-        """The buffers a push of the tensors `metas` receives into, holding nothing from now
-        on; for a delta (`base_fingerprint`), holding the base the delta applies to. A version
-        staged and not decided is dropped (the new push replaces it).
+        """The buffers a push of the tensors `metas` will receive into, laid out for them; what
+        they hold is kept until `begin_receive` (a source that cannot be opened loses nothing).
 
         Raises:
             ValueError: a delta whose base is not served or not held (the publisher then pushes
@@ -106,15 +105,20 @@ class WorkerVersions:
         buffers = self.sets[self._free_index()]
         if base_fingerprint is not None:
             self._check_base(base_fingerprint)
+        buffers.prepare(metas)
+        return buffers
+
+    def begin_receive(self, buffers: StagingBuffers, base_fingerprint: str | None) -> None:
+        """`buffers` (from `receiving`) hold nothing from now on; for a delta
+        (`base_fingerprint`), the base the delta applies to. A version staged and not decided
+        is dropped (the new push replaces it)."""
         self.drop_staged()
         if base_fingerprint is not None:
             assert self.served_index is not None
             source = self.sets[self.served_index]
             if source is not buffers:
                 buffers.copy_from(source)
-        buffers.prepare(metas)
         buffers.held = None
-        return buffers
 
     def _free_index(self) -> int:
         if not self.keeps_previous or self.served_index is None:

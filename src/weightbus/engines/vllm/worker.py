@@ -327,12 +327,12 @@ class WeightbusWeightTransferEngine(
         except ValueError as exc:
             return StagingBuffers(), RankResult(ok=False, errors=[str(exc)])
         refusal = ""
+        base = None if info.delta is None else info.delta.base_fingerprint
         try:
             if info.two_phase or info.delta is not None:
                 self._refuse_with_draft("a two-phase push" if info.two_phase else "a delta")
-            base = None if info.delta is None else info.delta.base_fingerprint
             buffers = self._versions.receiving(base, expected)
-        except ValueError as exc:
+        except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: out of memory
             buffers, refusal = StagingBuffers(), str(exc)
         # `shm` direct mode maps the staging's file; `nixl` registers its memory, any memory
         direct = buffers.placement(shared=info.transport != "nixl")
@@ -341,7 +341,9 @@ class WeightbusWeightTransferEngine(
                 info.transport, info.source, rank=rank, tp_size=tp_size, direct=direct
             )
         except (ValueError, OSError) as exc:
-            return buffers, RankResult(ok=False, errors=[refusal or str(exc)])
+            return StagingBuffers(), RankResult(ok=False, errors=[refusal or str(exc)])
+        if not refusal:
+            self._versions.begin_receive(buffers, base)
         receiver = Receiver(
             load_weights=_discard if refusal else buffers.put,  # a refused push is read, not kept
             expected=expected,

@@ -2,7 +2,9 @@
 
 A `ParamArena` is one file under /dev/shm (mode 0600, named `weightbus-params-<pid>-<random>`)
 holding every parameter of a model at 256-byte aligned offsets. Its space is reserved with
-`posix_fallocate`, so a full /dev/shm is an `OSError` at allocation, never a SIGBUS later.
+`posix_fallocate`, so a full /dev/shm is an `OSError` at allocation, never a SIGBUS later (an
+arena made with `written` reserves those pages only: reading or writing a hole backs it, and
+can SIGBUS on a full /dev/shm).
 `adopt(model)` moves the parameters into it (one copy, when the arena is made); afterwards a
 co-located publisher writes each update straight into them (`DirectTarget` tells it where).
 """
@@ -10,7 +12,7 @@ co-located publisher writes each update straight into them (`DirectTarget` tells
 import mmap
 import os
 import secrets
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -34,6 +36,9 @@ def on_arena_close(listener: Callable[[str], None]) -> None:
         _close_listeners.append(listener)
 
 
+PAGE_BYTES = mmap.PAGESIZE
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
@@ -44,10 +49,10 @@ class ParamArena:
     Args:
         params: `(name, tensor)` pairs whose dtypes and shapes define the layout (the values
             are not copied; see `adopt`).
-        written: per name, the byte range `[start, stop)` of its tensor that will ever be
-            written (the rest stays a hole: never backed by memory, read as zeros); absent
-            names: all of it. A vLLM worker's staging holds full-shaped tensors of which it
-            writes its TP slice only.
+        written: per name, the byte ranges `[start, stop)` of its tensor that will ever be
+            written (reserved, page by page; the rest stays a hole, backed by no memory until
+            something reads or writes it); absent names: all of it. A vLLM worker's staging
+            holds full-shaped tensors of which it writes its TP slice only.
         shared: in a file under /dev/shm (another process can map it: `shm` direct mode);
             else in this process's private memory (`nixl` can still register it).
 
@@ -59,7 +64,7 @@ class ParamArena:
         self,
         params: Iterable[tuple[str, torch.Tensor]],
         *,
-        written: Mapping[str, tuple[int, int]] | None = None,
+        written: Mapping[str, Sequence[tuple[int, int]]] | None = None,
         shared: bool = True,
     ) -> None:
         params = list(params)
@@ -72,8 +77,11 @@ class ParamArena:
         self.nbytes = max(offset, ALIGN_BYTES)
         self.shared = shared
         self.name = f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        spans = None if written is None else self._spans(params, written)
+        # the memory the arena holds once every written byte was written
+        self.reserved_bytes = self.nbytes if spans is None else sum(n for _, n in spans)
         if shared:
-            self._mmap = self._map_file(params, written)
+            self._mmap = self._map_file(spans)
             self._bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
         else:
             self._mmap = None
@@ -83,18 +91,14 @@ class ParamArena:
             for region, (_, tensor) in zip(self.regions, params, strict=True)
         }
 
-    def _map_file(
-        self,
-        params: list[tuple[str, torch.Tensor]],
-        written: Mapping[str, tuple[int, int]] | None,
-    ) -> mmap.mmap:
+    def _map_file(self, spans: list[tuple[int, int]] | None) -> mmap.mmap:
         fd = os.open(SHM_DIR / self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            if written is None:
+            if spans is None:
                 os.posix_fallocate(fd, 0, self.nbytes)
             else:
                 os.ftruncate(fd, self.nbytes)
-                for start, nbytes in self._spans(params, written):
+                for start, nbytes in spans:
                     os.posix_fallocate(fd, start, nbytes)
             return mmap.mmap(fd, self.nbytes)
         except OSError:
@@ -106,13 +110,25 @@ class ParamArena:
     def _spans(
         self,
         params: list[tuple[str, torch.Tensor]],
-        written: Mapping[str, tuple[int, int]],
-    ) -> Iterator[tuple[int, int]]:
-        """`(offset, nbytes)` in the file of what `written` says will be written."""
+        written: Mapping[str, Sequence[tuple[int, int]]],
+    ) -> list[tuple[int, int]]:
+        """`(offset, nbytes)` in the file of the pages `written` says will be written,
+        merged."""
+        pages: list[tuple[int, int]] = []
         for region, (name, tensor) in zip(self.regions, params, strict=True):
-            start, stop = written.get(name, (0, tensor.numel() * tensor.element_size()))
-            if stop > start:
-                yield region.offset + start, stop - start
+            ranges = written.get(name, [(0, tensor.numel() * tensor.element_size())])
+            for start, stop in ranges:
+                if stop > start:
+                    first = (region.offset + start) // PAGE_BYTES * PAGE_BYTES
+                    end = -(-(region.offset + stop) // PAGE_BYTES) * PAGE_BYTES
+                    pages.append((first, min(end, self.nbytes)))
+        merged: list[list[int]] = []
+        for start, end in sorted(pages):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return [(start, end - start) for start, end in merged]
 
     def _view(self, region: ParamRegion, like: torch.Tensor) -> torch.Tensor:
         nbytes = like.numel() * like.element_size()

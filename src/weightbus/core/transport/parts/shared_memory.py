@@ -51,7 +51,11 @@ def remove_stale_slots() -> list[str]:
     for prefix in (SLOT_PREFIX, ARENA_PREFIX):
         for path in SHM_DIR.glob(f"{prefix}*"):
             if owner_is_dead(path.name, prefix):
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:  # another user's file in the sticky /dev/shm
+                    logger.warning("cannot remove %s: %s", path, exc)
+                    continue
                 removed.append(path.name)
     for path in Path(tempfile.gettempdir()).glob(f"{SLOT_PREFIX}*"):
         if path.is_dir() and owner_is_dead(path.name, SLOT_PREFIX):
