@@ -51,9 +51,17 @@ def start_engine(
 
 def stop_engine(proc: subprocess.Popen) -> None:
     """SIGTERM the server, then kill it if it has not exited within 30 s."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+    stop_engines([proc])
+
+
+def stop_engines(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM every server at once (they shut down side by side), then wait for each; kill
+    one that has not exited within 30 s of its wait."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)  # nothing if it has exited already
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

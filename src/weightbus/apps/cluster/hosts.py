@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightbus.apps import netns
-from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.launch import start_engine, stop_engines
 from weightbus.apps.netns import ip
 
 NIC = "eth0"
@@ -124,8 +124,7 @@ class Cluster:
     def close(self) -> None:
         """Stop the engines (SIGTERM: they free their shared memory), kill what else runs in
         the hosts, and delete every namespace (with their links)."""
-        for proc in self._engines:
-            stop_engine(proc)
+        stop_engines(self._engines)
         for proc in self._processes:
             if proc.poll() is None:
                 proc.kill()

@@ -66,7 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delta-steps", type=int, default=3, help="RL steps per training run")
     parser.add_argument("--bucket-bytes", type=byte_size_arg, default="16MiB")
     parser.add_argument(
-        "--repeat", type=int, default=2, help="timed pushes per row (median), after one warm-up"
+        "--repeat", type=int, default=2, help="timed pushes per row (median), after the warm-ups"
+    )
+    parser.add_argument(
+        "--warmups",
+        type=int,
+        default=1,
+        help="untimed pushes per row before the timed ones (senders, replicas)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of one push, seconds")
     parser.add_argument("--json", default=None, help="also write the results to this file")

@@ -4,6 +4,7 @@ engines' own fingerprints, and one row of results."""
 import json
 import statistics
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -74,6 +75,17 @@ def served(urls: Sequence[str], token: str) -> list[str]:
     return prints
 
 
+def start_engines(
+    cluster: Cluster, hosts: Sequence[Host], model: str, tp: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """`Cluster.start_engine` on every host in `hosts` at the same time (an engine's start is
+    mostly its imports: they overlap); their URLs, in `hosts`' order. One that fails to start
+    raises once all have been waited for (`Cluster.close` stops those that did start)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+        started = [pool.submit(cluster.start_engine, host, model, tp, extra) for host in hosts]
+    return [future.result()[1] for future in started]
+
+
 def engine_labels(cluster: Cluster, urls: Sequence[str]) -> dict[str, Host]:
     """`engine<j>` -> the host engine j listens on (by its URL's address)."""
     by_address = {host.address: host for host in cluster.hosts}
@@ -129,14 +141,14 @@ def during(hosts: dict[str, Host], work: Callable[[], T]) -> tuple[T, dict[str, 
 
 
 def timed_pushes(
-    hosts: dict[str, Host], push: Callable[[str], float], row: Row, repeat: int
+    hosts: dict[str, Host], push: Callable[[str], float], row: Row, repeat: int, warmups: int = 1
 ) -> None:
-    """`push(version)` once to warm up, then `repeat` times: each push's seconds, and the bytes
-    every host's NIC moved during the last one, into `row`."""
-    for index in range(repeat + 1):
+    """`push(version)` `warmups` times to warm up, then `repeat` times: each push's seconds, and
+    the bytes every host's NIC moved during the last one, into `row`."""
+    for index in range(warmups + repeat):
         version = f"{row.case}-{row.path}-{row.trainer_hosts}-{row.engine_hosts}-{index}"
         seconds, moved = during(hosts, lambda v=version: push(v))
-        if index:
+        if index >= warmups:
             row.seconds.append(seconds)
             row.host_bytes = moved
 
@@ -154,7 +166,7 @@ def measure_pushes(
         )
         return answers[0]["seconds"]
 
-    timed_pushes(hosts, push, row, args.repeat)
+    timed_pushes(hosts, push, row, args.repeat, args.warmups)
     row.engine_rank_bytes = answers[0]["engine_rank_bytes"]
     return answers
 

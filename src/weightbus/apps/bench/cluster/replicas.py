@@ -15,6 +15,7 @@ from weightbus.apps.bench.cluster.common import (
     engine_labels,
     measure_pushes,
     predict,
+    start_engines,
 )
 from weightbus.apps.capacity.sharding import EngineLayout
 from weightbus.apps.cluster.hosts import Cluster
@@ -33,8 +34,7 @@ def hosts_needed(args) -> int:
 def run(cluster: Cluster, checkpoint: Checkpoint, link_bits_per_s: float, args) -> list[Row]:
     trainer, replica_hosts = cluster.hosts[0], cluster.hosts[1 : 1 + max(args.replicas)]
     model = str(checkpoint.directory)
-    remote = [cluster.start_engine(host, model, TP, _ENGINE_ARGS)[1] for host in replica_hosts]
-    local = cluster.start_engine(trainer, model, TP, _ENGINE_ARGS)[1]
+    *remote, local = start_engines(cluster, [*replica_hosts, trainer], model, TP, _ENGINE_ARGS)
     rows = []
     with TrainerRanks(cluster, [trainer], {"checkpoint": model}) as ranks:
         for replicas in args.replicas:

@@ -10,6 +10,7 @@ from weightbus.apps.bench.cluster.common import (
     engine_labels,
     measure_pushes,
     predict,
+    start_engines,
 )
 from weightbus.apps.capacity.sharding import EngineLayout
 from weightbus.apps.cluster.hosts import Cluster
@@ -27,10 +28,7 @@ def hosts_needed(args) -> int:
 def run(cluster: Cluster, checkpoint: Checkpoint, link_bits_per_s: float, args) -> list[Row]:
     most = max(args.trainer_hosts)
     trainer_hosts, engine_hosts = cluster.hosts[:most], cluster.hosts[most:]
-    urls = [
-        cluster.start_engine(host, str(checkpoint.directory), 1, _ENGINE_ARGS)[1]
-        for host in engine_hosts
-    ]
+    urls = start_engines(cluster, engine_hosts, str(checkpoint.directory), 1, _ENGINE_ARGS)
     rows = []
     for trainers in args.trainer_hosts:
         with TrainerRanks(
