@@ -83,7 +83,12 @@ class _Bench:
         self.history: list[tuple[int, int]] = []  # what weightbus served before (rollbacks)
         self.shm_rank_bytes: list[int] = []
         self.count = 0
-        self.splits: dict[str, list[dict]] = {"full": [], "partial": [], "nixl": []}
+        self.splits: dict[str, list[dict]] = {
+            "full": [],
+            "partial": [],
+            "verify none": [],
+            "nixl": [],
+        }
         self.baseline: dict[str, list[float]] = {"save_s": [], "reload_s": []}
 
     def state(self, served: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -236,7 +241,7 @@ def _report(bench: _Bench, results: list[Measurement], args: argparse.Namespace)
     transfer = ", ".join(
         f"{'shm' if kind == 'full' else kind} "
         f"{statistics.median([s['transfer_s'] for s in splits[kind]]) / floor:.1f}x"
-        for kind in ("full", "nixl")
+        for kind in ("full", "verify none", "nixl")
         if splits[kind]
     )
     print(

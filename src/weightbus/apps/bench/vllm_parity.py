@@ -41,9 +41,10 @@ class ParityFigures:
 def parity_operations(
     bench, two_phase, dist, nixl, figures: ParityFigures
 ) -> list[tuple[str, int, Callable[[], object]]]:
-    """Interleaved rows: two-phase push, rollback, dist scatter push, nixl push (`bench`:
+    """Interleaved rows: two-phase push, rollback, dist scatter push, an `shm` push whose
+    workers trust the publisher's digests (`verify="none"`), nixl push (`bench`:
     vllm._Bench; `nixl` None: NIXL is not installed, no row; the nixl push's worker split goes
-    to `bench.splits["nixl"]`)."""
+    to `bench.splits["nixl"]`, the verify-none push's to `bench.splits["verify none"]`)."""
 
     def push(publisher, name: str, **options) -> Callable[[], None]:
         def run_push() -> None:
@@ -67,6 +68,8 @@ def parity_operations(
                                                                          two_phase=True)),
         ("rollback (second staging copy)", bench.nbytes, rollback),
         ("weightbus dist scatter", bench.nbytes, push(dist, "dist scatter")),
+        ("weightbus shm, verify none", bench.nbytes, push(two_phase, "verify none",
+                                                            verify="none")),
     ] + ([("weightbus nixl", bench.nbytes, push(nixl, "nixl"))] if nixl else [])  # fmt: skip
 
 
