@@ -113,6 +113,8 @@ class FakeRank0:
         outputs = context.socket(zmq.PUSH)
         outputs.connect(self._addresses[1])
         outputs.send(messages.encode(self._ready))
+        # what the real rank 0 sends right after Ready (the API server waits for it)
+        outputs.send(messages.encode(weights_state(version=self._ready.weight_version)))
         try:
             while not self._stop.is_set():
                 while not self._outbox.empty():

@@ -21,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from weightbus.engines.reference.engine import messages, rollback
+from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.worker import ipc_addresses
 
 logger = logging.getLogger(__name__)
@@ -33,30 +33,25 @@ T = TypeVar("T")
 QueueItem = tuple[str, messages.TokenOutput] | messages.RequestError | messages.Aborted | Exception
 
 
-def initial_weights_state(ready: messages.Ready) -> messages.WeightsState:
-    """The weights as known from `Ready` alone, until rank 0 sends a `WeightsState`.
-
-    Args:
-        ready: rank 0's first message.
-
-    Returns:
-        `Ready.weight_version`, NORMAL, no fingerprint, generation running, nothing released,
-        no rollback version.
-    """
-    return messages.WeightsState(
-        version=ready.weight_version,
-        step=None,
-        status="NORMAL",
-        fingerprint=None,
-        generation="running",
-        released=[],
-        history=[],
-        rollback_unavailable=rollback.NOT_YET,
-    )
-
-
 class EngineDeadError(RuntimeError):
     """The engine processes are gone; no request can complete."""
+
+
+def _checked_ready(message: messages.FromEngine) -> messages.Ready | None:
+    """`message` if it is rank 0's `Ready` (None: another message, ignored).
+
+    Raises:
+        EngineDeadError: the engine speaks another protocol version.
+    """
+    if not isinstance(message, messages.Ready):
+        logger.warning("ignoring %s before Ready", type(message).__name__)
+        return None
+    if message.protocol_version != messages.PROTOCOL_VERSION:
+        raise EngineDeadError(
+            f"engine protocol {message.protocol_version}, "
+            f"server protocol {messages.PROTOCOL_VERSION}"
+        )
+    return message
 
 
 class EngineClient:
@@ -90,7 +85,9 @@ class EngineClient:
     async def wait_ready(
         self, *, timeout_s: float, check: Callable[[], str | None]
     ) -> messages.Ready:
-        """Wait for rank 0's `Ready`, then start routing outputs.
+        """Wait for rank 0's `Ready` and the `WeightsState` it sends right after (so the
+        server never reports weights it does not know yet, e.g. no fingerprint), then start
+        routing outputs.
 
         Args:
             timeout_s: bound of the wait (model loading included).
@@ -112,18 +109,15 @@ class EngineClient:
             if not await self._outputs.poll(int(min(0.5, remaining_s) * 1000)):
                 continue
             message = messages.decode_from_engine(await self._outputs.recv())
-            if not isinstance(message, messages.Ready):
-                logger.warning("ignoring %s before Ready", type(message).__name__)
+            if self.ready is None:
+                self.ready = _checked_ready(message)
                 continue
-            if message.protocol_version != messages.PROTOCOL_VERSION:
-                raise EngineDeadError(
-                    f"engine protocol {message.protocol_version}, "
-                    f"server protocol {messages.PROTOCOL_VERSION}"
-                )
-            self.ready = message
-            self.weights = initial_weights_state(message)
+            if not isinstance(message, messages.WeightsState):
+                logger.warning("ignoring %s before the first WeightsState", type(message).__name__)
+                continue
+            self.weights = message
             self._pump_task = asyncio.create_task(self._pump())
-            return message
+            return self.ready
 
     async def _pump(self) -> None:
         while True:
