@@ -33,7 +33,7 @@ from weightbus.apps.bench.vllm_parity import (
     measure_deltas,
     parity_operations,
     report_parity,
-    worker_split,
+    worker_splits,
 )
 from weightbus.apps.tables import print_table
 from weightbus.core.units import format_bytes
@@ -83,12 +83,14 @@ class _Bench:
         self.history: list[tuple[int, int]] = []  # what weightbus served before (rollbacks)
         self.shm_rank_bytes: list[int] = []
         self.count = 0
-        self.splits: dict[str, list[dict]] = {
+        # the versions each kind of push sent (its workers' log lines, read once at the end)
+        self.split_versions: dict[str, list[str]] = {
             "full": [],
             "partial": [],
             "verify none": [],
             "nixl": [],
         }
+        self.splits: dict[str, list[dict]] = {}
         self.baseline: dict[str, list[float]] = {"save_s": [], "reload_s": []}
 
     def state(self, served: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -117,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             bench.server.wait_ready()
             results = floor + _measure(bench, args.repeat, figures, args.settle_s)
+            bench.splits = worker_splits(bench.server.log_path, bench.split_versions)
         finally:
             bench.server.stop()
     _report(bench, results, args)
@@ -177,7 +180,7 @@ def _operations(bench: _Bench, full, partial) -> list[tuple[str, int, Callable[[
             bench.history.append(bench.served)
             bench.served = served
             bench.shm_rank_bytes = result.engines[0].rank_nbytes
-            bench.splits[kind].append(worker_split(bench.server.log_path, version))
+            bench.split_versions[kind].append(version)
 
         return run_push
 

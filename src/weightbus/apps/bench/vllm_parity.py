@@ -43,8 +43,8 @@ def parity_operations(
 ) -> list[tuple[str, int, Callable[[], object]]]:
     """Interleaved rows: two-phase push, rollback, dist scatter push, an `shm` push whose
     workers trust the publisher's digests (`verify="none"`), nixl push (`bench`:
-    vllm._Bench; `nixl` None: NIXL is not installed, no row; the nixl push's worker split goes
-    to `bench.splits["nixl"]`, the verify-none push's to `bench.splits["verify none"]`)."""
+    vllm._Bench; `nixl` None: NIXL is not installed, no row; the nixl and verify-none pushes'
+    versions go to `bench.split_versions`)."""
 
     def push(publisher, name: str, **options) -> Callable[[], None]:
         def run_push() -> None:
@@ -54,8 +54,8 @@ def parity_operations(
             bench.history.append(bench.served)
             bench.served = served
             figures.rank_bytes[name] = result.engines[0].rank_nbytes
-            if name in bench.splits:
-                bench.splits[name].append(worker_split(bench.server.log_path, version))
+            if name in bench.split_versions:
+                bench.split_versions[name].append(version)
 
         return run_push
 
@@ -73,12 +73,18 @@ def parity_operations(
     ] + ([("weightbus nixl", bench.nbytes, push(nixl, "nixl"))] if nixl else [])  # fmt: skip
 
 
-def worker_split(log_path: Path, version: str) -> dict:
-    """The last worker's line for `version`: transfer (received) and vLLM load seconds."""
-    for line in reversed(log_path.read_text(errors="replace").splitlines()):
+def worker_splits(log_path: Path, versions: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """Per kind of push, each of its `versions`' worker line (the last worker's): transfer
+    (received) and vLLM load seconds; the log is read once.
+
+    Raises:
+        RuntimeError: a version has no worker line.
+    """
+    lines = {}
+    for line in log_path.read_text(errors="replace").splitlines():
         match = _WORKER_LINE.search(line)
-        if match and match["version"] == version:
-            return {
+        if match:
+            lines[match["version"]] = {
                 "transfer_s": float(match["received"]),
                 "wait_s": float(match["wait"]),
                 "verify_s": float(match["verify"]),
@@ -87,7 +93,10 @@ def worker_split(log_path: Path, version: str) -> dict:
                 "loaded": int(match["loaded"]),
                 "tensors": int(match["total"]),
             }
-    raise RuntimeError(f"no worker line for version {version} in {log_path}")
+    missing = [v for kind in versions.values() for v in kind if v not in lines]
+    if missing:
+        raise RuntimeError(f"no worker line for versions {missing} in {log_path}")
+    return {kind: [lines[v] for v in kind_versions] for kind, kind_versions in versions.items()}
 
 
 def measure_deltas(

@@ -87,7 +87,6 @@ class StagingBuffers:
     """
 
     def __init__(self, slices: dict[str, SliceSpec] | None = None) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
         self._metas: dict[str, TensorMeta] = {}
         self._arena: ParamArena | None = None
         self._placement: DirectPlacement | None = None
@@ -97,7 +96,7 @@ class StagingBuffers:
     def prepare(self, metas: Mapping[str, TensorMeta]) -> None:
         """Hold a buffer for each tensor of `metas`: the memory of the same layout is kept
         (and what it holds); another layout replaces it (holding nothing)."""
-        if dict(metas) == self._metas:
+        if metas == self._metas:
             return
         self.release()
         layout = [
@@ -115,8 +114,12 @@ class StagingBuffers:
         except OSError as exc:
             logger.warning("weightbus: staging in private memory (no shm direct writes): %s", exc)
             self._arena = ParamArena(layout, shared=False)
-        self._buffers = dict(self._arena.views)
         self._metas = dict(metas)
+
+    @property
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """Each tensor's full-shaped buffer: its view into the arena."""
+        return {} if self._arena is None else self._arena.views
 
     def placement(self, *, shared: bool) -> DirectPlacement | None:
         """Where a transport writes each part straight into these buffers (None: nothing
@@ -160,8 +163,8 @@ class StagingBuffers:
         return [(name, self._buffers[name]) for name in names]
 
     def copy_from(self, other: "StagingBuffers") -> None:
-        """Hold what `other` holds (the base of a delta received into these buffers)."""
-        self.prepare(other._metas)
+        """Hold what `other` holds (the base of a delta received into these buffers, prepared
+        for the same tensors)."""
         self.put(other.pairs(list(other._buffers)))
         self.held = other.held
 
@@ -188,7 +191,6 @@ class StagingBuffers:
         if self._arena is not None:
             self._arena.close()
         self._arena = self._placement = None
-        self._buffers.clear()
         self._metas.clear()
         self.held = None
 
