@@ -18,6 +18,16 @@ MOVED: dict[str, str] = {
     "weightbus.publisher.cli": "weightbus.apps.push",
     "weightbus.integrations.vllm": "weightbus.engines.vllm",
     "weightbus.transport.dist": "weightbus.core.transport.distributed",
+    # the sharded trainer's parts, before one Publisher served every layout
+    **{
+        f"weightbus.core.sharded.{name}": f"weightbus.core.trainer.{new}"
+        for name, new in (
+            ("holdings", "holdings"), ("boxes", "boxes"), ("layout", "layout"),
+            ("control", "group"), ("digests", "digests"), ("schedule", "cells"),
+            ("quantize", "quantize"),
+        )
+    },
+    "weightbus.core.sharded.publisher": "weightbus.core.sharded",
     **{
         f"weightbus.transport.{name}": f"weightbus.core.transport.parts.{name}"
         for name in (

@@ -22,6 +22,7 @@ import xxhash
 
 from weightbus.core.meta import dtype_name
 from weightbus.core.plan.bucket import byte_view
+from weightbus.core.weights import NameMap, Weights, normalize_weights
 
 # Bumped if the fingerprint's canonical encoding or the digest's definition ever changes
 # (2: digests over 128 KiB blocks).
@@ -102,12 +103,17 @@ def fingerprint_of_digests(items: Iterable[tuple[str, str, Iterable[int], str]])
     return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode([FINGERPRINT_FORMAT, records]))
 
 
-def fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Fingerprint of a model version: xxh3-128 over its name-sorted
-    `(name, dtype, shape, digest)` list.
+def fingerprint(weights: Weights, name_map: NameMap | None = None) -> str:
+    """The fingerprint of a model version: what engines report after a push of `weights`.
+
+    The one definition, used by `Publisher.fingerprint`, by every rank of a sharded trainer
+    and by the engines: the tensors are taken as a push takes them (`normalize_weights`: a
+    tensor held twice is counted once, a head tied to its embeddings is not counted), then
+    xxh3-128 over their name-sorted `(name, dtype, shape, digest)` list.
 
     Args:
-        named_tensors: `(name, tensor)` pairs, e.g. `model.state_dict().items()`.
+        weights: an `nn.Module`, a state dict or `(name, tensor)` pairs (HF names).
+        name_map: renames, as for a push (a name mapped to None is left out).
 
     Returns:
         A 32-character hex string; equal on any process for bit-identical weights, however
@@ -116,6 +122,12 @@ def fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     Raises:
         ValueError: a name appears twice or a dtype is unsupported.
     """
+    return fingerprint_of_tensors(normalize_weights(weights, name_map))
+
+
+def fingerprint_of_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The fingerprint of exactly these `(name, tensor)` pairs (no tensor left out: what an
+    engine serves, or tensors already normalized)."""
     return fingerprint_of_digests(
         (name, dtype_name(t.dtype), tuple(t.shape), tensor_digest(t)) for name, t in named_tensors
     )

@@ -1,6 +1,7 @@
 """A sharded trainer for the tests: one process per rank (RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set), FSDP2 (`fully_shard` per decoder layer and at the root) on a gloo CPU mesh,
-AdamW steps, pushes through `ShardedPublisher`. It runs the actions of its JSON argument in
+AdamW steps, pushes through a `Publisher` on the trainer's process group (every rank sends
+what it holds). It runs the actions of its JSON argument in
 order and writes one JSON line per action to `<out>/rank<r>.jsonl`; after each `push` with
 `save`, rank 0 writes the gathered weights (for the test's checks only) to `<out>/<version>.pt`.
 
@@ -27,9 +28,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from weightbus.core.sharded import ShardedPublisher
-from weightbus.core.sharded.dist_send import _Sender
-from weightbus.core.sharded.write import GroupWriter
+from weightbus.core.publisher import Publisher
+from weightbus.core.transport.shm.sender import ShmRankSender
 
 
 def _model(source: str) -> torch.nn.Module:
@@ -80,7 +80,7 @@ def _mesh_2d_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, rank: int) -> dict:
+def _push(publisher: Publisher, model: torch.nn.Module, action: dict, rank: int) -> dict:
     weights: object = _mesh_2d_weights(model) if action["kind"] == "push_2d" else model
     if action["kind"] == "nan" and rank == action["on"]:
         name, tensor = next(iter(model.state_dict().items()))
@@ -91,31 +91,33 @@ def _push(publisher: ShardedPublisher, model: torch.nn.Module, action: dict, ran
     if action["kind"] == "kill" and rank == action["on"]:
         die = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
         if action.get("transport") == "dist":
-            _Sender._pack = die  # as its first bucket's parts are packed
+            from weightbus.core.transport.distributed.sender import DistRankSender
+
+            DistRankSender._pack = die  # as its first bucket's parts are packed
         else:
-            GroupWriter._copy = die
+            ShmRankSender._copy = die
     options = dict(action.get("options", {}))
     if action.get("adapter"):
         options["adapter"] = model.peft_config["default"]
     result = publisher.push(weights, version=action["version"], **options)
-    engines = [] if result.result is None else [e.rank_nbytes for e in result.result.engines]
     return {
         "fingerprint": result.fingerprint,
         "quantization": result.quantization,
-        "sent_bytes": result.sent_bytes,
-        "rank_nbytes": engines,
+        "sent_bytes": result.rank_sent_bytes,
+        "rank_nbytes": [e.rank_nbytes for e in result.engines],
     }
 
 
-def _publisher(args: dict, direct: bool, transport: str, quantize: str | None) -> ShardedPublisher:
+def _publisher(args: dict, direct: bool, transport: str, quantize: str | None) -> Publisher:
     engines = args["engines"]
     if args.get("vllm"):
         from weightbus.engines.vllm.target import VllmEngineTarget
 
         engines = [VllmEngineTarget(url) for url in engines]
-    return ShardedPublisher(
-        engines, timeout_s=args["timeout_s"], direct=direct, transport=transport,
-        quantize=quantize,
+    options = {} if direct else {"direct": False}
+    return Publisher(
+        engines, group=dist.group.WORLD, timeout_s=args["timeout_s"], transport=transport,
+        transport_options=options, quantize=quantize,
     )  # fmt: skip
 
 
@@ -138,7 +140,7 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    publishers: dict[tuple[bool, str, str | None], ShardedPublisher] = {}
+    publishers: dict[tuple[bool, str, str | None], Publisher] = {}
     with (out / f"rank{rank}.jsonl").open("w") as records:
         for index, action in enumerate(args["actions"]):
             if action["kind"] == "train":

@@ -1,6 +1,7 @@
 """Delta pushes: a version sent as its changes to the version the engines already serve.
 
-Publisher side: `DeltaBase` (the last version pushed) and its `encode`, `rank_digests`.
+Publisher side: `RankBase` (what each trainer rank held of the last version pushed) and its
+`encode`, `encode_cells`, `rank_digests`.
 Receiver side: `payload_of`, `check_payload`, `apply_to_slice`. The description of a delta
 (`DeltaSpec`) is a wire type (`weightbus.core.wire.delta`).
 """
@@ -13,8 +14,9 @@ from weightbus.core.delta.apply import (
     payload_of,
 )
 from weightbus.core.delta.encode import (
-    DeltaBase,
-    DeltaEncoding,
+    CellChanges,
+    RankBase,
+    encode_cells,
     rank_digests,
     slice_of,
     version_digests,
@@ -22,10 +24,11 @@ from weightbus.core.delta.encode import (
 
 __all__ = [
     "PAYLOAD_PREFIX",
-    "DeltaBase",
-    "DeltaEncoding",
+    "CellChanges",
+    "RankBase",
     "apply_to_slice",
     "check_payload",
+    "encode_cells",
     "payload_names",
     "payload_of",
     "rank_digests",

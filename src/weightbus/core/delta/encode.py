@@ -1,204 +1,176 @@
-"""The publishing side of a delta: the base kept from the last push, and what changed since.
+"""The publishing side of a delta: each trainer rank's base (a copy of what it held of the last
+version pushed), and what changed since.
 
-`DeltaBase` holds a copy of every tensor of the last version pushed (host memory equal to the
-model's size: the price of a delta), with its digests. `DeltaBase.encode` compares the next
-version bit-wise, tensor by tensor: a tensor whose digest is unchanged is compared no further
-and not sent (`same`); otherwise its changed elements travel as flat indices and values
-(`sparse`) when that is smaller than the tensor, else the tensor is sent whole (`full`). After
-the push, `advance` writes the same changes into the base, so it is the new version.
+Every rank keeps its own base (host memory equal to what it holds: the price of a delta) and
+encodes its own changes: the tensors whose digest changed are compared bit-wise, cell by cell
+(`encode_cells`: a tensor sent whole by its sender is one cell; a tensor held in row ranges is
+cut along its holders' rows, each range encoded by the lowest rank holding it), into flat
+indices of the whole tensor and their new values. The leader adds up the counts and decides how
+each tensor travels (`sparse`: its changed elements, the owners' segments one after another;
+`full`: whole). After the push lands, each rank writes the same changes into its base
+(`advance`), so it is the new version.
 """
 
-import time
+import functools
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from weightbus.core.delta.apply import payload_names
-from weightbus.core.delta.bits import changes, scatter
+from weightbus.core.delta.bits import changes, index_dtype, scatter
 from weightbus.core.digest import fingerprint_of_digests, tensor_digest
 from weightbus.core.meta import dtype_name
-from weightbus.core.wire.delta import DeltaKind, DeltaTensor
+from weightbus.core.trainer.boxes import Box
+from weightbus.core.trainer.cells import cells
+from weightbus.core.trainer.holdings import Holding
+from weightbus.core.trainer.layout import TrainerLayout
 from weightbus.core.wire.messages import SliceSpec
 
+# tensor -> its cells in row order, each `(owner rank, box)`; None: it cannot travel sparse
+# (some rank holds a part of its columns: the owners' changes would not be in order)
+Cells = dict[str, list[tuple[int, Box]] | None]
 
-@dataclass(slots=True)
-class DeltaEncoding:
-    """One version as changes to a base: per tensor its kind, and the tensors a push carries.
 
-    Attributes:
-        kinds: every tensor's `DeltaKind`.
-        sparse: the changed elements of each sparse tensor, `(indices, values)`.
-        stream: what the push sends: whole tensors under their names, and the payload tensors
-            of each sparse one (`payload_names`).
-        changed_elements, total_elements: elements whose bits differ (in compared tensors),
-            and all elements.
-        stream_bytes, full_bytes: the bytes the push carries, and what a full push would.
-        encode_s: seconds spent comparing and gathering.
-    """
+@functools.lru_cache(maxsize=8)
+def encode_cells(layout: TrainerLayout) -> Cells:
+    """Who encodes which rows of each tensor (the same on every rank)."""
+    found: Cells = {}
+    for meta in layout.metas:
+        whole = Box.whole(meta.shape)
+        sender = layout.sender(meta.name)
+        if sender is not None:
+            found[meta.name] = [(sender, whole)]
+            continue
+        holders = layout.holders(meta.name)
+        if any(box.cols != whole.cols for _, box in holders):
+            found[meta.name] = None
+            continue
+        owned = []
+        for cell in cells(whole, holders):
+            owners = [rank for rank, box in holders if cell.intersect(box) == cell]
+            owned.append((min(owners), cell))
+        found[meta.name] = owned
+    return found
 
-    kinds: dict[str, DeltaKind] = field(default_factory=dict)
-    sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    stream: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    changed_elements: int = 0
-    total_elements: int = 0
-    stream_bytes: int = 0
-    full_bytes: int = 0
-    encode_s: float = 0.0
-    compared: bool = True  # every changed tensor was compared element by element
 
-    @property
-    def changed_fraction(self) -> float | None:
-        """Changed elements over all elements (None when changed tensors were not compared)."""
-        if not self.compared:
-            return None
-        return self.changed_elements / self.total_elements if self.total_elements else 0.0
+@dataclass(frozen=True, slots=True)
+class CellChanges:
+    """The changed elements of one cell: flat indices in the whole tensor, increasing, and
+    their new values."""
 
-    def whole(self, name: str, tensor: torch.Tensor) -> None:
-        """Send `name` whole."""
-        self.kinds[name] = "full"
-        self.stream.append((name, tensor))
-        self.stream_bytes += _nbytes(tensor)
-
-    @property
-    def unchanged_tensors(self) -> int:
-        return sum(kind == "same" for kind in self.kinds.values())
-
-    def count(self, kind: DeltaKind) -> int:
-        return sum(each == kind for each in self.kinds.values())
+    cell: int
+    indices: torch.Tensor
+    values: torch.Tensor
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu").contiguous()
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-class DeltaBase:
-    """The last version pushed, kept on the host to encode the next push against.
+class RankBase:
+    """This rank's copy of what it held of the last version pushed.
 
     Args:
-        version, fingerprint: the version's name and fingerprint.
-        tensors: its tensors by name (copied; the caller's tensors are not kept).
-        digests: each tensor's digest (`weightbus.core.digest.tensor_digest`).
+        holdings: what the rank holds of that version (copied; the caller's are not kept).
+        layout_hash: the group's layout then (a delta needs the same one).
+        version, fingerprint, digests: the version's name and identity (known on the leader,
+            which decides; the other ranks keep the bytes only).
     """
 
     def __init__(
         self,
+        holdings: Mapping[str, Holding],
+        layout_hash: str,
+        *,
         version: str,
-        fingerprint: str,
-        tensors: Mapping[str, torch.Tensor],
-        digests: Mapping[str, str],
+        fingerprint: str | None = None,
+        digests: Mapping[str, str] | None = None,
     ) -> None:
-        self.version = version
-        self.fingerprint = fingerprint
-        self.tensors = {name: _host(tensor).clone() for name, tensor in tensors.items()}
-        self.digests = dict(digests)
+        self.tensors = {name: _host(h.tensor).clone() for name, h in holdings.items()}
+        self.layout_hash = layout_hash
+        self.version, self.fingerprint = version, fingerprint
+        self.digests = dict(digests or {})
 
     @property
     def nbytes(self) -> int:
         """Host memory the base holds."""
-        return sum(_nbytes(tensor) for tensor in self.tensors.values())
+        return sum(tensor.nbytes for tensor in self.tensors.values())
 
-    def mismatch(self, tensors: Mapping[str, torch.Tensor]) -> str | None:
-        """Why `tensors` cannot be encoded against this base (None: they can)."""
-        if set(tensors) != set(self.tensors):
-            return "the tensors' names differ from the base's"
-        for name, tensor in tensors.items():
-            base = self.tensors[name]
-            if (tensor.dtype, tuple(tensor.shape)) != (base.dtype, tuple(base.shape)):
-                return f"tensor {name!r} changed its dtype or shape"
+    def mismatch(self, layout: TrainerLayout) -> str | None:
+        """Why the version `layout` holds cannot be encoded against this base (None: it can)."""
+        if layout.layout_hash != self.layout_hash:
+            return "the tensors (their names, dtypes, shapes or who holds them) changed"
         return None
 
     def encode(
         self,
-        tensors: Mapping[str, torch.Tensor],
-        digests: Mapping[str, str],
-        *,
-        sparse: bool = True,
-    ) -> DeltaEncoding:
-        """Compare `tensors` (the next version, with its digests) with the base, bit-wise.
-
-        With `sparse` False a changed tensor always goes whole (only unchanged ones are
-        skipped) and is not compared element by element.
-        """
-        start = time.perf_counter()
-        encoding = DeltaEncoding()
-        with ThreadPoolExecutor(max_workers=max(torch.get_num_threads(), 1)) as pool:
-            for name, tensor in tensors.items():
-                self._encode_tensor(encoding, name, tensor, digests[name], pool if sparse else None)
-        encoding.encode_s = time.perf_counter() - start
-        return encoding
-
-    def _encode_tensor(
-        self,
-        encoding: DeltaEncoding,
-        name: str,
-        tensor: torch.Tensor,
-        digest: str,
+        names: list[str],
+        cells_of: Cells,
+        holdings: Mapping[str, Holding],
+        rank: int,
         pool: ThreadPoolExecutor | None,
-    ) -> None:
-        """`pool` None: a changed tensor goes whole, uncompared."""
-        nbytes = _nbytes(tensor)
-        encoding.total_elements += tensor.numel()
-        encoding.full_bytes += nbytes
-        if digest == self.digests[name]:
-            encoding.kinds[name] = "same"
-            return
-        if pool is None:
-            encoding.compared = False
-            encoding.whole(name, tensor)
-            return
-        indices, values = changes(self.tensors[name], _host(tensor), pool)
-        encoding.changed_elements += indices.numel()
-        sparse_bytes = indices.numel() * (indices.element_size() + tensor.element_size())
-        if sparse_bytes < nbytes:
-            encoding.kinds[name] = "sparse"
-            encoding.sparse[name] = (indices, values)
-            encoding.stream.extend(zip(payload_names(name), (indices, values), strict=True))
-            encoding.stream_bytes += sparse_bytes
-        else:
-            encoding.whole(name, tensor)
+    ) -> dict[str, list[CellChanges]]:
+        """This rank's changes to `names`, in the cells it encodes (`pool` None: none,
+        changed tensors go whole)."""
+        found: dict[str, list[CellChanges]] = {}
+        for name in names:
+            owned = cells_of[name]
+            if owned is None or pool is None:
+                continue
+            holding = holdings[name]
+            mine = [(index, box) for index, (owner, box) in enumerate(owned) if owner == rank]
+            if mine:
+                found[name] = [
+                    self._encode_cell(holding, self.tensors[name], index, box, pool)
+                    for index, box in mine
+                ]
+        return found
+
+    @staticmethod
+    def _encode_cell(
+        holding: Holding, base: torch.Tensor, index: int, cell: Box, pool: ThreadPoolExecutor
+    ) -> CellChanges:
+        box, cols = holding.box, holding.box.cols
+        low, high = cell.row_start - box.row_start, cell.row_stop - box.row_start
+        new = holding.local[low * cols : high * cols]
+        old = base.reshape(-1)[low * cols : high * cols]
+        indices, values = changes(old, new, pool)
+        numel = holding.meta.numel
+        indices = indices.to(index_dtype(numel)) + cell.row_start * cols
+        return CellChanges(index, indices, values)
 
     def advance(
         self,
-        encoding: DeltaEncoding,
-        tensors: Mapping[str, torch.Tensor],
-        version: str,
-        fingerprint: str,
-        digests: Mapping[str, str],
+        sparse: Mapping[str, list[CellChanges]],
+        full: list[str],
+        holdings: Mapping[str, Holding],
     ) -> None:
-        """Make the base the version `encoding` encoded (after a push of it committed)."""
-        for name, kind in encoding.kinds.items():
-            if kind == "sparse":
-                scatter(self.tensors[name], *encoding.sparse[name])
-            elif kind == "full":
-                self.tensors[name].copy_(tensors[name].detach())
-        self.version, self.fingerprint = version, fingerprint
-        self.digests = dict(digests)
+        """Write a landed delta into the base: this rank's `sparse` changes, and the tensors
+        that went `full` copied from `holdings`."""
+        for name, found in sparse.items():
+            base, box = self.tensors[name], holdings[name].box
+            first = box.row_start * box.cols
+            for changed in found:
+                scatter(base.reshape(-1), changed.indices.long() - first, changed.values)
+        for name in full:
+            if name in self.tensors:
+                self.tensors[name].copy_(holdings[name].tensor.detach())
 
-    def replace(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        version: str,
-        fingerprint: str,
-        digests: Mapping[str, str],
-    ) -> None:
+    def replace(self, holdings: Mapping[str, Holding]) -> None:
         """Make the base another version of the same tensors, copied into its buffers."""
-        for name, tensor in tensors.items():
-            self.tensors[name].copy_(tensor.detach())
-        self.version, self.fingerprint = version, fingerprint
-        self.digests = dict(digests)
+        for name, holding in holdings.items():
+            self.tensors[name].copy_(holding.tensor.detach())
 
-    def tensor_list(self, encoding: DeltaEncoding, digests: Mapping[str, str]) -> list[DeltaTensor]:
-        """The spec's per-tensor list: kind, base digest and new digest of every tensor."""
-        return [
-            DeltaTensor(name, kind, self.digests[name], digests[name])
-            for name, kind in encoding.kinds.items()
-        ]
+    def alike(self, holdings: Mapping[str, Holding]) -> bool:
+        """The same tensors, dtypes and local shapes (a new version fits the buffers)."""
+        if set(holdings) != set(self.tensors):
+            return False
+        return all(
+            (h.tensor.dtype, tuple(h.tensor.shape))
+            == (self.tensors[n].dtype, tuple(self.tensors[n].shape))
+            for n, h in holdings.items()
+        )
 
 
 def version_digests(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, str], str]:
@@ -221,7 +193,8 @@ def rank_digests(
     tensors: Mapping[str, torch.Tensor],
     digests: Mapping[str, str],
 ) -> list[list[str]]:
-    """Per rank, the digest of its slice of each sparse tensor of the new version.
+    """Per rank, the digest of its slice of each sparse tensor of the new version (whole
+    tensors held by one process).
 
     Ranks holding a tensor whole reuse its digest; equal slices are digested once.
 

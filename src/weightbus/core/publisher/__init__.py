@@ -1,8 +1,9 @@
-"""Trainer side of an update: the Publisher and the engine targets it pushes to."""
+"""Trainer side of an update: the Publisher (one process, or every rank of a sharded trainer)
+and the engine targets it pushes to."""
 
 from weightbus.core.publisher.publisher import Publisher
 from weightbus.core.publisher.results import FleetVersion, PushError, PushResult
-from weightbus.core.publisher.session import SessionFactory, normalize_weights
+from weightbus.core.publisher.session import SessionFactory
 from weightbus.core.publisher.targets import (
     EngineRequestError,
     EngineResult,
@@ -13,9 +14,12 @@ from weightbus.core.publisher.targets import (
     RollbackOrder,
     UpdateOrder,
 )
+from weightbus.core.trainer import DeclaredShard, TrainerRankError, fused_shards
 from weightbus.core.transport import WeightsGroupError, WeightsGroupInfo
+from weightbus.core.weights import normalize_weights
 
 __all__ = [
+    "DeclaredShard",
     "EngineRequestError",
     "EngineResult",
     "EngineTarget",
@@ -28,8 +32,10 @@ __all__ = [
     "PushResult",
     "RollbackOrder",
     "SessionFactory",
+    "TrainerRankError",
     "UpdateOrder",
     "WeightsGroupError",
     "WeightsGroupInfo",
+    "fused_shards",
     "normalize_weights",
 ]

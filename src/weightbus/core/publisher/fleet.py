@@ -39,7 +39,7 @@ from weightbus.core.publisher.targets import (
     RollbackOrder,
 )
 from weightbus.core.publisher.two_phase import Check, abort_staged, commit_all, settle
-from weightbus.core.transport import BucketSink, has_setup, make_sink
+from weightbus.core.transport import BucketSink, Sending, has_setup, make_sink
 from weightbus.core.wire import PauseMode
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,9 @@ class Fleet:
         self.transport = transport
         self.timeout_s = timeout_s
         self.version: FleetVersion | None = None
+        # how the current call reaches the trainer ranks (set by the leader for each call):
+        # a transport whose set-up the ranks join (`dist`) hands them its orders through it
+        self.steps: Sending | None = None
         self._transport_options = transport_options
         self._setup_options: dict[str, Any] | None = None
         self._pool = self._new_pool()
@@ -117,11 +120,17 @@ class Fleet:
         # each engine may have an update and an abort (or a commit) in flight at once
         return ThreadPoolExecutor(max_workers=2 * len(self.targets) + 2, thread_name_prefix="push")
 
-    def release(self) -> None:
+    def release(self) -> list[str]:
         """Free the sink and the thread pool; the members stay open (a newcomer caught up on
-        a sibling joins another fleet)."""
+        a sibling joins another fleet).
+
+        Returns:
+            The keys of the sinks freed (each trainer rank frees its senders of them).
+        """
+        keys = self.sink.keys()
         self.sink.close()
         self._pool.shutdown(wait=True)
+        return keys
 
     def close(self) -> None:
         """Free the sink and the thread pool, and close every member."""
@@ -141,7 +150,7 @@ class Fleet:
         Raises:
             ValueError: the transport needs no set-up.
         """
-        info = self.sink.setup(self.targets, **options)
+        info = self.sink.setup(self.targets, steps=self.steps, **options)
         self._setup_options = options
         return info
 
@@ -158,7 +167,7 @@ class Fleet:
             next push says so.
         """
         assert self._setup_options is not None
-        return self.sink.setup(self.targets, **self._setup_options)
+        return self.sink.setup(self.targets, steps=self.steps, **self._setup_options)
 
     def repair_setup(self) -> None:
         """Re-do the transport's set-up when a failed push left it broken (a `dist` group
@@ -407,6 +416,7 @@ class Fleet:
             setup_options = None  # the set-up is another route's
         transport = self.transport if route is None else {target.url: route}
         sibling = Fleet.build([target], transport, sink_options, self.timeout_s)
+        sibling.steps = self.steps
         if setup_options is not None:
             try:
                 sibling.setup(**setup_options)

@@ -1,9 +1,10 @@
 """One push session to every member of a fleet: plan → prepare → order → stream → collect.
 
-`PushRun.run` reads as the protocol, one named step each: `_plan` (`SessionFactory.session`: the
-plan, reused while the layout is unchanged, and the digests), `_prepare` (`sink.prepare`: make the
-session readable), `_order` (every engine gets its `PushOrder` from `engine_order`, in
-parallel; an answer while the stream runs abandons it for that engine), `_stream` (the sink
+`PushRun.run` reads as the protocol, one named step each: `_plan` (the session: the plan of
+what the trainer ranks hold, reused while the layout is unchanged), `_prepare` (`sink.prepare`:
+make the session readable; the ranks' `Sending`), `_order` (every engine gets its `PushOrder`
+from `engine_order`, in parallel; an answer while the stream runs abandons it for that
+engine), `_stream` (the sink
 sends what is not sent yet), `_collect` (every engine committed the same fingerprint, or one
 `PushError` naming each engine that did not and why) and, two-phase, `_commit`. No transport
 is named here: each one's specifics live behind its sink, each engine's behind its
@@ -19,14 +20,15 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
-import torch
 
 from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.meta import is_draft_name
@@ -40,15 +42,23 @@ from weightbus.core.publisher.delta import (
 from weightbus.core.publisher.fleet import Fleet
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.progress import PushProgress
+from weightbus.core.publisher.ranks import Round, TrainerRanks
 from weightbus.core.publisher.results import FleetVersion, PushError, PushResult
-from weightbus.core.publisher.session import NameMap, SessionFactory, Weights, normalize_weights
 from weightbus.core.publisher.targets import (
     EngineRequestError,
     EngineResult,
     EngineTarget,
     PushOrder,
 )
-from weightbus.core.transport import BucketSink, PushSession, SourceDescription, encode_description
+from weightbus.core.trainer.holdings import Holding
+from weightbus.core.trainer.layout import TrainerLayout
+from weightbus.core.transport import (
+    BucketSink,
+    PushSession,
+    Sending,
+    SourceDescription,
+    encode_description,
+)
 from weightbus.core.transport.base import EngineRoute, Progress, no_progress
 from weightbus.core.wire import PauseMode, VerifyLevel
 from weightbus.core.wire.adapter import served_fingerprint
@@ -65,21 +75,27 @@ class PushRequest:
     """What one push sends and how.
 
     Attributes:
-        tensors: the normalized tensors, by HF name (a delta's stream, for a delta session).
+        layout: what every trainer rank holds of the tensors to send (a delta's stream, for
+            a delta session), agreed by the ranks.
+        holdings: the leader's own holdings, by HF name (in a group of one: every tensor).
+        round: the trainer group's round this push runs in.
         version: the new version's name.
         step: its training step, if any.
         options: the order every engine's is made from (`push_options`).
         progress: also called with the bytes of each part handed to the transport.
-        nonfinite_in_stream: the sink's copies refuse NaN/inf (the Publisher decided it with
+        nonfinite_in_stream: the ranks' copies refuse NaN/inf (the Publisher decided it with
             `stream_refuses_nonfinite` and skipped its pre-pass); a delta stream never does.
     """
 
-    tensors: dict[str, torch.Tensor]
+    layout: TrainerLayout
+    holdings: dict[str, Holding]
+    round: Round
     version: str
     step: int | None
     options: PushOrder
     progress: Progress | None = None
     nonfinite_in_stream: bool = False
+    stream: str = ""
 
 
 def push_options(
@@ -165,27 +181,29 @@ def engine_order(
 
 
 class PushRun:
-    """One session to every member of `fleet`: `request.tensors` travel, the engines commit
-    `request.version` (the delta's fingerprint when `delta` is given, else the tensors' own).
+    """One session to every member of `fleet`: what the ranks hold (`request.layout`) travels,
+    the engines commit `request.version` (the delta's fingerprint when `delta` is given, else
+    the tensors' own).
 
     Args:
         fleet: the engines to push to.
-        sessions: builds the session (and reuses its plan).
+        ranks: the trainer group (the leader runs this; every rank sends its part).
         request: what to send, and how.
-        delta: the delta plan `request.tensors` stream (None: a whole version).
+        delta: the delta plan `request.layout` streams (None: a whole version).
     """
 
     def __init__(
         self,
         fleet: Fleet,
-        sessions: SessionFactory,
+        ranks: TrainerRanks,
         request: PushRequest,
         delta: DeltaPlan | None = None,
     ) -> None:
         self._fleet = fleet
-        self._sessions = sessions
+        self._ranks = ranks
         self._request = request
         self._delta = delta
+        self._sending: Sending | None = None
         self._phases: dict[str, float] = {}
         self._session: PushSession | None = None
         self._bar: PushProgress | None = None
@@ -243,10 +261,11 @@ class PushRun:
 
     def _plan(self) -> None:
         request = self._request
-        self._session = self._sessions.session(
-            list(request.tensors.items()),
-            request.version,
-            request.step,
+        self._session = PushSession(
+            session_id=secrets.token_hex(16),
+            version=request.version,
+            step=request.step,
+            plan=self._ranks.plan(request.layout),
             receivers=len(self._fleet.targets),
             verify=request.options.verify == "full",
             engines=tuple(self._fleet.urls),
@@ -255,9 +274,15 @@ class PushRun:
         self._advance = _both(self._bar.advance, request.progress)
 
     def _prepare(self) -> None:
-        self._description = self._fleet.sink.prepare(
-            self.session, self._request.tensors, self._advance
+        request = self._request
+        self._sending = self._ranks.sending(
+            request.round,
+            request.layout,
+            request.holdings,
+            refuse_nonfinite=request.nonfinite_in_stream and self._delta is None,
+            stream=request.stream,
         )
+        self._description = self._fleet.sink.prepare(self.session, self._sending, self._advance)
 
     def _order(self) -> None:
         """Hand every member its order (in parallel); an early answer abandons the stream."""
@@ -291,14 +316,13 @@ class PushRun:
             NonFiniteWeightsError: the sink refused NaN/inf as it copied (`run` answers every
                 engine first, then raises it).
         """
-        sink = self._fleet.sink
-        fused = self._request.nonfinite_in_stream and self._delta is None
-        refuse = {"refuse_nonfinite": True} if fused else {}
+        sink, sending = self._fleet.sink, self._sending
+        assert sending is not None
         try:
             # ends before any engine's own wait, so the abort of a failed stream reaches them
             timeout_s = self._fleet.timeout_s - (time.monotonic() - self._orders_sent_at)
             with no_collection():
-                sink.stream(self.session, self._request.tensors, timeout_s, self._advance, **refuse)
+                sink.stream(self.session, sending, timeout_s, self._advance)
         except (TimeoutError, OSError, ValueError) as exc:
             self._stream_error = f"transport {sink.name}: {exc}"
             if isinstance(exc, NonFiniteWeightsError):
@@ -364,6 +388,7 @@ class PushRun:
             two_phase=request.options.two_phase,
             gone=self._gone,
             sent_bytes=self.session.sent_bytes,
+            rank_sent_bytes=list(self._sending.rank_sent) if self._sending else [],
         )
 
 
@@ -416,14 +441,14 @@ def no_collection() -> Iterator[None]:
 
 def push_version(
     fleet: Fleet,
-    sessions: SessionFactory,
+    ranks: TrainerRanks,
     deltas: DeltaState,
     request: PushRequest,
     mode: DeltaMode,
 ) -> PushResult:
     """Push `request` as a delta when every engine can take one (`DeltaState.plan`), else (or
-    after an engine refused the delta's base) as the whole version; the base then becomes what
-    was pushed.
+    after an engine refused the delta's base) as the whole version; every rank's base then
+    becomes what was pushed (`DeltaState.landed`, once the round's outcome is known).
 
     Returns:
         The push's result, with `delta` saying how it went and why.
@@ -435,82 +460,88 @@ def push_version(
     """
     fleet.repair_setup()
     tick = time.perf_counter()
-    plan = deltas.plan(mode, request.tensors, fleet.targets, fleet.sink, _DELTA_CHECK_TIMEOUT_S)
+    plan = deltas.plan(
+        mode,
+        request,
+        targets=fleet.targets,
+        sink=fleet.sink,
+        ranks=ranks,
+        timeout_s=_DELTA_CHECK_TIMEOUT_S,
+    )
     delta_s = time.perf_counter() - tick
     report = plan
     if isinstance(plan, DeltaPlan):
-        result, report = _push_delta(fleet, sessions, deltas, request, plan)
+        result, report = _push_delta(fleet, ranks, request, plan)
         if result is not None:
             return _with_delta(result, report, delta_s)
         forced = msgspec.structs.replace(request.options, force=True)  # some may serve it already
         request = dataclasses.replace(request, options=forced)
-    run = PushRun(fleet, sessions, request)
+    run = PushRun(fleet, ranks, request)
     result = run.run()
     if deltas.keeps_base(mode):
-        digests = run.session.digests
-        deltas.committed_full(request.tensors, request.version, result.fingerprint, digests)
+        deltas.whole_pushed(run.session.digests, result.fingerprint)
     return _with_delta(result, report, delta_s)
 
 
 def _push_delta(
-    fleet: Fleet,
-    sessions: SessionFactory,
-    deltas: DeltaState,
-    request: PushRequest,
-    plan: DeltaPlan,
+    fleet: Fleet, ranks: TrainerRanks, request: PushRequest, plan: DeltaPlan
 ) -> tuple[PushResult | None, DeltaReport]:
-    """The delta pushed and its base advanced; or no result, and why, when an engine refused
-    the delta's base (the whole version goes next)."""
-    delta_request = dataclasses.replace(request, tensors=plan.stream)
+    """The delta pushed; or no result, and why, when an engine refused the delta's base (the
+    whole version goes next)."""
+    delta_request = dataclasses.replace(
+        request, layout=plan.layout, holdings=plan.holdings, stream="delta"
+    )
     try:
-        result = PushRun(fleet, sessions, delta_request, plan).run()
+        result = PushRun(fleet, ranks, delta_request, plan).run()
     except PushError as exc:
         if not any(is_base_refusal(reason) for reason in exc.failures.values()):
             raise
         logger.warning("%s: pushing the whole version instead", exc)
-        return None, DeltaReport.full(f"refused: {exc}", plan.encoding, plan.report.base_version)
-    deltas.committed_delta(plan, request.tensors, request.version)
+        figures = {k: v for k, v in dataclasses.asdict(plan.report).items() if k in _FIGURES}
+        return None, DeltaReport.full(f"refused: {exc}", figures, plan.report.base_version)
     return result, plan.report
+
+
+_FIGURES = ("changed_fraction", "tensors", "stream_bytes", "full_bytes", "encode_s")
 
 
 def catch_up(
     fleet: Fleet,
+    ranks: TrainerRanks,
     target: EngineTarget,
     *,
-    weights: Weights | None,
-    name_map: NameMap | None,
+    round_: Round,
+    held: Any,
     route: str | None,
-    current: FleetVersion,
-    bucket_bytes: int,
 ) -> EngineResult:
     """Bring a newcomer to the fleet's version with a push of its own, on a sibling of `fleet`
-    (`Fleet.sibling`): pushes to the members go on meanwhile. `target` stays open.
+    (`Fleet.sibling`; in a group of one, pushes to the members go on meanwhile), every rank
+    sending what it holds. `target` stays open.
 
     Args:
-        fleet: the fleet it is to join.
+        fleet: the fleet it is to join (it has a version).
+        ranks: the trainer group.
         target: the newcomer.
-        weights: the weights of `current`.
-        name_map: as for a push.
+        round_: the round of the call.
+        held: what the ranks hold of the fleet's version (None: nothing was given).
         route: its transport on a routed fleet (None: the fleet's one transport).
-        current: the fleet's version.
-        bucket_bytes: bucket size of the catch-up's plan.
 
     Returns:
         The newcomer's result.
 
     Raises:
-        ValueError: the weights are missing or are not `current`'s version (checked before a
+        ValueError: the weights are missing or are not the fleet's version (checked before a
             byte is sent).
         PushError: the catch-up failed.
     """
-    if weights is None:
+    current = fleet.version
+    assert current is not None
+    if held is None:
         raise ValueError(
             f"weights: the fleet serves version {current.version!r}; pass its weights so "
             f"{target.url} can catch up before it joins"
         )
-    tensors = dict(normalize_weights(weights, name_map))
-    sessions = SessionFactory(bucket_bytes)
-    fingerprint = sessions.fingerprint(list(tensors.items()))
+    fingerprint = ranks.fingerprint(round_, held.layout, held.holdings)
     if fingerprint != current.fingerprint:
         raise ValueError(
             f"weights: fingerprint {fingerprint} is not the fleet's version "
@@ -519,10 +550,12 @@ def catch_up(
     newcomer = fleet.sibling(target, route)
     try:
         options = push_options(newcomer, version=current.version, step=current.step, force=True)
-        request = PushRequest(tensors, current.version, current.step, options)
-        return PushRun(newcomer, sessions, request).run().engines[0]
+        request = PushRequest(
+            held.layout, held.holdings, round_, current.version, current.step, options
+        )
+        return PushRun(newcomer, ranks, request).run().engines[0]
     finally:
-        newcomer.release()
+        ranks.release_senders(newcomer.release())
 
 
 def _with_delta(result: PushResult, report: DeltaReport, delta_s: float) -> PushResult:

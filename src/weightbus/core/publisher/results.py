@@ -32,6 +32,7 @@ class PushError(RuntimeError):
         self.failures = failures
         self.transport_error = transport_error
         self.aborted = list(aborted)
+        self.action = action
         details = "; ".join(f"{url}: {reason}" for url, reason in failures.items())
         if transport_error:
             details += f"; publisher: {transport_error}"
@@ -52,11 +53,13 @@ class FleetVersion:
 
 @dataclass(frozen=True, slots=True)
 class PushResult:
-    """A committed push: every engine serves `version` with `fingerprint`.
+    """A committed push: every engine serves `version` with `fingerprint`. Every rank of the
+    trainer group gets the same one.
 
     `nbytes` is the pushed tensors' size; `sent_bytes` the tensor bytes the transport's sink
     handed over (`PushSession.sent_bytes` says what each transport counts; a rollback moves
-    none); each engine's `EngineResult.rank_nbytes` what reached its ranks.
+    none), `rank_sent_bytes` the same by trainer rank (what each rank's copies, writes or
+    sends carried); each engine's `EngineResult.rank_nbytes` what reached its ranks.
     """
 
     version: str
@@ -70,6 +73,7 @@ class PushResult:
     # engines that failed past the commit point (removed from the Publisher): URL -> reason
     gone: dict[str, str] = field(default_factory=dict)
     sent_bytes: int = 0
+    rank_sent_bytes: list[int] = field(default_factory=list)
     delta: DeltaReport | None = None  # whether the push went as a delta, and why
     # quantized in the push (`Publisher(quantize=...)`, e.g. "fp8-block 128x128"): `fingerprint`
     # and `nbytes` are of the quantized tensors the engines serve, not of the trainer's

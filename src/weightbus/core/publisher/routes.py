@@ -16,11 +16,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from weightbus.core.transport import (
     BucketSink,
     PushSession,
+    Sending,
     SourceDescription,
     has_setup,
     make_sink,
@@ -136,7 +135,12 @@ class RoutedSink(BucketSink):
 
     # --- set-up ---
 
-    def setup(self, engines: Sequence[EngineLink], **options: Any) -> dict[str, Any]:
+    def keys(self) -> list[str]:
+        return [key for child in self.children.values() for key in child.keys()]  # noqa: SIM118
+
+    def setup(
+        self, engines: Sequence[EngineLink], steps: Sending | None = None, **options: Any
+    ) -> dict[str, Any]:
         """Set up each transport that has a set-up (`dist`) over its own engines; one left
         with no engine is torn down.
 
@@ -156,7 +160,7 @@ class RoutedSink(BucketSink):
             if not has_setup(name):
                 continue
             if groups.get(name):
-                reports[name] = child.setup(groups[name], **options)
+                reports[name] = child.setup(groups[name], steps=steps, **options)
             else:
                 child.teardown(options.get("timeout_s", _TEARDOWN_TIMEOUT_S))
         return reports
@@ -187,10 +191,7 @@ class RoutedSink(BucketSink):
     # --- one push ---
 
     def prepare(
-        self,
-        session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
-        progress: Progress = no_progress,
+        self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> RoutedDescription:
         busy = [name for name, thread in self._streams.items() if thread.is_alive()]
         if busy:  # a child sink is not made to serve two pushes at once
@@ -218,7 +219,7 @@ class RoutedSink(BucketSink):
             )
             self._sessions[name] = child_session
             child_progress = progress if position == 0 else no_progress
-            parts[name] = self.children[name].prepare(child_session, tensors, child_progress)
+            parts[name] = self.children[name].prepare(child_session, sending, child_progress)
         return RoutedDescription(parts=parts, engines=engines)
 
     def route(self, description: SourceDescription, engine_index: int, verify: str) -> EngineRoute:
@@ -236,11 +237,12 @@ class RoutedSink(BucketSink):
     def stream(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         timeout_s: float,
         progress: Progress = no_progress,
     ) -> None:
-        """Every child streams to its engines at the same time.
+        """Every child streams to its engines at the same time (in a group of several ranks,
+        each rank runs the children's steps one after another, in the order announced).
 
         Raises:
             TimeoutError: a child timed out (the message names each child that failed).
@@ -252,7 +254,7 @@ class RoutedSink(BucketSink):
             child_progress = progress if position == 0 else no_progress
             self._streams[name] = threading.Thread(
                 target=self._stream_child,
-                args=(name, tensors, timeout_s, child_progress, errors),
+                args=(name, sending, timeout_s, child_progress, errors),
                 name=f"stream-{name}",
                 daemon=True,
             )
@@ -267,14 +269,14 @@ class RoutedSink(BucketSink):
     def _stream_child(
         self,
         name: str,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         timeout_s: float,
         progress: Progress,
         errors: dict[str, BaseException],
     ) -> None:
         child_session = self._sessions[name]
         try:
-            self.children[name].stream(child_session, tensors, timeout_s, progress)
+            self.children[name].stream(child_session, sending, timeout_s, progress)
         except BaseException as exc:  # reported by stream() with the others
             if not isinstance(exc, TimeoutError | OSError | ValueError):
                 logger.exception("transport %s failed while streaming", name)

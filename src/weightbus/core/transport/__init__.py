@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from weightbus.core.trainer.group import TrainerGroup
 from weightbus.core.transport.base import (
     BucketSink,
     BucketSource,
@@ -42,6 +43,7 @@ from weightbus.core.transport.distributed.messages import (
 )
 from weightbus.core.transport.parts.arena import DirectPlacement, ParamArena, direct_placement
 from weightbus.core.transport.parts.shared_memory import remove_stale_slots
+from weightbus.core.transport.sending import RankSender, Sending
 from weightbus.core.wire import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -52,8 +54,9 @@ class TransportEntry:
     """Where the parts of one transport live, each as `"module:attribute"`.
 
     Attributes:
-        sink: the `BucketSink` class (publisher side).
+        sink: the `BucketSink` class (the trainer group's leader).
         source: the `BucketSource` class (engine rank side).
+        sender: the `RankSender` class (every trainer rank: writes what the rank sends).
         description: the `SourceDescription` struct the sink returns and sources open.
         direct: sources accept a `DirectPlacement` (ranks' parameters in shared memory).
         rank_setup: a function `(request, *, tp_rank, tp_size, slices) -> None` every engine
@@ -67,6 +70,7 @@ class TransportEntry:
     sink: str
     source: str
     description: str
+    sender: str
     direct: bool = False
     rank_setup: str | None = None
     setup_request: str | None = None
@@ -76,11 +80,13 @@ _REGISTRY: dict[str, TransportEntry] = {
     "disk": TransportEntry(
         sink="weightbus.core.transport.disk:DiskSink",
         source="weightbus.core.transport.disk:DiskSource",
+        sender="weightbus.core.transport.parts.files:FileRankSender",
         description="weightbus.core.transport.disk:DiskDescription",
     ),
     "dist": TransportEntry(
         sink="weightbus.core.transport.distributed.sink:DistSink",
         source="weightbus.core.transport.distributed.source:DistSource",
+        sender="weightbus.core.transport.distributed.sender:DistRankSender",
         description="weightbus.core.transport.distributed.messages:DistDescription",
         rank_setup="weightbus.core.transport.distributed.setup:apply_rank_setup",
         setup_request="weightbus.core.transport.distributed.messages:WeightsGroupRequest",
@@ -88,17 +94,20 @@ _REGISTRY: dict[str, TransportEntry] = {
     "hf_dir": TransportEntry(
         sink="weightbus.core.transport.hf_dir:HfDirSink",
         source="weightbus.core.transport.hf_dir:HfDirSource",
+        sender="weightbus.core.transport.parts.files:FileRankSender",
         description="weightbus.core.transport.hf_dir:HfDirDescription",
     ),
     "nixl": TransportEntry(
         sink="weightbus.core.transport.nixl.sink:NixlSink",
         source="weightbus.core.transport.nixl.source:NixlSource",
+        sender="weightbus.core.transport.nixl.sender:NixlRankSender",
         description="weightbus.core.transport.nixl.messages:NixlDescription",
         direct=True,
     ),
     "shm": TransportEntry(
         sink="weightbus.core.transport.shm.sink:ShmSink",
         source="weightbus.core.transport.shm.source:ShmSource",
+        sender="weightbus.core.transport.shm.sender:ShmRankSender",
         description="weightbus.core.transport.shm.description:ShmDescription",
         direct=True,
     ),
@@ -171,6 +180,15 @@ def make_sink(name: str, **options: Any) -> BucketSink:
         ValueError: unknown transport, or options the sink refuses.
     """
     return _load(_entry(name).sink)(**options)
+
+
+def make_rank_sender(name: str, group: TrainerGroup) -> RankSender:
+    """A trainer rank's sender of transport `name` (every rank of the group makes its own).
+
+    Raises:
+        ValueError: unknown transport.
+    """
+    return _load(_entry(name).sender)(group)
 
 
 def has_setup(name: str) -> bool:
@@ -282,8 +300,10 @@ __all__ = [
     "DirectPlacement",
     "ParamArena",
     "PushSession",
+    "RankSender",
     "RankSetupRequest",
     "ReceivedBatch",
+    "Sending",
     "SourceDescription",
     "TransportEntry",
     "WeightsGroupError",
@@ -294,6 +314,7 @@ __all__ = [
     "direct_placement",
     "encode_description",
     "has_setup",
+    "make_rank_sender",
     "make_sink",
     "open_source",
     "rank_setup",

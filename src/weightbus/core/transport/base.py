@@ -1,12 +1,20 @@
-"""The transport seam: a `BucketSink` on the publisher side, a `BucketSource` on each rank.
+"""The transport seam: a `BucketSink` on the leader of the trainer group, a `RankSender` on
+every trainer rank, a `BucketSource` on each engine rank.
 
-A push session runs in three phases on the publisher:
+The trainer side of a push is a group of ranks (`weightbus.core.trainer`): one process holding
+every tensor is the group of one. A push session runs in three phases on the leader:
 
-1. `sink.prepare(session, tensors)` makes the session readable (the disk sink writes every shard
-   and the manifest; streaming sinks set up their buffers) and returns the typed
+1. `sink.prepare(session, sending)` makes the session readable (the disk sink lays the shards
+   and the manifest out; streaming sinks set up their buffers) and returns the typed
    `SourceDescription` the engines need to open it (`sink.for_engine` adapts it to each one);
-2. the publisher asks every engine to update from that description;
-3. `sink.stream(session, tensors)` sends what is not sent yet (nothing for disk).
+2. the leader asks every engine to update from that description;
+3. `sink.stream(session, sending)` sends what is not sent yet.
+
+The sink talks to the engine ranks (hellos, begin, per-bucket words, end); the bytes are written
+by every trainer rank: `sending.everyone(sink, order)` hands each rank's `RankSender` of the
+transport the same order (the leader's own runs in place; in a group of one it is the only
+one), and each writes what it sends (`TrainerLayout.sender`: a tensor held whole by one of its
+ranks goes whole, the others in cells) and reports its bytes and digests.
 
 Each engine rank opens the description with `open_source` and reads, in order: `begin()` (the
 `UpdateBegin` header), `batches()` (tensors with their digests; each batch's views stay valid
@@ -17,6 +25,8 @@ A transport that needs set-up across engines before its first push (the `dist` w
 does it in `sink.setup(engines, ...)`, reaching each engine through the narrow `EngineLink`.
 """
 
+import functools
+import secrets
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,6 +39,7 @@ import torch
 from weightbus.core.digest import fingerprint_of_digests, tensor_digest
 from weightbus.core.meta import dtype_name
 from weightbus.core.plan import Plan
+from weightbus.core.transport.sending import BucketDone, Sending
 from weightbus.core.wire import UpdateBegin, UpdateEnd, WireMeta
 
 # Called with the bytes handed over so far, e.g. to draw a progress bar.
@@ -255,25 +266,44 @@ class ReceivedBatch:
 
 
 class BucketSink(ABC):
-    """Publisher side of a transport. One sink serves many pushes; `close()` frees it.
+    """The leader's side of a transport. One sink serves many pushes; `close()` frees it.
 
     `carries_any_tensors`: a session may carry tensors that are not the engines' parameters
     (a delta's payload); False for a transport that writes only into parameters.
     `copies_locally`: it moves bytes at memory-copy speed on one host (`shm`), where comparing
     a version with the last one costs more than the bytes it saves.
+    `refuses_nonfinite_in_stream`: its copies can refuse NaN/inf as they go
+    (`Sending.refuse_nonfinite`), so a push may skip its pre-pass over every byte.
+    `key`: names this sink's senders on every trainer rank.
     """
 
     name: str
     carries_any_tensors: bool = True
     copies_locally: bool = False
+    refuses_nonfinite_in_stream: bool = False
+
+    @functools.cached_property
+    def key(self) -> str:
+        return f"{self.name}-{secrets.token_hex(4)}"
+
+    def everyone(self, sending: Sending, order: Any, on_bucket: BucketDone | None = None) -> list:
+        """Every trainer rank runs `order` with its sender of this sink (`Sending.everyone`)."""
+        return sending.everyone(self.key, self.name, order, on_bucket)
 
     @property
     def mode(self) -> str:
         """How the last session travelled (sinks with several modes name theirs)."""
         return self.name
 
-    def setup(self, engines: Sequence[EngineLink], **options: Any) -> Any:
-        """Set the transport up across `engines` before pushing (most transports need none).
+    def keys(self) -> list[str]:
+        """The keys of this sink and of any it holds (each trainer rank has a sender of each)."""
+        return [self.key]
+
+    def setup(
+        self, engines: Sequence[EngineLink], steps: Sending | None = None, **options: Any
+    ) -> Any:
+        """Set the transport up across `engines` (and, through `steps`, the trainer ranks)
+        before pushing (most transports need none).
 
         Raises:
             ValueError: this transport has no set-up.
@@ -304,10 +334,7 @@ class BucketSink(ABC):
 
     @abstractmethod
     def prepare(
-        self,
-        session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
-        progress: Progress = no_progress,
+        self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> SourceDescription:
         """Make the session readable; return the description engines open.
 
@@ -336,7 +363,7 @@ class BucketSink(ABC):
     def stream(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         timeout_s: float,
         progress: Progress = no_progress,
     ) -> None:
@@ -344,6 +371,9 @@ class BucketSink(ABC):
 
         Raises:
             TimeoutError: receivers did not take the data within `timeout_s`.
+            NonFiniteWeightsError: `sending.refuse_nonfinite` and a tensor holds NaN or inf
+                (the engine ranks were told to abort).
+            TrainerRankError: a trainer rank failed, died or did not report (named).
         """
 
     def receiver_verify(self, verify: str) -> str:

@@ -5,20 +5,20 @@ Layout of one session under the sink's root directory::
     <root>/<session_id>/manifest.json          header, shard list, digests, fingerprint
     <root>/<session_id>/shard-00000.safetensors
 
+One shard per plan bucket (whole tensors: each in the shard of the bucket where it starts),
+laid out by the leader, written by every trainer rank (`parts/files.py`).
 The session directory is written as `<root>/.tmp-<session_id>` and renamed into place, so a
 reader sees a complete session or none. Readers map shards (safetensors' mmap) and only the
 pages their weight loaders touch are read: a TP rank reads little more than its slices.
 """
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
-import torch
 from safetensors import SafetensorError, safe_open
 
-from weightbus.core.checkpoint import save_tensors
 from weightbus.core.transport.base import (
     BucketSink,
     BucketSource,
@@ -28,7 +28,9 @@ from weightbus.core.transport.base import (
     SourceDescription,
     no_progress,
 )
+from weightbus.core.transport.parts.files import create_file, write_files
 from weightbus.core.transport.parts.session_dir import SessionDirectories
+from weightbus.core.transport.sending import Sending
 from weightbus.core.wire import UpdateBegin, UpdateEnd
 
 DISK_ROOT_PREFIX = "weightbus-disk-"
@@ -80,23 +82,20 @@ class DiskSink(BucketSink):
         self.root = self._directories.root
 
     def prepare(
-        self,
-        session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
-        progress: Progress = no_progress,
+        self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> DiskDescription:
-        session.ensure_digests(tensors)
         tmp = self._directories.start(session.session_id)
-        shards = []
+        metas = {meta.name: meta for meta in session.plan.metas}
+        records, files = [], []
         for index, names in enumerate(shard_names(session)):
             if names:
                 file = f"shard-{index:05d}.safetensors"
-                save_tensors(tmp / file, names, tensors)
-                shards.append(ShardRecord(file, names))
-                nbytes = sum(tensors[name].nbytes for name in names)
-                session.count_sent(nbytes)
-                progress(nbytes)
-        return self._publish(tmp, session, shards)
+                files.append(create_file(tmp / file, [metas[name] for name in names]))
+                records.append(ShardRecord(file, names))
+        session.digests.update(write_files(self.key, self.name, sending, files))
+        session.count_sent(session.plan.total_bytes)
+        progress(session.plan.total_bytes)
+        return self._publish(tmp, session, records)
 
     def _publish(
         self, tmp: Path, session: PushSession, shards: list[ShardRecord]
@@ -118,7 +117,7 @@ class DiskSink(BucketSink):
     def stream(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         timeout_s: float,
         progress: Progress = no_progress,
     ) -> None:

@@ -14,7 +14,8 @@ fingerprint of what it loaded; with them (a Publisher's push) `verify="full"` ch
 against the trainer's digests.
 """
 
-from collections.abc import Iterator, Mapping
+import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -23,8 +24,9 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from weightbus.core.checkpoint import safetensors_files, safetensors_metas, save_tensors
+from weightbus.core.checkpoint import safetensors_files, safetensors_metas
 from weightbus.core.digest import fingerprint_of_digests, tensor_digest
+from weightbus.core.meta import TensorMeta
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES, plan_buckets
 from weightbus.core.transport.base import (
     BucketSink,
@@ -35,12 +37,36 @@ from weightbus.core.transport.base import (
     SourceDescription,
     no_progress,
 )
+from weightbus.core.transport.parts.files import create_file, write_files
 from weightbus.core.transport.parts.session_dir import SessionDirectories
+from weightbus.core.transport.sending import Sending
 from weightbus.core.wire import UpdateBegin, UpdateEnd, WireMeta
 from weightbus.core.wire.messages import Hex128, NonNegative, TensorName, Version
 
 CHECKPOINT_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 HF_DIR_ROOT_PREFIX = "weightbus-hf-dir-"
+SHARD_BYTES = 5 << 30  # Hugging Face's default `max_shard_size`
+
+
+def _shards(metas: Sequence[TensorMeta], shard_bytes: int) -> dict[str, list[TensorMeta]]:
+    """The checkpoint's files and their tensors, in order, each file at most `shard_bytes`
+    (Hugging Face's names: `model.safetensors` alone, else `model-00001-of-00003...`)."""
+    groups: list[list[TensorMeta]] = [[]]
+    size = 0
+    for meta in metas:
+        if groups[-1] and size + meta.nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(meta)
+        size += meta.nbytes
+    if len(groups) == 1:
+        return {CHECKPOINT_NAME: groups[0]}
+    count = len(groups)
+    return {
+        f"model-{index + 1:05d}-of-{count:05d}.safetensors": group
+        for index, group in enumerate(groups)
+    }
 
 
 class HfDirDescription(SourceDescription, frozen=True):
@@ -57,29 +83,37 @@ class HfDirDescription(SourceDescription, frozen=True):
 
 
 class HfDirSink(BucketSink):
-    """Saves each push as `<root>/<session_id>/model.safetensors`; keeps only the newest.
+    """Saves each push as a Hugging Face checkpoint directory `<root>/<session_id>`: one
+    `model.safetensors`, or shards of at most `shard_bytes` with `model.safetensors.index.json`
+    (every trainer rank writing its part of them: `parts/files.py`); keeps only the newest.
 
     Args:
         root: directory shared with the engines; a fresh one under /dev/shm (removed on
             `close`) when not given.
+        shard_bytes: the largest shard (Hugging Face's `max_shard_size`; a larger tensor gets
+            a shard of its own).
     """
 
     name = "hf_dir"
 
-    def __init__(self, root: str | Path | None = None) -> None:
+    def __init__(self, root: str | Path | None = None, shard_bytes: int = SHARD_BYTES) -> None:
+        if shard_bytes <= 0:
+            raise ValueError(f"shard_bytes must be > 0, got {shard_bytes}")
         self._directories = SessionDirectories(root, HF_DIR_ROOT_PREFIX)
         self.root = self._directories.root
+        self.shard_bytes = shard_bytes
 
     def prepare(
-        self,
-        session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
-        progress: Progress = no_progress,
+        self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> HfDirDescription:
-        session.ensure_digests(tensors)
         tmp = self._directories.start(session.session_id)
         names = [meta.name for meta in session.plan.metas]
-        save_tensors(tmp / CHECKPOINT_NAME, names, tensors)
+        shards = _shards(session.plan.metas, self.shard_bytes)
+        files = [create_file(tmp / file, metas) for file, metas in shards.items()]
+        if len(shards) > 1:
+            index = {meta.name: file for file, metas in shards.items() for meta in metas}
+            (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        session.digests.update(write_files(self.key, self.name, sending, files))
         session.count_sent(session.plan.total_bytes)
         progress(session.plan.total_bytes)
         final = self._directories.publish(session.session_id)
@@ -97,7 +131,7 @@ class HfDirSink(BucketSink):
     def stream(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         timeout_s: float,
         progress: Progress = no_progress,
     ) -> None:

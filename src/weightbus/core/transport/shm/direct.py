@@ -15,7 +15,7 @@ of it stops at its next chunk.
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
@@ -216,6 +216,11 @@ class DirectWriter:
             initializer=_one_torch_thread,
         )
 
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The copy threads (one torch thread each): cells of sharded tensors run here too."""
+        return self._pool
+
     def write(
         self,
         plan: Plan,
@@ -226,10 +231,11 @@ class DirectWriter:
         slice_digests: bool = True,
         refuse_nonfinite: bool = False,
     ) -> Iterator[tuple[int, dict[str, tuple[str, dict[int, str]]]]]:
-        """Write every tensor; yield `(bucket index, {name: (digest, slice digests by rank)})`
-        in bucket order, each bucket as soon as its tensors are written. Without
-        `slice_digests` (receivers do not verify) the slices are not digested. Once it ends,
-        however it ends, no copy of it writes any more.
+        """Write every tensor of `tensors` (whole: the ones this rank sends); yield
+        `(bucket index, {name: (digest, slice digests by rank)})` in bucket order, each bucket
+        as soon as the tensors of `tensors` it finishes are written. Without `slice_digests`
+        (receivers do not verify) the slices are not digested. Once it ends, however it ends,
+        no copy of it writes any more.
 
         Raises:
             TimeoutError: the copies did not finish by `deadline` (`time.monotonic()`).
@@ -239,6 +245,8 @@ class DirectWriter:
         stop = threading.Event()
         futures: dict[str, Future] = {}
         for meta in sorted(plan.metas, key=lambda meta: -meta.nbytes):
+            if meta.name not in tensors:
+                continue
             dests = [
                 _Dest(index, copy, param)
                 for index, target in enumerate(targets)
@@ -250,7 +258,7 @@ class DirectWriter:
             )
         try:
             for bucket in plan.buckets:
-                names = bucket.finished_names()
+                names = [name for name in bucket.finished_names() if name in futures]
                 yield bucket.index, {name: _written(futures, name, deadline) for name in names}
         finally:
             stop.set()
@@ -266,23 +274,25 @@ class DirectWriter:
         hashers: dict[str, TensorHasher],
         *,
         refuse_nonfinite: bool = False,
+        extra: Sequence[Callable[[], int]] = (),
     ) -> dict[str, str]:
-        """Pack `bucket` into `buffer`; return the digests of the tensors it finishes. Once it
+        """Pack the entries of `bucket` whose tensors are in `tensors` (whole: the ones this
+        rank sends) into `buffer`, and run the `extra` copies (parts of tensors sent in cells)
+        on the same pool; return the digests of the tensors of `tensors` it finishes. Once it
         returns or raises, no copy of it writes any more.
 
         `hashers` carries the digest state of tensors split across buckets (pack the buckets
         in plan order).
 
         Raises:
-            ValueError: a tensor is missing or its dtype/shape differ from the plan.
+            ValueError: a tensor's dtype/shape differ from the plan.
             NonFiniteWeightsError: `refuse_nonfinite` and a tensor holds NaN or inf (named).
         """
         jobs = []
         for entry in bucket.entries:
-            if entry.name not in tensors:
-                raise ValueError(f"tensor {entry.name!r} is in the plan but was not given")
-            hasher = hashers.setdefault(entry.name, TensorHasher())
-            jobs.append((entry, tensors[entry.name].detach(), hasher))
+            if entry.name in tensors:
+                hasher = hashers.setdefault(entry.name, TensorHasher())
+                jobs.append((entry, tensors[entry.name].detach(), hasher))
         # biggest first: two workers finish together
         jobs.sort(key=lambda job: -job[0].nbytes)
         packs = [
@@ -296,10 +306,15 @@ class DirectWriter:
             )
             for entry, tensor, hasher in jobs
         ]
+        packs += [self._pool.submit(copy) for copy in extra]
         wait(packs)
         for future in packs:
             future.result()
-        return {name: hashers.pop(name).hexdigest() for name in bucket.finished_names()}
+        return {
+            name: hashers.pop(name).hexdigest()
+            for name in bucket.finished_names()
+            if name in hashers
+        }
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

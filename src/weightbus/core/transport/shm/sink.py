@@ -7,28 +7,32 @@ the rank copies its TP slices from the slot into its parameters (through `load_w
 narrows the full-tensor views) and answers `SlotAck`. The publisher packs bucket k+1 into the
 other slot meanwhile, and writes each bucket once whatever the number of engines and ranks.
 
-Asked to (`stream(refuse_nonfinite=True)`), the copies refuse NaN/inf as they go: the stream
-fails naming the tensor and every rank is aborted. The Publisher asks only where the bytes
-written so far land in memory the engines discard on an abort (atomic whole-version pushes).
+The bytes are written by every trainer rank (`shm/sender.py`): in a group of one, the leader's
+own sender copies everything, and tells each bucket as soon as it is written.
+
+Asked to (`Sending.refuse_nonfinite`), the copies refuse NaN/inf as they go: the stream fails
+naming the tensor and every rank is aborted. The Publisher asks only where the bytes written so
+far land in memory the engines discard on an abort (atomic whole-version pushes).
 """
 
 import logging
 import shutil
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import closing
+from collections.abc import Iterator
 
 import msgspec
-import torch
 import zmq
 
 from weightbus.core.plan import BucketPlan
+from weightbus.core.trainer.digests import combine, digest_plan
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
 from weightbus.core.transport.parts.direct_channel import receive_one
+from weightbus.core.transport.parts.layout import checked_copies
 from weightbus.core.transport.parts.rank_session import JoiningRanks
 from weightbus.core.transport.parts.shared_memory import Slot, private_ipc_dir, remove_stale_slots
+from weightbus.core.transport.sending import Sending
 from weightbus.core.transport.shm.description import ShmDescription
-from weightbus.core.transport.shm.direct import DirectWriter, MappedTarget
+from weightbus.core.transport.shm.sender import PackOrder, SlotsOrder, WriteOrder, write_outcome
 from weightbus.core.wire import (
     BucketReady,
     DirectReady,
@@ -44,6 +48,7 @@ from weightbus.core.wire import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_SLOTS = 2
+_CHECKED_KEPT = 16  # offers whose layout is known good (engines alternate between arenas)
 
 
 class SessionReceivers(JoiningRanks):
@@ -93,8 +98,8 @@ class ShmSink(BucketSink):
 
     name = "shm"
     copies_locally = True  # memcpy speed: `auto` pushes whole versions over it
-    # `stream(refuse_nonfinite=True)`: its copies refuse NaN/inf (the Publisher's pre-pass
-    # can be skipped where a failed stream serves nothing)
+    # its copies refuse NaN/inf (the Publisher's pre-pass can be skipped where a failed stream
+    # serves nothing)
     refuses_nonfinite_in_stream = True
 
     def __init__(self, num_slots: int = DEFAULT_NUM_SLOTS, direct: bool = True) -> None:
@@ -113,8 +118,7 @@ class ShmSink(BucketSink):
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.bind(self.endpoint)
         self.direct = direct
-        self._writer = DirectWriter()
-        self._targets: dict[str, MappedTarget] = {}  # ranks' parameter files, by name
+        self._checked: set[tuple] = set()  # offers whose layout was checked, with the plan
         self._direct_session = False
 
     @property
@@ -144,10 +148,7 @@ class ShmSink(BucketSink):
         logger.info("created %d shared-memory slots of %d bytes", self.num_slots, self._slot_bytes)
 
     def prepare(
-        self,
-        session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
-        progress: Progress = no_progress,
+        self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> ShmDescription:
         self._name_slots(session.plan.bucket_bytes)
         if not self.direct:
@@ -166,19 +167,12 @@ class ShmSink(BucketSink):
     def stream(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         timeout_s: float,
         progress: Progress = no_progress,
-        *,
-        refuse_nonfinite: bool = False,
     ) -> None:
-        """As `BucketSink.stream`; with `refuse_nonfinite`, the copies check every floating
-        chunk they copy.
-
-        Raises:
-            NonFiniteWeightsError: `refuse_nonfinite` and a tensor holds NaN or inf (named);
-                the ranks were told to abort.
-        """
+        """As `BucketSink.stream`; with `sending.refuse_nonfinite`, the copies check every
+        floating chunk they copy (the ranks are told to abort on the first bad one)."""
         deadline = time.monotonic() + timeout_s
         receivers = SessionReceivers(session)
         try:
@@ -186,31 +180,17 @@ class ShmSink(BucketSink):
             receivers.wait_until_complete(
                 lambda what, anyway: self._receive(receivers, deadline, what, anyway)
             )
-            targets = self._direct_targets(receivers, session)
-            self._direct_session = targets is not None
-            if targets is None:
+            offers = self._direct_offers(receivers, session)
+            self._direct_session = offers is not None
+            if offers is None:
                 self._create_slots()  # before the ranks map them, at their begin
                 self._send_all(receivers, session.begin_message())
-                self._stream_slots(
-                    session,
-                    tensors,
-                    receivers,
-                    deadline,
-                    progress,
-                    refuse_nonfinite=refuse_nonfinite,
-                )
+                self._stream_slots(session, sending, receivers, deadline, progress)
             else:
                 begin = msgspec.structs.replace(session.begin_message(), direct=True)
                 self._send_all(receivers, begin)
-                self._stream_direct(
-                    session,
-                    tensors,
-                    receivers,
-                    targets,
-                    deadline=deadline,
-                    progress=progress,
-                    refuse_nonfinite=refuse_nonfinite,
-                )
+                self._await_direct_ready(receivers, deadline)
+                self._stream_direct(session, sending, receivers, offers, progress)
         except Exception as exc:
             # receivers learn at once instead of waiting out their timeout
             reason = f"publisher failed: {type(exc).__name__}: {exc}"
@@ -221,113 +201,115 @@ class ShmSink(BucketSink):
     def _stream_slots(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         receivers: SessionReceivers,
         deadline: float,
         progress: Progress,
-        *,
-        refuse_nonfinite: bool,
     ) -> None:
-        hashers: dict = {}  # digests of tensors split across buckets, in progress
-        for bucket in session.plan.buckets:
+        plan = session.plan
+        order = SlotsOrder(
+            slots=list(self._slot_names),
+            slot_bytes=self._slot_bytes,
+            bucket_bytes=plan.bucket_bytes,
+            plan_hash=plan.plan_hash,
+        )
+        blocks = [report.blocks for report in self.everyone(sending, order)]
+        split = digest_plan(sending.layout)
+        if split.regions:  # the tensors sent in cells, digested in blocks first
+            names = [region.name for region in split.regions]
+            session.digests.update(zip(names, combine(split, blocks), strict=True))
+        rank_sent = [0] * sending.group.world_size
+        for bucket in plan.buckets:
             slot = bucket.index % self.num_slots
             while receivers.unacked.get(slot):
                 holders = receivers.holders(slot)
                 self._receive(receivers, deadline, f"{holders} to release slot {slot}")
-            digests = self._writer.pack(
-                self.slots[slot].tensor,
-                bucket,
-                tensors,
-                hashers,
-                refuse_nonfinite=refuse_nonfinite,
-            )
-            session.digests.update(digests)
+            reports = self.everyone(sending, PackOrder(bucket=bucket.index, slot=slot))
+            for rank, report in enumerate(reports):
+                session.digests.update(report.digests)
+                rank_sent[rank] += report.sent_bytes
+            finished = {name: session.digests[name] for name in bucket.finished_names()}
             receivers.unacked[slot] = set(receivers.identities.values())
-            self._send_all(receivers, bucket_message(session, bucket, slot, digests))
+            self._send_all(receivers, bucket_message(session, bucket, slot, finished))
             session.count_sent(bucket.payload_bytes)  # once, whatever the number of ranks
             progress(bucket.payload_bytes)
+        sending.count_sent(rank_sent)
         while any(receivers.unacked.values()):
             holders = ", ".join(receivers.holders(slot) for slot in receivers.unacked)
             self._receive(receivers, deadline, f"{holders} to release the last slots")
 
-    def _direct_targets(
+    def _direct_offers(
         self, receivers: SessionReceivers, session: PushSession
-    ) -> list[MappedTarget] | None:
-        """Every rank's mapped parameter file, in `receivers.identities` order; None for
-        slot mode (direct mode off, a rank offered nothing, or an offer is unusable)."""
+    ) -> list[DirectTarget] | None:
+        """Every rank's offer, in `receivers.identities` order, its layout checked against the
+        plan; None for slot mode (direct mode off, a rank offered nothing, or an offer is
+        unusable)."""
         offers = [receivers.direct[identity] for identity in receivers.identities]
         if not self.direct or any(offer is None for offer in offers):
             return None
         planned = {meta.name for meta in session.plan.metas}
         if any({copy.hf_name for copy in offer.copies} != planned for offer in offers):
             return None  # not the parameters' tensors (a delta's payload): the slots carry it
-        try:
-            targets = [self._mapped_target(offer, session) for offer in offers]
-        except ValueError as exc:
-            logger.warning("direct mode refused, streaming through slots: %s", exc)
-            return None
-        finally:
-            # keep files not offered now but still there: an atomic engine alternates between
-            # two arenas (live and staging swap on every commit), and re-mapping one costs a
-            # page fault per page on the next push
-            offered = {offer.file for offer in offers}
-            for name in [n for n, t in self._targets.items() if n not in offered]:
-                if not self._targets[name].is_current():  # the engine went away or re-allocated
-                    self._targets.pop(name).close()
-        return targets
-
-    def _mapped_target(self, offer: DirectTarget, session: PushSession) -> MappedTarget:
-        target = self._targets.get(offer.file)
-        key = (offer.file, offer.layout_hash, session.plan.plan_hash)
-        if target is None or target.key != key or not target.is_current():
-            if target is not None:
-                target.close()
-            target = self._targets[offer.file] = MappedTarget(offer, session.plan)
-        return target
+        metas = {meta.name: meta for meta in session.plan.metas}
+        for offer in offers:
+            key = (offer.file, offer.layout_hash, session.plan.plan_hash)
+            if key in self._checked:
+                continue
+            try:
+                checked_copies(offer, metas)
+            except ValueError as exc:
+                logger.warning("direct mode refused, streaming through slots: %s", exc)
+                return None
+            if len(self._checked) >= _CHECKED_KEPT:
+                self._checked.clear()
+            self._checked.add(key)
+        return offers
 
     def _stream_direct(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         receivers: SessionReceivers,
-        targets: list[MappedTarget],
-        *,
-        deadline: float,
+        offers: list[DirectTarget],
         progress: Progress,
-        refuse_nonfinite: bool,
     ) -> None:
         identities = list(receivers.identities)
-        self._await_direct_ready(receivers, deadline)
         nbytes = {bucket.index: bucket.payload_bytes for bucket in session.plan.buckets}
-        writes = self._writer.write(
-            session.plan,
-            tensors,
-            targets,
-            deadline,
-            slice_digests=session.verify,
-            refuse_nonfinite=refuse_nonfinite,
-        )
-        # closed however the loop ends: no copy writes any more once the ranks hear of it
-        with closing(writes):
-            for bucket_index, written in writes:
-                digests = {name: digest for name, (digest, _) in written.items()}
-                session.digests.update(digests)
-                session.count_sent(
-                    sum(target.slice_bytes.get(name, 0) for target in targets for name in written)
+
+        def tell(bucket_index: int, digests: dict, slices: dict[int, dict[str, str]]) -> None:
+            session.digests.update(digests)
+            for rank_index, identity in enumerate(identities):
+                message = TensorsWritten(
+                    session_id=session.session_id,
+                    bucket_index=bucket_index,
+                    digests=digests,
+                    slice_digests=slices.get(rank_index, {}),
                 )
-                for rank_index, identity in enumerate(identities):
-                    message = TensorsWritten(
-                        session_id=session.session_id,
-                        bucket_index=bucket_index,
-                        digests=digests,
-                        slice_digests={
-                            name: slices[rank_index]
-                            for name, (_, slices) in written.items()
-                            if rank_index in slices
-                        },
-                    )
-                    self._socket.send_multipart([identity, message.encode()])
-                progress(nbytes[bucket_index])
+                self._socket.send_multipart([identity, message.encode()])
+            progress(nbytes[bucket_index])
+
+        order = WriteOrder(
+            targets=offers,
+            bucket_bytes=session.plan.bucket_bytes,
+            plan_hash=session.plan.plan_hash,
+            verify=session.verify,
+        )
+        # a group of one tells each bucket as soon as it is written (the ranks verify it
+        # meanwhile); in a group of N, a bucket is written once every rank reported
+        reports = self.everyone(sending, order, on_bucket=tell if sending.single else None)
+        sending.count_sent([report.sent_bytes for report in reports])
+        session.count_sent(sum(report.sent_bytes for report in reports))
+        if sending.single:
+            return
+        compiled = sending.senders(self.key, self.name).compiled(sending.layout, order)
+        outcome = write_outcome(sending.layout, compiled, reports, len(offers))
+        for bucket in session.plan.buckets:
+            names = bucket.finished_names()
+            slices = {
+                index: {name: found[name] for name in names if name in found}
+                for index, found in enumerate(outcome.slice_digests)
+            }
+            tell(bucket.index, {name: outcome.digests[name] for name in names}, slices)
 
     def _await_direct_ready(self, receivers: SessionReceivers, deadline: float) -> None:
         """No byte lands in a rank's parameters before the rank knows they are being written:
@@ -361,10 +343,6 @@ class ShmSink(BucketSink):
 
     def close(self) -> None:
         self._free_slots()
-        self._writer.close()
-        for target in self._targets.values():
-            target.close()
-        self._targets.clear()
         self._socket.close(linger=0)
         self._context.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -2,34 +2,27 @@
 
 Three kinds of source, in any mix (`holdings_of`):
 
+- a plain tensor: held whole (one process holding every tensor holds them all so; several
+  ranks holding the same tensor whole replicate it; a pipeline stage holds only its own);
 - a DTensor (FSDP2's `fully_shard`, `distribute_tensor`, tensor parallelism) on a 1-D or 2-D
   mesh, `Shard(d)` and `Replicate` placements, uneven shards included: its box comes from
   torch's own `compute_local_shape_and_global_offset`;
 - a `DeclaredShard`: a plain local tensor with the full shape and offset the trainer states
-  (Megatron-style tensor parallelism; `fused_shards` splits a fused projection);
-- a plain tensor: held whole (replicated when several ranks hold it; a pipeline stage holds
-  only its own tensors).
+  (Megatron-style tensor parallelism; `fused_shards` splits a fused projection).
 """
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from weightbus.core.meta import DRAFT_PREFIX, TensorMeta
+from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.plan.bucket import byte_view
-from weightbus.core.publisher.session import (
-    TIED_HEADS,
-    NameMap,
-    Weights,
-    memory_key,
-    named_pairs,
-    rename,
-)
-from weightbus.core.sharded.boxes import Box
+from weightbus.core.trainer.boxes import Box
+from weightbus.core.weights import NameMap, declares_tie, named_sources, tied_head_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,27 +74,48 @@ def fused_shards(
     }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Holding:
-    """One tensor this rank holds (part of): its full metadata, its box, and the local elements
-    (contiguous, row-major over the box; `raw`: their bytes, read in place)."""
+    """One tensor this rank holds (part of): its full metadata, its box, and the local
+    elements (`tensor`, in its local shape, read in place: a whole tensor held by one process
+    is the trainer's own tensor, contiguous or not).
+
+    `local` (flat, contiguous) and `raw` (its bytes) are made when a path reads the box's
+    elements by position (a part of a tensor, or a tensor split across buckets by bytes)."""
 
     meta: TensorMeta
     box: Box
-    local: torch.Tensor  # flat, box.numel elements
-    raw: np.ndarray = field(init=False, repr=False)
+    tensor: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.local.device.type != "cpu":
+        if self.tensor.device.type != "cpu":
             raise ValueError(
-                f"tensor {self.meta.name!r} is on {self.local.device}: sharded pushes read the "
-                "trainer's CPU memory (move the shards to the CPU first)"
+                f"tensor {self.meta.name!r} is on {self.tensor.device}: pushes read the "
+                "trainer's CPU memory (move it to the CPU first)"
             )
-        object.__setattr__(self, "raw", byte_view(self.local).numpy())
 
     @property
     def name(self) -> str:
         return self.meta.name
+
+    @property
+    def whole(self) -> bool:
+        """This rank holds the whole tensor."""
+        return self.box == Box.whole(self.meta.shape)
+
+    @functools.cached_property
+    def local(self) -> torch.Tensor:
+        """The box's elements, flat and row-major (a non-contiguous view costs one copy)."""
+        return self.tensor.contiguous().reshape(-1)
+
+    @functools.cached_property
+    def raw(self) -> np.ndarray:
+        """The bytes of `local`, read in place."""
+        return byte_view(self.local).numpy()
+
+    def matrix(self) -> torch.Tensor:
+        """The box's elements as a `(rows, columns)` matrix (a view of `local`)."""
+        return self.local.view(self.box.rows, self.box.cols)
 
     def bytes_of(self, start: int, numel: int) -> np.ndarray:
         """The bytes of local elements `[start, start + numel)`, in place."""
@@ -110,6 +124,13 @@ class Holding:
 
 
 Source = torch.Tensor | DeclaredShard
+
+
+def whole_holding(name: str, tensor: torch.Tensor) -> Holding:
+    """A tensor held whole, under `name`."""
+    tensor = tensor.detach()
+    shape = tuple(tensor.shape)
+    return Holding(TensorMeta(name, tensor.dtype, shape), Box.whole(shape), tensor)
 
 
 def _dtensor_holding(name: str, tensor: torch.Tensor) -> Holding:
@@ -125,7 +146,7 @@ def _dtensor_holding(name: str, tensor: torch.Tensor) -> Holding:
             f"tensor {name!r}: local shape {tuple(local.shape)}, expected {local_shape}"
         )
     box = Box.of_offsets(name, shape, tuple(local_shape), tuple(offset))
-    return Holding(TensorMeta(name, tensor.dtype, shape), box, _flat(local))
+    return Holding(TensorMeta(name, tensor.dtype, shape), box, local)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -137,9 +158,8 @@ def _local_shape_and_offset(shape: tuple[int, ...], mesh: Any, placements: tuple
     return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """Contiguous row-major elements (a non-contiguous view costs one copy of it)."""
-    return tensor.detach().contiguous().reshape(-1)
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
 
 
 def holding(name: str, source: Source) -> Holding:
@@ -149,84 +169,53 @@ def holding(name: str, source: Source) -> Holding:
         TypeError: not a tensor or `DeclaredShard`.
         ValueError: a shard outside its tensor or cut along a dimension after the second.
     """
-    from torch.distributed.tensor import DTensor
-
     if isinstance(source, DeclaredShard):
         shape = tuple(source.full_shape)
-        box = Box.of_offsets(name, shape, tuple(source.tensor.shape), tuple(source.offset))
-        return Holding(TensorMeta(name, source.tensor.dtype, shape), box, _flat(source.tensor))
-    if isinstance(source, DTensor):
+        local = source.tensor.detach()
+        box = Box.of_offsets(name, shape, tuple(local.shape), tuple(source.offset))
+        return Holding(TensorMeta(name, local.dtype, shape), box, local)
+    if _is_dtensor(source):
         return _dtensor_holding(name, source)
     if isinstance(source, torch.Tensor):
-        shape = tuple(source.shape)
-        return Holding(TensorMeta(name, source.dtype, shape), Box.whole(shape), _flat(source))
+        return whole_holding(name, source)
     raise TypeError(f"weight {name!r} is a {type(source).__name__}, not a tensor or DeclaredShard")
 
 
-def holdings_of(
-    weights: Weights | Mapping[str, Source] | Iterable[tuple[str, Source]],
-    name_map: NameMap | None = None,
-) -> list[Holding]:
-    """This rank's holdings, in its order: a module's state dict (FSDP2: DTensors), a state
-    dict, or `(name, source)` pairs; `name_map` as `Publisher.push`. A source that is the very
-    memory of an earlier one (tied embeddings) is held once, under its first name.
-
-    Raises:
-        TypeError, ValueError: as `holding`; a name twice.
-    """
-    result: dict[str, Holding] = {}
-    seen: set[tuple] = set()
-    for name, source in named_pairs(weights):
-        new_name = rename(name_map, name)
-        if new_name is None:
-            continue
-        if new_name in result:
-            raise ValueError(f"duplicate tensor name {new_name!r}")
-        if not isinstance(source, torch.Tensor | DeclaredShard):
-            raise TypeError(
-                f"weight {name!r} is a {type(source).__name__}, not a tensor or DeclaredShard"
-            )
-        key = memory_key(_local_of(source))
-        if key is not None and key in seen:
-            continue
-        seen.add(key)
-        result[new_name] = holding(new_name, source)
-    return list(result.values())
-
-
-def tied_heads(holdings: list[Holding]) -> list[str]:
-    """The LM heads this rank holds bit-equal to their embeddings, in the same box: a head
-    that every rank holding it reports so is tied and not sent (`drop_tied_heads`, by value,
-    as a `Publisher` does)."""
-    held = {holding.name: holding for holding in holdings}
-    tied = []
-    for head, embeddings in TIED_HEADS:
-        for prefix in ("", DRAFT_PREFIX):
-            a, b = held.get(prefix + head), held.get(prefix + embeddings)
-            if a is None or b is None or a.box != b.box:
-                continue
-            same_kind = (a.meta.dtype, a.meta.shape) == (b.meta.dtype, b.meta.shape)
-            if same_kind and _same_bytes(a.raw, b.raw):
-                tied.append(a.name)
-    return tied
-
-
-_COMPARE_BYTES = 4 << 20  # compared at a time: no copy of a whole head to compare it
-
-
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two byte arrays are equal, chunk by chunk: an untied head differs in its first
-    chunk (no full read per push), and no comparison allocates more than one chunk."""
-    if a.size != b.size:
-        return False
-    return all(
-        np.array_equal(a[start : start + _COMPARE_BYTES], b[start : start + _COMPARE_BYTES])
-        for start in range(0, a.size, _COMPARE_BYTES)
-    )
-
-
-def _local_of(source: Source) -> torch.Tensor:
+def _memory_of(source: Any) -> torch.Tensor | None:
     if isinstance(source, DeclaredShard):
         return source.tensor
-    to_local: Callable[[], torch.Tensor] | None = getattr(source, "to_local", None)
-    return to_local() if to_local is not None else source
+    if _is_dtensor(source):
+        return source.to_local()
+    return source if isinstance(source, torch.Tensor) else None
+
+
+def holdings_of(weights: Any, name_map: NameMap | None = None) -> tuple[list[Holding], list[str]]:
+    """This rank's holdings, in its order, and the heads it holds tied to their embeddings.
+
+    `weights` is a module's state dict (FSDP2: DTensors), a state dict, or `(name, source)`
+    pairs; `name_map` as for a push. Each memory counts once per model (`named_sources`). A
+    head held bit-equal to its embeddings, in the same box, is reported tied (`tied_head_names`):
+    a head every rank holding it reports so is not sent, as a process holding the whole model
+    drops it.
+
+    Raises:
+        TypeError: a value is neither a tensor nor a `DeclaredShard`.
+        ValueError: as `holding`; a name twice; an unsupported dtype; a module whose config ties
+            its head holds one that differs from its embeddings in the same box.
+    """
+    held = [
+        holding(name, source)
+        for name, source in named_sources(
+            weights, name_map, memory_of=_memory_of, kinds="a tensor or DeclaredShard"
+        )
+    ]
+    for each in held:
+        dtype_name(each.meta.dtype)  # raises ValueError on an unsupported dtype
+    by_name = {h.name: h for h in held}
+
+    def part(name: str) -> tuple[torch.Tensor | None, object]:
+        found = by_name.get(name)
+        return (None, None) if found is None else (found.tensor, found.box)
+
+    tied = tied_head_names(part, declared_tied=declares_tie(weights))
+    return held, sorted(tied)

@@ -1,12 +1,13 @@
-"""The resharding schedule: which trainer rank copies which rectangle into which engine rank.
+"""The resharding schedule of the tensors no trainer rank holds whole: which rank copies which
+rectangle into which engine rank (a tensor some rank holds whole is its `sender`'s, whole).
 
-For every engine rank's slice of every tensor (its `ShardCopy`, as the rank offered it), the
+For every engine rank's slice of such a tensor (its `ShardCopy`, as the rank offered it), the
 slice is cut along the edges of the trainer ranks' boxes into cells; each cell is held whole by
 one or more trainer ranks, and exactly one of them (the least loaded so far, in a fixed order)
 copies it. So each trainer rank sends exactly what it holds of what the engines need, a
 replicated byte leaves once, and no engine byte is written twice. The schedule depends only on
 the trainer layout and the engines' slice maps, so every trainer rank computes the same one;
-`schedule_hash` lets rank 0 check that they did.
+`schedule_hash` lets the leader check that they did.
 """
 
 from collections import defaultdict
@@ -21,8 +22,8 @@ import xxhash
 
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan.shard import ShardCopy
-from weightbus.core.sharded.boxes import Box
-from weightbus.core.sharded.layout import TrainerLayout
+from weightbus.core.trainer.boxes import Box
+from weightbus.core.trainer.layout import TrainerLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +41,24 @@ class Piece:
 
 def slice_box(meta: TensorMeta, copy: ShardCopy) -> Box:
     """The box of the tensor that `copy` takes."""
+    return range_box(meta, copy.src_dim, copy.src_start, copy.length)
+
+
+def range_box(meta: TensorMeta, dim: int, start: int, length: int) -> Box:
+    """The box of `length` indices from `start` along dimension `dim` of the tensor.
+
+    Raises:
+        ValueError: `dim` is after the second (not a rectangle of its matrix).
+    """
     whole = Box.whole(meta.shape)
     if not meta.shape:
         return whole
-    if copy.src_dim == 0:
-        return Box(copy.src_start, copy.src_start + copy.length, whole.col_start, whole.col_stop)
-    if copy.src_dim == 1:
+    if dim == 0:
+        return Box(start, start + length, whole.col_start, whole.col_stop)
+    if dim == 1:
         inner = prod(meta.shape[2:])
-        return Box(
-            0, whole.row_stop, copy.src_start * inner, (copy.src_start + copy.length) * inner
-        )
-    raise ValueError(
-        f"tensor {meta.name!r}: engine slices along dimension {copy.src_dim} are not supported"
-    )
+        return Box(0, whole.row_stop, start * inner, (start + length) * inner)
+    raise ValueError(f"tensor {meta.name!r}: engine slices along dimension {dim} are not supported")
 
 
 def cells(box: Box, holders: list[tuple[int, Box]]) -> list[Box]:
@@ -80,12 +86,15 @@ def cells(box: Box, holders: list[tuple[int, Box]]) -> list[Box]:
 def make_schedule(
     layout: TrainerLayout, slices: Sequence[dict[str, list[ShardCopy]]]
 ) -> list[Piece]:
-    """Every piece, for engine ranks' `slices` (per engine rank: tensor name -> its copies)."""
-    metas = {meta.name: meta for meta in layout.metas}
+    """Every piece of the tensors sent in cells (no `sender`), for engine ranks' `slices`
+    (per engine rank: tensor name -> its copies)."""
+    metas = layout.metas_by_name
     load: dict[int, int] = defaultdict(int)
     pieces = []
     for target, copies_by_name in enumerate(slices):
         for name in sorted(copies_by_name):
+            if name not in metas or layout.sender(name) is not None:
+                continue
             meta, holders = metas[name], layout.holders(name)
             for index, copy in enumerate(copies_by_name[name]):
                 box = slice_box(meta, copy)

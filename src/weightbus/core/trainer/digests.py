@@ -1,8 +1,10 @@
 """Digests of regions of tensors held across trainer ranks, without a gather.
 
-A region (a whole tensor for the fingerprint, or an engine rank's slice it verifies) is
-digested as every digest is (`weightbus.core.digest`): over fixed blocks of its row-major
-bytes. `DigestPlan` decides, once per layout and the same on every rank, who hashes each block:
+A tensor some rank holds whole is digested by its sender (`TrainerLayout.sender`), in the pass
+that copies it where the transport copies; the others here. A region (a whole tensor for the
+fingerprint, or an engine rank's slice it verifies) is digested as every digest is
+(`weightbus.core.digest`): over fixed blocks of its row-major bytes. `DigestPlan` decides,
+once per layout and the same on every rank, who hashes each block:
 a rank holding all of it hashes it in place (the least loaded, when several do); a block no
 rank holds whole (cut by a shard boundary, or across column shards) is hashed by the rank
 holding most of it, which receives the other parts over the control store — in rounds of at
@@ -10,6 +12,7 @@ most `ROUND_BYTES`, so no rank ever holds more than one round of bytes it does n
 combines the block digests in order (`combine`).
 """
 
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,11 +20,11 @@ from dataclasses import dataclass, field
 import msgspec
 import xxhash
 
-from weightbus.core.digest import DIGEST_BLOCK_BYTES, combine_blocks
-from weightbus.core.sharded.boxes import Box, Run, held_runs, matrix_shape, runs
-from weightbus.core.sharded.control import ControlMessage, GroupControl
-from weightbus.core.sharded.holdings import Holding
-from weightbus.core.sharded.layout import TrainerLayout
+from weightbus.core.digest import DIGEST_BLOCK_BYTES, combine_blocks, tensor_digest
+from weightbus.core.trainer.boxes import Box, Run, held_runs, matrix_shape, runs
+from weightbus.core.trainer.group import ControlMessage, TrainerGroup
+from weightbus.core.trainer.holdings import Holding
+from weightbus.core.trainer.layout import TrainerLayout
 
 # A round's parts travel as one store value per rank: TCPStore (libuv backend) refuses values
 # over 8 MiB ("Invalid payload size"), so a round stays well below.
@@ -37,8 +40,13 @@ class Region:
 
 
 def whole_regions(layout: TrainerLayout) -> list[Region]:
-    """Every tensor of the model, whole: the regions its fingerprint digests."""
-    return [Region(meta.name, Box.whole(meta.shape)) for meta in layout.metas]
+    """Every tensor sent in cells (no rank holds it whole), whole: the regions of the
+    fingerprint digested in blocks (a tensor sent whole is digested by its sender)."""
+    return [
+        Region(meta.name, Box.whole(meta.shape))
+        for meta in layout.metas
+        if layout.sender(meta.name) is None
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +200,7 @@ def _hash(segments: Sequence[tuple[Segment, object]]) -> bytes:
 def compute(
     plan: DigestPlan,
     holdings: dict[str, Holding],
-    control: GroupControl,
+    control: TrainerGroup,
     prefix: str,
     deadline: float,
 ) -> BlockDigests:
@@ -220,7 +228,7 @@ def _exchange_round(
     blocks: list[Block],
     names: list[str],
     holdings: dict[str, Holding],
-    control: GroupControl,
+    control: TrainerGroup,
     *,
     key: str,
     deadline: float,
@@ -283,7 +291,7 @@ def combine(plan: DigestPlan, reports: Sequence[BlockDigests]) -> list[str]:
     return digests
 
 
-def collected(plan: DigestPlan, control: GroupControl, key: str, deadline: float) -> dict[str, str]:
+def collected(plan: DigestPlan, control: TrainerGroup, key: str, deadline: float) -> dict[str, str]:
     """Rank 0: the digests of `plan`'s regions (whole tensors: by name) from every rank's
     `BlockDigests` reported on `key`.
 
@@ -294,3 +302,66 @@ def collected(plan: DigestPlan, control: GroupControl, key: str, deadline: float
     blocks = [msgspec.msgpack.decode(m.body, type=BlockDigests) for m in reports.values()]
     names = [region.name for region in plan.regions]
     return dict(zip(names, combine(plan, blocks), strict=True))
+
+
+class RankDigests(msgspec.Struct, frozen=True, kw_only=True):
+    """A rank's share of a version's digests: the tensors it sends whole (by name), and the
+    blocks it hashed of the tensors sent in cells."""
+
+    whole: dict[str, str]
+    blocks: BlockDigests
+
+
+def digest_share(
+    holdings: dict[str, Holding],
+    layout: TrainerLayout,
+    group: TrainerGroup,
+    key: str,
+    deadline: float,
+) -> RankDigests:
+    """This rank's share of the digests (when no copy pass reads the bytes anyway): its whole
+    tensors' digests, and its blocks of the others (exchanging cut blocks on `key`).
+
+    Raises:
+        TrainerRankError: a rank did not send its parts of a cut block in time (named).
+    """
+    whole = {
+        name: tensor_digest(holdings[name].tensor)
+        for name, rank in layout.senders.items()
+        if rank == group.rank
+    }
+    plan = digest_plan(layout)
+    blocks = compute(plan, holdings, group, key, deadline) if plan.regions else BlockDigests([])
+    return RankDigests(whole=whole, blocks=blocks)
+
+
+def digest_plan(layout: TrainerLayout) -> DigestPlan:
+    """The plan of the blocks of the tensors sent in cells (kept per layout)."""
+    return _plans(layout)
+
+
+@functools.lru_cache(maxsize=8)
+def _plans(layout: TrainerLayout) -> "DigestPlan":
+    return DigestPlan(layout, whole_regions(layout))
+
+
+def combine_shares(layout: TrainerLayout, shares: Sequence[RankDigests]) -> dict[str, str]:
+    """Every tensor's digest from every rank's share, by name, in the layout's order.
+
+    Raises:
+        ValueError: a tensor's digest is missing or came twice.
+    """
+    found: dict[str, str] = {}
+    for share in shares:
+        for name, digest in share.whole.items():
+            if name in found:
+                raise ValueError(f"tensor {name!r} was digested by two trainer ranks")
+            found[name] = digest
+    plan = digest_plan(layout)
+    if plan.regions:
+        split = combine(plan, [share.blocks for share in shares])
+        found.update(zip((region.name for region in plan.regions), split, strict=True))
+    missing = [meta.name for meta in layout.metas if meta.name not in found]
+    if missing:
+        raise ValueError(f"no trainer rank digested {missing[:3]} ({len(missing)} tensors)")
+    return {meta.name: found[meta.name] for meta in layout.metas}

@@ -1,11 +1,14 @@
-"""How the ranks of a trainer group talk: a key-value store served by rank 0.
+"""The trainer side of a push is a group of ranks: one process holding every tensor is a group
+of one (`TrainerGroup.local()`: no torch.distributed group, no server), a sharded trainer a
+group of N (`TrainerGroup.of(process_group, ...)`).
 
-Rank 0 serves a `torch.distributed.TCPStore` on a port from the OS and tells the others its
-address once, on the trainer's own process group. Then every word of a push goes through the
-store: rank 0 `announce`s (an order, the engines' targets, the outcome) and each rank `report`s
-(done, with its digests and counts, or failed, with why). Every wait has a deadline and names
-who did not answer; a rank that failed is named with its reason. Payloads are msgspec structs
-(`ControlMessage`), never pickle.
+Rank 0, the *leader*, talks to the engines; every rank sends what it holds. The ranks of a
+group of N talk through a key-value store the leader serves (a `torch.distributed.TCPStore` on a
+port from the OS, its address sent once on the trainer's own process group): the leader
+`announce`s (an order, the outcome) and each rank `report`s (done, with its digests and counts,
+or failed, with why). Every wait has a deadline and names who did not answer; a rank that
+failed is named with its reason. Payloads are msgspec structs (`ControlMessage`), never pickle.
+A group of one keeps its words in a dict: the same calls, nothing crosses a process.
 """
 
 import contextlib
@@ -26,49 +29,117 @@ _POLL_S = 0.01  # how often an interruptible wait looks for the reports
 
 
 class ControlMessage(msgspec.Struct, frozen=True, kw_only=True):
-    """One word on the control store: `ok` with a typed `body`, or the failure's `error`."""
+    """One word on the control store: `ok` with a typed `body`, or the failure's `error` (and
+    the failure's type, `kind`: a refusal the leader raises as such, e.g.
+    `NonFiniteWeightsError`)."""
 
     ok: bool = True
     error: str = ""
+    kind: str = ""
     body: bytes = b""
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> "ControlMessage":
+        return cls(ok=False, error=f"{type(exc).__name__}: {exc}", kind=type(exc).__name__)
 
 
 class TrainerRankError(ConnectionError):
     """A trainer rank failed, died, or did not answer in time (named in the message): a peer
-    of the push is gone, as a broken connection would say."""
+    of the push is gone, as a broken connection would say.
 
-
-class GroupControl:
-    """The control store of a trainer group (built collectively by every rank).
-
-    Args:
-        group: the trainer's process group (None: the default group).
-        host: an address of rank 0 the other ranks reach.
-        timeout_s: bound of forming the group's store.
+    Attributes:
+        kind: the type of the error the rank reported ("" when it reported none: dead, silent).
+        reason: that error's message.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, host: str, timeout_s: float) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+    def __init__(self, message: str, *, kind: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.kind, self.reason = kind, reason
+
+
+class _LocalStore:
+    """The part of `TCPStore` a group uses, for a group of one: a dict in this process. A key
+    that is not there never will be (no other rank can set it)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self._values[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self._values[key]
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return all(key in self._values for key in keys)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta) -> None:
+        del timeout
+        if not self.check(keys):
+            raise dist.DistStoreError("a group of one waits for no other rank")
+
+    def delete_key(self, key: str) -> bool:
+        return self._values.pop(key, None) is not None
+
+
+class TrainerGroup:
+    """The ranks that send one push together, as one of them sees it.
+
+    Build it with `TrainerGroup.local()` (one process holding every tensor) or
+    `TrainerGroup.of(process_group, host, timeout_s)` (every rank of a sharded trainer,
+    collectively).
+
+    Attributes:
+        rank: this rank (0: the leader, which talks to the engines).
+        world_size: the number of ranks.
+    """
+
+    def __init__(self, store: "dist.Store | _LocalStore", rank: int, world_size: int) -> None:
+        self._store = store
+        self.rank, self.world_size = rank, world_size
+        self._sequence = 0
+        self._written: dict[int, list[str]] = {}  # the keys this rank set, by push
+
+    @classmethod
+    def local(cls) -> "TrainerGroup":
+        """The group of one: this process holds every tensor."""
+        return cls(_LocalStore(), 0, 1)
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None, host: str, timeout_s: float) -> "TrainerGroup":
+        """The group of every rank of `group` (None: the default process group), built by
+        every rank: rank 0 serves the store at `host` (an address every rank reaches) and sends
+        its port on `group`.
+
+        Raises:
+            TrainerRankError: the ranks could not form the store within `timeout_s`.
+        """
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         timeout = timedelta(seconds=timeout_s)
         port = torch.zeros(1, dtype=torch.int64)
-        if self.rank == 0:
-            self._store = dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=timeout
-            )
-            port[0] = self._store.port
+        store = None
+        if rank == 0:
+            store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            port[0] = store.port
         work = dist.broadcast(port, group=group, group_src=0, async_op=True)
         if not work.wait(timeout):
             raise TrainerRankError(f"trainer rank 0 sent no control address within {timeout_s}s")
-        if self.rank != 0:
-            self._store = dist.TCPStore(host, int(port[0]), is_master=False, timeout=timeout)
+        if rank != 0:
+            store = dist.TCPStore(host, int(port[0]), is_master=False, timeout=timeout)
             # every store call a rank makes without a bound of its own (set, get, the end of a
             # timed-out wait) waits at most this long: over a link that went dead it would
             # otherwise block for the whole timeout after each wait that already expired
-            self._store.set_timeout(timedelta(seconds=min(timeout_s, _STORE_CALL_S)))
-        self._sequence = 0
-        self._written: dict[int, list[str]] = {}  # the keys this rank set, by push
+            store.set_timeout(timedelta(seconds=min(timeout_s, _STORE_CALL_S)))
+        return cls(store, rank, world_size)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def others(self) -> range:
+        """The ranks other than the leader."""
+        return range(1, self.world_size)
 
     def next_push(self) -> str:
         """The key prefix of the next push (every rank counts its pushes alike)."""
@@ -100,7 +171,7 @@ class GroupControl:
         try:
             body = work()
         except Exception as exc:
-            self.report(key, ControlMessage(ok=False, error=f"{type(exc).__name__}: {exc}"))
+            self.report(key, ControlMessage.failed(exc))
             raise
         self.report(key, ControlMessage(body=body))
 
@@ -158,7 +229,7 @@ class GroupControl:
         self, keys: list[str], what: str, deadline: float, who, interrupt: Interrupt = None
     ) -> dict[str, ControlMessage]:
         try:
-            if interrupt is None:
+            if interrupt is None or self.world_size == 1:
                 self._wait(keys, what, deadline, who)
             else:
                 self._poll(keys, what, deadline, who, interrupt)
@@ -169,7 +240,11 @@ class GroupControl:
         }
         for k, message in messages.items():
             if not message.ok:
-                raise TrainerRankError(f"{who(k)} failed ({what}): {message.error}")
+                raise TrainerRankError(
+                    f"{who(k)} failed ({what}): {message.error}",
+                    kind=message.kind,
+                    reason=f"{message.error.partition(': ')[2]} on {who(k)}",
+                )
         return messages
 
     def _wait(self, keys: list[str], what: str, deadline: float, who) -> None:

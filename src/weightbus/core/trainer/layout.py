@@ -1,6 +1,13 @@
 """The whole model as the trainer group holds it: every rank's holdings, gathered once per
-layout, checked, and the same on every rank (`TrainerLayout`)."""
+layout, checked, and the same on every rank (`TrainerLayout`).
 
+The layout also says who sends what, the same on every rank: a tensor some rank holds whole is
+sent whole by one of them (`sender`: copied and digested in one pass, as one process holding
+the model does), a tensor no rank holds whole is sent in cells by the ranks that hold its
+parts (`trainer.cells`) and digested in blocks (`trainer.digests`).
+"""
+
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -10,8 +17,8 @@ import xxhash
 
 from weightbus.core.meta import TensorMeta, dtype_from_name, dtype_name
 from weightbus.core.plan import Plan, plan_buckets
-from weightbus.core.sharded.boxes import Box
-from weightbus.core.sharded.holdings import Holding
+from weightbus.core.trainer.boxes import Box
+from weightbus.core.trainer.holdings import Holding
 
 
 class HeldMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -42,6 +49,7 @@ class TrainerLayout:
 
     def __post_init__(self) -> None:
         metas: dict[str, HeldMeta] = {}
+        holders: dict[str, list[tuple[int, Box]]] = {}
         for rank, held in enumerate(self.by_rank):
             for meta in held:
                 first = metas.setdefault(meta.name, meta)
@@ -50,22 +58,34 @@ class TrainerLayout:
                         f"tensor {meta.name!r}: trainer rank {rank} holds it as {meta.dtype} "
                         f"{list(meta.shape)}, another rank as {first.dtype} {list(first.shape)}"
                     )
-        object.__setattr__(self, "_metas", metas)
+                holders.setdefault(meta.name, []).append((rank, meta.box))
+        object.__setattr__(self, "_held", metas)
+        object.__setattr__(self, "_holders", holders)
         for name, meta in metas.items():
-            _check_covered(name, Box.whole(meta.shape), self.holders(name))
+            whole = Box.whole(meta.shape)
+            if all(box != whole for _, box in holders[name]):
+                _check_covered(name, whole, holders[name])
 
-    @property
+    @functools.cached_property
     def layout_hash(self) -> str:
         return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode(self.by_rank))
 
     @property
+    def world_size(self) -> int:
+        return len(self.by_rank)
+
+    @functools.cached_property
     def metas(self) -> list[TensorMeta]:
         """The model's tensors, in order (rank 0's first, then each rank's new ones)."""
-        held: dict[str, HeldMeta] = self._metas
+        held: dict[str, HeldMeta] = self._held  # type: ignore[attr-defined]
         return [TensorMeta(m.name, dtype_from_name(m.dtype), tuple(m.shape)) for m in held.values()]
 
+    @functools.cached_property
+    def metas_by_name(self) -> dict[str, TensorMeta]:
+        return {meta.name: meta for meta in self.metas}
+
     def plan(self, bucket_bytes: int, plan_hash: str) -> Plan:
-        """The plan of the model's tensors, which must be rank 0's (`plan_hash`).
+        """The plan of the model's tensors, which must be the leader's (`plan_hash`).
 
         Raises:
             ValueError: another plan (ranks that hold different models).
@@ -77,9 +97,32 @@ class TrainerLayout:
 
     def holders(self, name: str) -> list[tuple[int, Box]]:
         """`(rank, box)` of every rank holding part of tensor `name`, by rank."""
-        return [
-            (rank, m.box) for rank, held in enumerate(self.by_rank) for m in held if m.name == name
-        ]
+        return self._holders[name]  # type: ignore[attr-defined]
+
+    @functools.cached_property
+    def senders(self) -> dict[str, int]:
+        """The rank that sends each tensor some rank holds whole (absent: sent in cells by
+        its holders): the least loaded of its whole holders so far, the largest tensors
+        placed first, so replicas share the sending."""
+        load = [0] * self.world_size
+        chosen = {}
+        for meta in sorted(self.metas, key=lambda meta: -meta.nbytes):
+            whole = Box.whole(meta.shape)
+            ranks = [rank for rank, box in self.holders(meta.name) if box == whole]
+            if ranks:
+                rank = min(ranks, key=lambda r: (load[r], r))
+                load[rank] += meta.nbytes
+                chosen[meta.name] = rank
+        return chosen
+
+    def sender(self, name: str) -> int | None:
+        """The rank that sends tensor `name` whole, or None: it goes in cells."""
+        return self.senders.get(name)
+
+    @property
+    def single(self) -> bool:
+        """One rank holds and sends every tensor whole (a group of one)."""
+        return self.world_size == 1
 
 
 def _check_covered(name: str, whole: Box, boxes: list[tuple[int, Box]]) -> None:

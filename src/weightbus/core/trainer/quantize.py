@@ -13,8 +13,8 @@ import torch
 
 from weightbus.core.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Block, quantize, quantizes
 from weightbus.core.meta import TensorMeta
-from weightbus.core.sharded.boxes import Box
-from weightbus.core.sharded.holdings import Holding
+from weightbus.core.trainer.boxes import Box
+from weightbus.core.trainer.holdings import Holding
 
 
 def quantized_holdings(holdings: list[Holding], spec: Fp8Block) -> list[Holding]:
@@ -33,11 +33,10 @@ def quantized_holdings(holdings: list[Holding], spec: Fp8Block) -> list[Holding]
             continue
         box = holding.box
         _check_block_edges(holding, spec)
-        local = holding.local.view(box.row_stop - box.row_start, box.col_stop - box.col_start)
-        fp8, scale_inv = quantize(meta.name, local, spec)
-        result.append(Holding(TensorMeta(meta.name, FP8_DTYPE, meta.shape), box, fp8.view(-1)))
+        fp8, scale_inv = quantize(meta.name, holding.matrix(), spec)
+        result.append(Holding(TensorMeta(meta.name, FP8_DTYPE, meta.shape), box, fp8))
         scales = TensorMeta(meta.name + SCALE_SUFFIX, torch.float32, spec.scale_shape(meta.shape))
-        result.append(Holding(scales, _block_box(box, spec), scale_inv.view(-1)))
+        result.append(Holding(scales, _block_box(box, spec), scale_inv))
     return result
 
 
