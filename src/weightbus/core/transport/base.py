@@ -39,7 +39,7 @@ import torch
 from weightbus.core.digest import fingerprint_of_digests, tensor_digest
 from weightbus.core.meta import dtype_name
 from weightbus.core.plan import Plan
-from weightbus.core.transport.sending import BucketDone, Sending
+from weightbus.core.transport.sending import Sending
 from weightbus.core.wire import UpdateBegin, UpdateEnd, WireMeta
 
 # Called with the bytes handed over so far, e.g. to draw a progress bar.
@@ -286,9 +286,10 @@ class BucketSink(ABC):
     def key(self) -> str:
         return f"{self.name}-{secrets.token_hex(4)}"
 
-    def everyone(self, sending: Sending, order: Any, on_bucket: BucketDone | None = None) -> list:
-        """Every trainer rank runs `order` with its sender of this sink (`Sending.everyone`)."""
-        return sending.everyone(self.key, self.name, order, on_bucket)
+    def everyone(self, sending: Sending, order: Any, hooks: Any = None) -> list:
+        """Every trainer rank runs `order` with its sender of this sink (`Sending.everyone`;
+        `hooks`: what the leader's own sender may call as it goes)."""
+        return sending.everyone(self.key, self.name, order, hooks)
 
     @property
     def mode(self) -> str:

@@ -22,9 +22,9 @@ from weightbus.core.trainer.group import ControlMessage, TrainerGroup, TrainerRa
 from weightbus.core.trainer.holdings import Holding
 from weightbus.core.trainer.layout import TrainerLayout
 
-# Called with what a rank completed as it goes (the leader's own sender only): the index of a
-# bucket whose tensors it sends whole are written, with their digests and each engine rank's
-# slice digests (target index -> tensor -> digest).
+# A hook `shm` gives its leader's own sender: called with the index of a bucket whose tensors
+# it sends whole are written, their digests and each engine rank's slice digests (target index
+# -> tensor -> digest), so the sink tells the engine ranks at once.
 BucketDone = Callable[[int, dict[str, str], dict[int, dict[str, str]]], None]
 
 
@@ -39,7 +39,9 @@ class RankWork:
     key: str
     deadline: float
     refuse_nonfinite: bool = False
-    on_bucket: BucketDone | None = None
+    # the leader's own sender only: what its sink lends it to talk to the engine ranks as it
+    # goes (transport-specific: `shm` a `BucketDone`); None on the other ranks
+    hooks: Any = None
 
     def remaining_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -124,12 +126,12 @@ class Sending:
         return self.holdings[name].tensor
 
     def everyone(
-        self, sink: str, transport: str, order: Any, on_bucket: BucketDone | None = None
+        self, sink: str, transport: str, order: Any, hooks: Any = None
     ) -> list[Any]:
         """Every rank runs `order` with its sender of `sink`; their reports, by rank.
 
-        The leader's own part runs here (`on_bucket`: told as it completes buckets); the
-        others are told first and reported once the leader's part is done.
+        The leader's own part runs here (`hooks`: the sink's callbacks its sender may use as
+        it goes); the others are told first and reported once the leader's part is done.
 
         Raises:
             TrainerRankError: another rank failed, died or did not report in time (named).
@@ -153,7 +155,7 @@ class Sending:
             key=key,
             deadline=self.deadline,
             refuse_nonfinite=self.refuse_nonfinite,
-            on_bucket=on_bucket,
+            hooks=hooks,
         )
         own = sender.run(order, work)
         if self.single:

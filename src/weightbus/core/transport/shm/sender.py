@@ -221,8 +221,8 @@ class ShmRankSender(RankSender):
             for name, (_, by_target) in written.items():
                 for target, digest in by_target.items():
                     slices[target][name] = digest
-            if work.on_bucket is not None:
-                work.on_bucket(bucket_index, digests, slices)
+            if work.hooks is not None:  # the leader's sink tells the engine ranks at once
+                work.hooks(bucket_index, digests, slices)
             whole.update(digests)
             for target, found in slices.items():
                 whole_slices[target].update(found)

@@ -296,7 +296,7 @@ class ShmSink(BucketSink):
         )
         # a group of one tells each bucket as soon as it is written (the ranks verify it
         # meanwhile); in a group of N, a bucket is written once every rank reported
-        reports = self.everyone(sending, order, on_bucket=tell if sending.single else None)
+        reports = self.everyone(sending, order, hooks=tell if sending.single else None)
         sending.count_sent([report.sent_bytes for report in reports])
         session.count_sent(sum(report.sent_bytes for report in reports))
         if sending.single:
