@@ -194,9 +194,8 @@ class DeltaState:
         if mode == "auto" and sink.copies_locally:
             why = f"auto: {sink.name} copies at memory speed, a delta would cost more than it saves"
             return DeltaReport.full(why, base=base.version)
-        why = base.mismatch(request.layout) or self._engines_refuse(
-            targets, sink.carries_any_tensors, timeout_s
-        )
+        carries = sink.carries_any_tensors_from(ranks.group.world_size)
+        why = base.mismatch(request.layout) or self._engines_refuse(targets, carries, timeout_s)
         if why:
             return DeltaReport.full(why, base=base.version)
         return self._encode(mode, request, targets, ranks)

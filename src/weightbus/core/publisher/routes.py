@@ -118,6 +118,9 @@ class RoutedSink(BucketSink):
     def carries_any_tensors(self) -> bool:  # type: ignore[override]
         return all(child.carries_any_tensors for child in self.children.values())
 
+    def carries_any_tensors_from(self, ranks: int) -> bool:
+        return all(child.carries_any_tensors_from(ranks) for child in self.children.values())
+
     @property
     def copies_locally(self) -> bool:  # type: ignore[override]
         return all(child.copies_locally for child in self.children.values())

@@ -300,6 +300,13 @@ class BucketSink(ABC):
         """The keys of this sink and of any it holds (each trainer rank has a sender of each)."""
         return [self.key]
 
+    def carries_any_tensors_from(self, ranks: int) -> bool:
+        """Whether a session sent by a group of `ranks` trainer ranks may carry tensors that
+        are not the engines' parameters (`carries_any_tensors`, unless a transport can do it
+        from one rank only)."""
+        del ranks
+        return self.carries_any_tensors
+
     def setup(
         self, engines: Sequence[EngineLink], steps: Sending | None = None, **options: Any
     ) -> Any:

@@ -125,9 +125,7 @@ class Sending:
         """The whole tensor `name` (held by the leader: in a group of one, every tensor)."""
         return self.holdings[name].tensor
 
-    def everyone(
-        self, sink: str, transport: str, order: Any, hooks: Any = None
-    ) -> list[Any]:
+    def everyone(self, sink: str, transport: str, order: Any, hooks: Any = None) -> list[Any]:
         """Every rank runs `order` with its sender of `sink`; their reports, by rank.
 
         The leader's own part runs here (`hooks`: the sink's callbacks its sender may use as
