@@ -12,10 +12,12 @@ from weightbus.core.publisher import (
     EngineResult,
     EngineTarget,
     EngineWeights,
+    SessionFactory,
     UpdateOrder,
+    normalize_weights,
 )
 from weightbus.core.receiver import Receiver
-from weightbus.core.transport import open_source
+from weightbus.core.transport import Sending, open_source
 
 # a small Llama whose matrices split over TP 2 (KV heads too) and TP 4 (KV heads replicated)
 SMALL_LLAMA = {
@@ -33,6 +35,11 @@ SMALL_LLAMA = {
     "pad_token_id": None,
     "tie_word_embeddings": False,
 }
+
+
+def sending_of(weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, Any]) -> Sending:
+    """What one process sends of `weights` (a group of one), as a sink driven by hand takes it."""
+    return SessionFactory(1).sending(normalize_weights(weights))
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -1,28 +1,35 @@
 """`loopback`: a transport defined outside weightbus, for the registry's tests.
 
-The sink keeps each session's tensors in this process (copies, so the trainer may change its
-own afterwards); the source hands them to the Receiver in one batch. Its set-up (`sink.setup`)
-has every engine rank write a file into a directory (`rank<r>-of-<tp>`), and its tear-down
-remove them. It exists to show what a new transport is: a description, a sink, a source, a rank
-set-up with its requests, and one `TransportEntry`; nothing else in weightbus changes for it.
+The trainer rank's sender copies the tensors it sends (so the trainer may change its own
+afterwards) into this process, where the sink keeps each session; the source hands them to the
+Receiver in one batch (a session lives in one process: a trainer of one rank). Its set-up
+(`sink.setup`) has every engine rank write a file into a directory (`rank<r>-of-<tp>`), and its
+tear-down remove them. It exists to show what a new transport is: a description, a sink, a
+rank sender, a source, a rank set-up with its requests, and one `TransportEntry`; nothing else
+in weightbus changes for it.
 """
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
+import msgspec
 import torch
 
+from weightbus.core.digest import tensor_digest
 from weightbus.core.transport import (
     BucketSink,
     BucketSource,
     PushSession,
+    RankSender,
     RankSetupRequest,
     ReceivedBatch,
+    Sending,
     SourceDescription,
     TransportEntry,
 )
 from weightbus.core.transport.base import EngineLink, Progress, no_progress
+from weightbus.core.transport.sending import RankWork
 from weightbus.core.wire import UpdateBegin, UpdateEnd
 from weightbus.core.wire.messages import Hex128, SliceSpec
 
@@ -66,6 +73,28 @@ def apply_rank_setup(
         path.write_text(str(len(slices)))
 
 
+class CopyOrder(msgspec.Struct, frozen=True):
+    """Copy what you send for session `session_id`."""
+
+    session_id: str
+
+
+class LoopbackSender(RankSender):
+    """A trainer rank's part: copies of the tensors it sends, with their digests."""
+
+    order_type = CopyOrder
+    report_type = dict[str, str]
+
+    def run(self, order: CopyOrder, work: RankWork) -> dict[str, str]:
+        mine = [name for name, rank in work.layout.senders.items() if rank == self.group.rank]
+        copies = {name: work.holdings[name].tensor.clone() for name in mine}
+        _copies.setdefault(order.session_id, {}).update(copies)
+        return {name: tensor_digest(tensor) for name, tensor in copies.items()}
+
+
+_copies: dict[str, dict[str, torch.Tensor]] = {}
+
+
 class LoopbackSink(BucketSink):
     name = "loopback"
 
@@ -74,7 +103,12 @@ class LoopbackSink(BucketSink):
         self._directory = ""
 
     def setup(
-        self, engines: Sequence[EngineLink], *, directory: str, timeout_s: float = 30.0
+        self,
+        engines: Sequence[EngineLink],
+        steps: Sending | None = None,
+        *,
+        directory: str,
+        timeout_s: float = 30.0,
     ) -> None:
         """Every rank of every engine writes its file into `directory`."""
         for engine in engines:
@@ -90,13 +124,11 @@ class LoopbackSink(BucketSink):
             )
 
     def prepare(
-        self,
-        session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
-        progress: Progress = no_progress,
+        self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> LoopbackDescription:
-        session.ensure_digests(tensors)
-        copies = {meta.name: tensors[meta.name].clone() for meta in session.plan.metas}
+        for digests in self.everyone(sending, CopyOrder(session.session_id)):
+            session.digests.update(digests)
+        copies = _copies.pop(session.session_id)
         _sessions[session.session_id] = (
             session.begin_message(),
             copies,
@@ -109,7 +141,7 @@ class LoopbackSink(BucketSink):
     def stream(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         timeout_s: float,
         progress: Progress = no_progress,
     ) -> None:
@@ -142,6 +174,7 @@ ENTRY = TransportEntry(
     sink="loopback_transport:LoopbackSink",
     source="loopback_transport:LoopbackSource",
     description="loopback_transport:LoopbackDescription",
+    sender="loopback_transport:LoopbackSender",
     rank_setup="loopback_transport:apply_rank_setup",
     setup_request="loopback_transport:LoopbackRequest",
 )

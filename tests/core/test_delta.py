@@ -7,6 +7,7 @@ computes for that rank (`rank_digests`).
 """
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -15,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightbus.core.delta import (
-    DeltaBase,
+    RankBase,
     apply_to_slice,
     check_payload,
+    encode_cells,
     payload_names,
     payload_of,
     rank_digests,
@@ -27,11 +29,43 @@ from weightbus.core.delta.bits import element_words
 from weightbus.core.digest import tensor_digest
 from weightbus.core.meta import DTYPES_BY_NAME
 from weightbus.core.plan.shard import ShardCopy
+from weightbus.core.publisher.delta import StreamStep, delta_kinds, delta_stream
+from weightbus.core.trainer.holdings import whole_holding
+from weightbus.core.trainer.layout import TrainerLayout, held_metas
 from weightbus.core.wire.delta import DeltaSpec, DeltaTensor
 from weightbus.core.wire.messages import SliceSpec
 
 DTYPES = sorted(DTYPES_BY_NAME)
 HEX = "0" * 32
+
+
+class _Encoded:
+    """A new version encoded against a base by one process (a group of one), as a push does."""
+
+    def __init__(self, base: dict, new: dict, *, sparse: bool = True) -> None:
+        self.holdings = {name: whole_holding(name, tensor) for name, tensor in new.items()}
+        self.layout = TrainerLayout((tuple(held_metas(list(self.holdings.values()))),))
+        held = {name: whole_holding(name, tensor) for name, tensor in base.items()}
+        self.base = RankBase(held, self.layout.layout_hash, version="v0")
+        digests, base_digests = version_digests(new)[0], version_digests(base)[0]
+        self.changed = [name for name in new if digests[name] != base_digests[name]]
+        with ThreadPoolExecutor(2) as pool:
+            self.changes = self.base.encode(
+                self.changed, encode_cells(self.layout), self.holdings, 0, pool
+            )
+        counts = {
+            n: {c.cell: c.indices.numel() for c in found} for n, found in self.changes.items()
+        }
+        self.kinds, self.figures = delta_kinds(self.layout, self.changed, counts, sparse)
+        totals = {n: [counts[n].get(0, 0)] for n, kind in self.kinds.items() if kind == "sparse"}
+        self.stream = StreamStep(kinds=self.kinds, counts=totals)
+
+    def kind(self, name: str) -> str:
+        return self.kinds.get(name, "same")
+
+    def sparse(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        (found,) = self.changes[name]
+        return found.indices, found.values
 
 
 def _random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -96,15 +130,13 @@ def test_each_rank_applies_its_slice_bit_exactly(dtype_name, shape, fraction, tp
     base = _random_bits(dtype, shape, seed)
     new = _changed(base, fraction, seed + 7)
     digests, _ = version_digests({"w": new})
-    encoding = DeltaBase("v0", HEX, {"w": base}, version_digests({"w": base})[0]).encode(
-        {"w": new}, digests
-    )
-    kind = encoding.kinds["w"]
+    encoded = _Encoded({"w": base}, {"w": new})
+    kind = encoded.kind("w")
     assert (kind == "same") == _same_bits(base, new)
     if kind != "sparse":
-        assert kind == "same" or encoding.stream == [("w", new)]
+        assert kind == "same" or encoded.kinds == {"w": "full"}
         return
-    indices, values = encoding.sparse["w"]
+    indices, values = encoded.sparse("w")
     assert indices.numel() < new.numel()
     check_payload("w", indices, values, new.numel())
     dim = dim_pick % len(shape) if shape else 0
@@ -123,13 +155,11 @@ def test_a_column_slice_inside_a_wider_parameter_is_written_in_place():
     """Row-parallel layers hold columns of every row; the destination is a strided view."""
     base = _random_bits(torch.bfloat16, (6, 8), 1)
     new = _changed(base, 0.3, 2)
-    encoding = DeltaBase("v0", HEX, {"w": base}, version_digests({"w": base})[0]).encode(
-        {"w": new}, version_digests({"w": new})[0]
-    )
+    encoded = _Encoded({"w": base}, {"w": new})
     param = torch.zeros(6, 10, dtype=torch.bfloat16)  # padded: the slice is columns 2..6
     copy = ShardCopy(1, 4, 1, 2, 4)
     copy.destination(param).copy_(copy.source(base))
-    apply_to_slice(copy.destination(param), (6, 8), copy, *encoding.sparse["w"])
+    apply_to_slice(copy.destination(param), (6, 8), copy, *encoded.sparse("w"))
     assert _same_bits(copy.destination(param), copy.source(new))
     assert not param[:, :2].any()
     assert not param[:, 6:].any()
@@ -139,11 +169,8 @@ def test_bits_not_values_decide_what_changed():
     base = torch.tensor([0.0, 1.0, float("nan"), 2.0])
     new = torch.tensor([-0.0, 1.0, float("nan"), 2.0])
     new.view(torch.int32)[2] += 1  # another NaN payload
-    digests = version_digests({"w": new})[0]
-    encoding = DeltaBase("v0", HEX, {"w": base}, version_digests({"w": base})[0]).encode(
-        {"w": new}, digests
-    )
-    assert encoding.changed_elements == 2
+    encoded = _Encoded({"w": base}, {"w": new})
+    assert encoded.figures["changed_fraction"] == 2 / 4
 
 
 def test_a_tensor_goes_whole_when_its_changes_are_not_smaller():
@@ -153,30 +180,42 @@ def test_a_tensor_goes_whole_when_its_changes_are_not_smaller():
     sparse[7] = 1.0
     tensors = {"dense": dense, "sparse": sparse, "frozen": base.clone()}
     kept = {"dense": base, "sparse": base, "frozen": base}
-    base_digests = version_digests(kept)[0]
-    encoding = DeltaBase("v0", HEX, kept, base_digests).encode(tensors, version_digests(tensors)[0])
-    assert encoding.kinds == {"dense": "full", "sparse": "sparse", "frozen": "same"}
-    assert [name for name, _ in encoding.stream] == ["dense", *payload_names("sparse")]
-    assert encoding.stream_bytes == 200 + 1 * (4 + 2)
-    assert encoding.full_bytes == 600
+    encoded = _Encoded(kept, tensors)
+    assert encoded.kinds == {"dense": "full", "sparse": "sparse"}
+    assert encoded.figures["tensors"] == {"same": 1, "sparse": 1, "full": 1}
+    layout, mine = delta_stream(
+        encoded.layout, encoded.holdings, encoded.stream, encoded.changes, 0
+    )
+    assert [meta.name for meta in layout.metas] == ["dense", *payload_names("sparse")]
+    assert list(mine) == ["dense", *payload_names("sparse")]
+    assert encoded.figures["stream_bytes"] == 200 + 1 * (4 + 2)
+    assert encoded.figures["full_bytes"] == 600
 
 
 def test_advance_makes_the_base_the_new_version():
     base = {"a": _random_bits(torch.float32, (5, 4), 3), "b": _random_bits(torch.int8, (9,), 4)}
     new = {"a": _changed(base["a"], 0.1, 5), "b": _changed(base["b"], 1.0, 6)}
-    kept = DeltaBase("v0", HEX, base, version_digests(base)[0])
-    digests, fingerprint = version_digests(new)
-    kept.advance(kept.encode(new, digests), new, "v1", fingerprint, digests)
+    encoded = _Encoded(base, new)
+    kept = encoded.base
+    sparse = {n: c for n, c in encoded.changes.items() if encoded.kind(n) == "sparse"}
+    full = [n for n in encoded.changed if encoded.kind(n) == "full"]
+    kept.advance(sparse, full, encoded.holdings)
     assert all(_same_bits(kept.tensors[name], new[name]) for name in new)
-    assert (kept.version, kept.fingerprint, kept.digests) == ("v1", fingerprint, digests)
     assert kept.nbytes == 5 * 4 * 4 + 9
 
 
 def test_base_mismatch_names_what_differs():
-    kept = DeltaBase("v0", HEX, {"a": torch.zeros(3)}, {"a": HEX})
-    assert kept.mismatch({"b": torch.zeros(3)}) == "the tensors' names differ from the base's"
-    assert kept.mismatch({"a": torch.zeros(4)}) == "tensor 'a' changed its dtype or shape"
-    assert kept.mismatch({"a": torch.ones(3)}) is None
+    def layout(**tensors: torch.Tensor) -> TrainerLayout:
+        return TrainerLayout(
+            (tuple(held_metas([whole_holding(n, t) for n, t in tensors.items()])),)
+        )
+
+    kept = RankBase({"a": whole_holding("a", torch.zeros(3))}, layout(a=torch.zeros(3)).layout_hash,
+                    version="v0")  # fmt: skip
+    changed = "the tensors (their names, dtypes, shapes or who holds them) changed"
+    assert kept.mismatch(layout(b=torch.zeros(3))) == changed
+    assert kept.mismatch(layout(a=torch.zeros(4))) == changed
+    assert kept.mismatch(layout(a=torch.ones(3))) is None
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TensorDictTarget, assert_bit_identical, random_tensor, receive_order
+from helpers import TensorDictTarget, assert_bit_identical, random_tensor, receive_order, sending_of
 from weightbus.core.digest import fingerprint
 from weightbus.core.publisher import SessionFactory, normalize_weights
 from weightbus.core.receiver import Receiver
@@ -33,7 +33,7 @@ def _target() -> TensorDictTarget:
 def _push(tmp_path: Path, weights, version: str = "v1", bucket_bytes: int = 2 * KiB):
     sink = make_sink("disk", root=tmp_path / "sessions")
     session = SessionFactory(bucket_bytes).session(normalize_weights(weights), version, step=None)
-    return sink, session, sink.prepare(session, dict(weights))
+    return sink, session, sink.prepare(session, sending_of(weights))
 
 
 def _receive(description: dict, target: TensorDictTarget, rank: int = 0, tp_size: int = 1, **kw):
@@ -61,7 +61,7 @@ def test_push_through_disk_is_bit_exact_and_fingerprints_agree(tmp_path):
 def test_session_directory_is_complete_or_absent_and_old_sessions_are_removed(tmp_path):
     sink, _, first = _push(tmp_path, _weights())
     session = SessionFactory(2 * KiB).session(normalize_weights(_weights(1)), "v2", step=3)
-    second = sink.prepare(session, dict(_weights(1)))
+    second = sink.prepare(session, sending_of(_weights(1)))
     assert not Path(first.path).exists()
     entries = sorted(p.name for p in (tmp_path / "sessions").iterdir())
     assert entries == [Path(second.path).name]

@@ -91,16 +91,18 @@ def _metas(model: LlamaForCausalLM):
 
 
 def _push(sink, ranks: list[_Rank], weights: dict, version: str, verify: str = "full", **stream):
-    """Push to rank threads (`stream`: keyword arguments of `sink.stream`); returns the session
-    and the ranks' results.
+    """Push to rank threads (`stream`: keyword arguments of the process's `Sending`); returns
+    the session and the ranks' results.
 
     Raises:
         _StreamFailedError: the sink's stream raised (it carries the ranks' results).
     """
-    session = SessionFactory(64 * KiB).session(
+    factory = SessionFactory(64 * KiB)
+    session = factory.session(
         normalize_weights(weights), version, None, receivers=len({r.group for r in ranks})
     )
-    description = sink.prepare(session, weights)
+    sending = factory.sending(list(weights.items()), **stream)
+    description = sink.prepare(session, sending)
     results: dict[int, RankResult] = {}
 
     def run(index: int) -> None:
@@ -110,7 +112,7 @@ def _push(sink, ranks: list[_Rank], weights: dict, version: str, verify: str = "
     for thread in threads:
         thread.start()
     try:
-        sink.stream(session, weights, TIMEOUT_S, **stream)
+        sink.stream(session, sending, TIMEOUT_S)
     except ValueError as exc:
         for thread in threads:
             thread.join(TIMEOUT_S)
@@ -366,13 +368,15 @@ def test_no_byte_is_written_before_the_rank_confirms_direct_mode(config, monkeyp
     sink = make_sink("shm")
     weights = dict(random_hf_weights(config, seed=9))
     try:
-        session = SessionFactory(64 * KiB).session(normalize_weights(weights), "v9", None)
-        description = sink.prepare(session, weights)
+        factory = SessionFactory(64 * KiB)
+        session = factory.session(normalize_weights(weights), "v9", None)
+        sending = factory.sending(list(weights.items()))
+        description = sink.prepare(session, sending)
         results = []
         receiving = threading.Thread(target=lambda: results.append(rank.receive(description, "v9")))
         receiving.start()
         with pytest.raises(TimeoutError, match="every rank to confirm direct mode"):
-            sink.stream(session, weights, timeout_s=2.0)
+            sink.stream(session, sending, timeout_s=2.0)
         receiving.join(TIMEOUT_S)
         [result] = results
         assert not result.ok

@@ -16,6 +16,7 @@ from helpers import (
     assert_bit_identical,
     random_tensor,
     receive_order,
+    sending_of,
 )
 from weightbus.core.publisher import SessionFactory, normalize_weights
 from weightbus.core.receiver import RankResult, Receiver
@@ -43,7 +44,8 @@ def _push(sink, weights, version: str, ranks: list[tuple[int, int, int]], timeou
     session = SessionFactory(4 * KiB).session(
         normalize_weights(weights), version, None, receivers=len({g for g, _, _ in ranks})
     )
-    description = sink.prepare(session, dict(weights))
+    sending = sending_of(weights)
+    description = sink.prepare(session, sending)
     results: dict[tuple[int, int], tuple[RankResult, TensorDictTarget]] = {}
 
     def receive(group: int, rank: int, tp_size: int) -> None:
@@ -58,7 +60,7 @@ def _push(sink, weights, version: str, ranks: list[tuple[int, int, int]], timeou
     threads = [threading.Thread(target=receive, args=r) for r in ranks]
     for thread in threads:
         thread.start()
-    sink.stream(session, dict(weights), timeout_s)
+    sink.stream(session, sending, timeout_s)
     for thread in threads:
         thread.join(timeout_s)
     return session, results
@@ -103,7 +105,8 @@ def test_a_refusing_rank_still_drains_so_others_commit():
     try:
         weights = _weights(2)
         session = SessionFactory(4 * KiB).session(normalize_weights(weights), "v", None)
-        description = sink.prepare(session, dict(weights))
+        sending = sending_of(weights)
+        description = sink.prepare(session, sending)
         outcome: dict[str, RankResult] = {}
 
         def receive(name: str, expected_version: str) -> None:
@@ -127,7 +130,7 @@ def test_a_refusing_rank_still_drains_so_others_commit():
         ]
         for thread in threads:
             thread.start()
-        sink.stream(session, dict(weights), 20)  # returns: the refusing rank acked every slot
+        sink.stream(session, sending, 20)  # returns: the refusing rank acked every slot
         for thread in threads:
             thread.join(20)
         assert outcome["ok"].ok
@@ -141,7 +144,7 @@ def test_receiver_times_out_when_the_publisher_never_streams():
     try:
         weights = _weights(3)
         session = SessionFactory(4 * KiB).session(normalize_weights(weights), "v", None)
-        description = sink.prepare(session, dict(weights))
+        description = sink.prepare(session, sending_of(weights))
         target = TensorDictTarget({n: torch.zeros_like(t) for n, t in weights})
         receiver = Receiver(load_weights=target.load_weights, expected=target.expected())
         result = receiver.receive(
@@ -168,7 +171,8 @@ def test_bad_descriptions_are_refused(change, message):
     sink = make_sink("shm")
     try:
         session = SessionFactory(4 * KiB).session(normalize_weights(_weights(4)), "v", None)
-        description = {**encode_description(sink.prepare(session, dict(_weights(4)))), **change}
+        prepared = sink.prepare(session, sending_of(_weights(4)))
+        description = {**encode_description(prepared), **change}
         with pytest.raises(ValueError, match=message):
             open_source("shm", description)
     finally:
@@ -188,7 +192,9 @@ _DIE_HOLDING_SLOTS = textwrap.dedent(
     from weightbus.core.transport import make_sink
     weights = [("w", torch.ones(10))]
     sink = make_sink("shm", direct=False)  # slots only: made at prepare
-    sink.prepare(SessionFactory(4096).session(normalize_weights(weights), "v", None), dict(weights))
+    factory = SessionFactory(4096)
+    session = factory.session(normalize_weights(weights), "v", None)
+    sink.prepare(session, factory.sending(weights))
     print(" ".join(slot.name for slot in sink.slots), flush=True)
     os.kill(os.getpid(), 9)
     """

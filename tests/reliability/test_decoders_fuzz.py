@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from msgspec_strategies import chaos, msgpack_frames, values_for
 from safetensors.torch import save_file
 
+from helpers import sending_of
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan import plan_buckets
 from weightbus.core.publisher import SessionFactory, normalize_weights
@@ -227,7 +228,7 @@ def disk_session(tmp_path_factory: pytest.TempPathFactory) -> Path:
     weights = [("w", torch.arange(12.0).reshape(3, 4)), ("b", torch.ones(5, dtype=torch.int8))]
     sink = make_sink("disk", root=tmp_path_factory.mktemp("disk"))
     session = SessionFactory(4096).session(normalize_weights(weights), "v1", step=None)
-    return Path(sink.prepare(session, dict(weights)).path)
+    return Path(sink.prepare(session, sending_of(weights)).path)
 
 
 def _read_session(directory: Path) -> None:

@@ -5,7 +5,7 @@ A digest is computed over a tensor's bytes in row-major order cut into fixed blo
 order. The blocks depend only on the tensor's bytes, never on who holds them, so processes that
 each hold part of a tensor (the ranks of a sharded trainer) compute the same digest as one
 process holding all of it: each hashes the blocks it holds whole, and only a block cut by a
-shard boundary travels to one of them (`weightbus.core.sharded`). It costs ~2% against one
+shard boundary travels to one of them (`weightbus.core.trainer.digests`). It costs ~2% against one
 xxh3 over the whole tensor (~25 GB/s; MD5 is ~30x slower).
 
 A fingerprint is xxh3-128 over the name-sorted `(name, dtype, shape, digest)` list, so trainer

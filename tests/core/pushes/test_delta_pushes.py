@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from update_harness import weights_state
 
 from weightbus import Publisher
-from weightbus.core.delta import DeltaBase
+from weightbus.core.delta import RankBase
 from weightbus.core.publisher import PushError
 from weightbus.core.publisher.targets import HttpEngineTarget
 from weightbus.core.wire.delta import DELTA_BASE_REFUSAL
@@ -180,15 +180,14 @@ def test_a_delta_refused_in_flight_is_followed_by_the_whole_version(engines):
 def _corrupting_encode(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Encodings whose indices of `name` point one element further (still increasing and in
     range): the stream's digests match what is sent, only the result is wrong."""
-    encode = DeltaBase.encode
+    encode = RankBase.encode
 
-    def corrupted(self, tensors, digests, **options):
-        encoding = encode(self, tensors, digests, **options)
-        indices, _ = encoding.sparse[name]
-        indices[-1] += 1  # the last changed element: the next one is never changed
-        return encoding
+    def corrupted(self, *args, **options):
+        changes = encode(self, *args, **options)
+        changes[name][-1].indices[-1] += 1  # the last changed element: the next is never changed
+        return changes
 
-    monkeypatch.setattr(DeltaBase, "encode", corrupted)
+    monkeypatch.setattr(RankBase, "encode", corrupted)
 
 
 @pytest.mark.parametrize("atomic", [True, False])

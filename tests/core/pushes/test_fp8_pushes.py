@@ -18,6 +18,8 @@ from update_harness import (
     trained_copy,
     weights_state,
 )
+from weightbus.core.sharded.holdings import holdings_of
+from weightbus.core.sharded.quantize import quantized_holdings
 
 from weightbus import Publisher, PushError
 from weightbus.core.finite import NonFiniteWeightsError
@@ -26,8 +28,6 @@ from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.session import normalize_weights
 from weightbus.core.publisher.targets import HttpEngineTarget
 from weightbus.core.sharded import DeclaredShard
-from weightbus.core.sharded.holdings import holdings_of
-from weightbus.core.sharded.quantize import quantized_holdings
 
 # float32 engine vs transformers on the same (dequantized) weights, as test_update_e2e.py
 LOGPROB_ATOL = 1e-4
@@ -177,19 +177,19 @@ def test_fsdp2_ranks_quantize_their_own_shards_into_what_a_publisher_sends(
 
 def test_a_shard_off_block_edges_is_refused_naming_the_tensor():
     name = "model.layers.0.mlp.up_proj.weight"
-    held = holdings_of({name: DeclaredShard(torch.ones(100, 256), (200, 256), (100, 0))})
+    held, _ = holdings_of({name: DeclaredShard(torch.ones(100, 256), (200, 256), (100, 0))})
     with pytest.raises(ValueError, match="not whole 128x128 blocks") as refused:
         quantized_holdings(held, BLOCK)
     assert str(refused.value) == (
         f"fp8-block: tensor {name!r}: this rank holds rows 100:200 and columns 0:256 of "
         "(200, 256), not whole 128x128 blocks: each rank quantizes its own shard, so shards "
-        "must split on block edges (or push the gathered model with a Publisher)"
+        "must split on block edges (or push the gathered model from one process)"
     )
     # a shard on block edges quantizes into exactly its part of the whole matrix's
     full = torch.randn(256, 300)
     whole_fp8, whole_scales = quantize(name, full, BLOCK)
     part = quantized_holdings(
-        holdings_of({name: DeclaredShard(full[128:].clone(), (256, 300), (128, 0))}), BLOCK
+        holdings_of({name: DeclaredShard(full[128:].clone(), (256, 300), (128, 0))})[0], BLOCK
     )
     fp8, scales = (holding.local for holding in part)
     assert torch.equal(fp8.view(torch.uint8), whole_fp8[128:].reshape(-1).view(torch.uint8))

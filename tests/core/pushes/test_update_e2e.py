@@ -11,6 +11,7 @@ import torch
 from engine_harness import PROMPT, ServedEngine
 from update_harness import KiB, engine_greedy, hf_greedy, trained_copy, weights_state
 
+from helpers import sending_of
 from weightbus import Publisher, PushError
 from weightbus.core.finite import (
     NOTHING_SENT,
@@ -152,7 +153,7 @@ def test_duplicated_names_are_refused_before_anything_is_sent(engine, hf_model, 
 def _prepared_session(tmp_path: Path, weights, version: str) -> tuple[dict, str]:
     sink = make_sink("disk", root=tmp_path / "manual")
     session = SessionFactory(64 * KiB).session(normalize_weights(weights), version, None)
-    description = sink.prepare(session, dict(normalize_weights(weights)))
+    description = sink.prepare(session, sending_of(weights))
     return encode_description(description), session.plan.plan_hash
 
 

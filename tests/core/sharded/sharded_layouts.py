@@ -4,8 +4,8 @@ import torch
 
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan.shard import ShardCopy
-from weightbus.core.sharded.boxes import Box, matrix_shape
-from weightbus.core.sharded.holdings import Holding
+from weightbus.core.trainer.boxes import Box, matrix_shape
+from weightbus.core.trainer.holdings import Holding
 
 # a column-parallel matrix (3 digest blocks), a row-parallel one, a vector, bf16 embeddings
 SHAPES = {
@@ -112,7 +112,8 @@ LAYOUTS = {
 
 
 def holdings(full: dict[str, torch.Tensor], boxes: dict[str, Box]) -> list[Holding]:
-    """A rank's holdings of `boxes` (contiguous copies of the boxes of `full`)."""
+    """A rank's holdings of `boxes` (contiguous copies of the boxes of `full`; a whole box in
+    the tensor's own shape, as a process holding it whole holds it)."""
     result = []
     for name, box in boxes.items():
         tensor = full[name]
@@ -121,7 +122,8 @@ def holdings(full: dict[str, torch.Tensor], boxes: dict[str, Box]) -> list[Holdi
             box.row_start : box.row_stop, box.col_start : box.col_stop
         ]
         meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape))
-        result.append(Holding(meta, box, local.contiguous().reshape(-1)))
+        whole = box == Box.whole(tuple(tensor.shape))
+        result.append(Holding(meta, box, tensor.clone() if whole else local.contiguous()))
     return result
 
 

@@ -1,7 +1,8 @@
-"""The resharding schedule and the gather-free digests over a matrix of trainer layouts (FSDP
-uneven, FSDP x TP, Megatron TP, pipeline stages, replicated) into engines of TP 1 and 2, each
-trainer rank simulated in this process: every engine byte written once, from the rank that holds
-it, bit-exact; digests equal to the whole tensors'."""
+"""Who sends what, and the gather-free digests, over a matrix of trainer layouts (FSDP uneven,
+FSDP x TP, Megatron TP, pipeline stages, replicated) into engines of TP 1 and 2, each trainer
+rank simulated in this process: a tensor some rank holds whole goes whole from one of them (its
+sender), the others in cells; every engine byte written once, from a rank that holds it,
+bit-exact; digests equal to the whole tensors'."""
 
 import pytest
 import torch
@@ -10,11 +11,10 @@ from sharded_layouts import LAYOUTS, SHAPES, engine_slices, holdings, model
 
 from weightbus.core.digest import combine_blocks, tensor_digest
 from weightbus.core.plan.shard import ShardCopy
-from weightbus.core.sharded import ShardedPublisher
-from weightbus.core.sharded.boxes import Box
-from weightbus.core.sharded.digests import DigestPlan, Region
-from weightbus.core.sharded.layout import TrainerLayout, held_metas
-from weightbus.core.sharded.schedule import as_matrix, cell_view, make_schedule, slice_box
+from weightbus.core.trainer.boxes import Box
+from weightbus.core.trainer.cells import as_matrix, cell_view, make_schedule, slice_box
+from weightbus.core.trainer.digests import DigestPlan, Region
+from weightbus.core.trainer.layout import TrainerLayout, held_metas
 
 
 def _layout(full, boxes_by_rank):
@@ -66,6 +66,16 @@ def test_every_engine_byte_once_from_its_holder_and_digests_without_a_gather(lay
         sent[piece.owner] += source.nbytes
         if piece.name != "norm.weight":
             sent_unreplicated[piece.owner] += source.nbytes
+    for name, sender in layout.senders.items():  # whole, from its sender
+        whole = held[sender][name].tensor
+        assert held[sender][name].whole
+        for target, copies in enumerate(slices):
+            (copy,) = copies[name]
+            written[target][name].copy_(copy.source(whole))
+            counts[target][name].add_(1)
+            sent[sender] += copy.source(whole).nbytes
+            if name != "norm.weight":
+                sent_unreplicated[sender] += copy.source(whole).nbytes
     for rank, copies in enumerate(slices):
         for name, (copy,) in copies.items():
             assert torch.equal(written[rank][name], copy.source(full[name])), (rank, name)
@@ -117,15 +127,6 @@ def test_ranks_disagreeing_on_a_tensor_are_named():
         TrainerLayout(tuple(tuple(held_metas(h)) for h in held))
 
 
-def test_a_transport_that_cannot_take_sharded_sources_is_refused_naming_the_others():
-    with pytest.raises(
-        ValueError,
-        match=r"transport 'hf_dir' cannot take sharded sources yet; sharded trainers push "
-        r"over shm, nixl, dist, disk, or gather the model to one process and use a Publisher",
-    ):
-        ShardedPublisher(["http://127.0.0.1:1"], transport="hf_dir")
-
-
 def test_empty_and_scalar_tensors_digest_like_the_gathered_ones():
     full = {"empty.weight": torch.empty(0, 4), "scale": torch.tensor(2.5)}
     boxes = [{name: Box.whole(tuple(t.shape)) for name, t in full.items()}] * 2  # replicated
@@ -133,5 +134,5 @@ def test_empty_and_scalar_tensors_digest_like_the_gathered_ones():
     regions = [Region(name, Box.whole(tuple(t.shape))) for name, t in full.items()]
     digests = _simulated_digests(DigestPlan(layout, regions), held)
     assert digests == [tensor_digest(t) for t in full.values()]
-    pieces = make_schedule(layout, [{"scale": [ShardCopy.whole(())]}])
-    assert [(p.name, p.cell.numel) for p in pieces] == [("scale", 1)]
+    assert layout.senders == {"scale": 0, "empty.weight": 1}  # whole: one replica each
+    assert make_schedule(layout, [{"scale": [ShardCopy.whole(())]}]) == []

@@ -3,8 +3,8 @@
 An FSDP2-sharded Llama (bf16, `--size`) on N = 1, 2 trainer processes (gloo CPU mesh) pushes
 into one TP-2 reference engine over `shm` (straight into the engine's parameters, and through
 the slots), over `nixl` (one-sided WRITEs) and over `dist` (every trainer rank a member of the
-weights group), each way as a `ShardedPublisher` (every rank
-sends the bytes it holds) and as users do it today (every parameter `full_tensor()`ed, then one
+weights group), each way as a `Publisher` on the trainer's group (every rank sends the bytes it
+holds) and as users do it without one (every parameter `full_tensor()`ed, then one
 `Publisher` push from rank 0, as vLLM's `ModuleSource` does). Reports per row: the median push
 seconds (the gather included), the bytes each trainer rank sent, each rank's shard and the peak
 private memory the push took on a rank (sampled `RssAnon`: the gather materialises the whole

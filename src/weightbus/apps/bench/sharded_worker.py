@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from weightbus.apps.cluster.rank import fsdp_model
 from weightbus.core.publisher import Publisher
-from weightbus.core.sharded import ShardedPublisher
 
 _SAMPLE_S = 0.002
 # every push of the bench: staged then swapped, between two steps, every digest checked
@@ -71,33 +70,27 @@ def _timed(push, repeat: int) -> dict:
     return {"seconds": statistics.median(seconds), "peak_bytes": max(peaks), "sent_bytes": sent[-1]}
 
 
-# the paths compared: (row name, ShardedPublisher options, Publisher options)
+# the paths compared: (row name, Publisher options); each both ways: every rank its shards (a
+# Publisher on the trainer's group), and the gather then one push from rank 0
 _PATHS = (
-    (
-        "shm direct",
-        {"transport": "shm"},
-        {"transport": "shm", "transport_options": {"direct": True}},
-    ),
-    (
-        "shm slots",
-        {"transport": "shm", "direct": False},
-        {"transport": "shm", "transport_options": {"direct": False}},
-    ),
-    ("nixl", {"transport": "nixl"}, {"transport": "nixl"}),
-    ("dist", {"transport": "dist"}, {"transport": "dist"}),
+    ("shm direct", {"transport": "shm", "transport_options": {"direct": True}}),
+    ("shm slots", {"transport": "shm", "transport_options": {"direct": False}}),
+    ("nixl", {"transport": "nixl"}),
+    ("dist", {"transport": "dist"}),
 )
 
 
 def _sharded_row(model: torch.nn.Module, args: dict, name: str, options: dict) -> dict:
     """Median push of every rank's own shards."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    sharded = ShardedPublisher(
-        [args["url"]], timeout_s=600, bucket_bytes=args["bucket_bytes"], **options
-    )
+    sharded = Publisher(
+        [args["url"]], group=dist.group.WORLD, timeout_s=600, bucket_bytes=args["bucket_bytes"],
+        **options,
+    )  # fmt: skip
 
     def push(index: int) -> int:
         version = f"sharded-{world}-{name}-{index}-{time.monotonic_ns()}"
-        return sharded.push(model, version=version, **_OPTIONS).sent_bytes[rank]
+        return sharded.push(model, version=version, **_OPTIONS).rank_sent_bytes[rank]
 
     try:
         return _timed(push, args["repeat"])
@@ -113,7 +106,7 @@ def _gathered_row(model: torch.nn.Module, args: dict, name: str, options: dict) 
         publisher = Publisher(
             [args["url"]], timeout_s=600, bucket_bytes=args["bucket_bytes"], **options
         )
-        if options["transport"] == "dist":  # the sharded publisher forms its group itself
+        if options["transport"] == "dist":  # a group of several forms its weights group itself
             publisher.init_weights_group("127.0.0.1")
 
     def push(index: int) -> int:
@@ -139,14 +132,12 @@ def main() -> None:
     model = fsdp_model(args["model_dir"])
     shard_bytes = sum(p.to_local().nbytes for p in model.state_dict().values())
     results = {"rank": rank, "world_size": world, "shard_bytes": shard_bytes, "rows": {}}
-    for name, sharded_options, publisher_options in _PATHS:
+    for name, options in _PATHS:
         if name.split()[0] not in args["transports"]:
             continue
         rows = results["rows"]
-        rows[f"sharded {name}"] = _sharded_row(model, args, name, sharded_options)
-        rows[f"full_tensor + Publisher {name}"] = _gathered_row(
-            model, args, name, publisher_options
-        )
+        rows[f"sharded {name}"] = _sharded_row(model, args, name, options)
+        rows[f"full_tensor + Publisher {name}"] = _gathered_row(model, args, name, options)
     (Path(args["out"]) / f"rank{rank}.json").write_text(json.dumps(results))
     os._exit(0)
 

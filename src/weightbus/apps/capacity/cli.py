@@ -34,7 +34,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default="owners",
         choices=("owners", "fsdp"),
         help="owners: each trainer rank holds whole tensors (replicas, pipeline stages); fsdp: "
-        "every tensor's rows over the ranks (FSDP2, ShardedPublisher; docs/sharded.md)",
+        "every tensor's rows over the ranks (FSDP2, a Publisher on every rank; docs/sharded.md)",
     )
     plan.add_argument("--transport", default="nixl", choices=TRANSPORTS)
     plan.add_argument("--hardware", default="h100", choices=sorted(PROFILES))

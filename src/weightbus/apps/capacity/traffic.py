@@ -67,7 +67,7 @@ class Traffic:
     trainer_own_bytes: tuple[int, ...]  # by trainer rank: bytes of the tensors it sends
     trainer_send_bytes: tuple[int, ...]  # by trainer rank: bytes it hands to the transport
     # by trainer rank: bytes it sends to other trainer ranks so that digest blocks cut by a
-    # shard boundary are hashed whole (`core.sharded.digests`; fsdp layouts)
+    # shard boundary are hashed whole (`core.trainer.digests`; fsdp layouts)
     trainer_exchange_bytes: tuple[int, ...]
     pack_bytes: int  # per trainer rank: bytes it copies into send buffers or slots first
     trainer_hash_bytes: int  # per trainer rank: bytes it hashes (fingerprint, transport checks)
@@ -103,7 +103,7 @@ def traffic(
     `trainer_layout`: `owners` (each trainer rank holds and sends whole tensors, the least
     loaded first: replicas splitting the sending, pipeline stages) or `fsdp` (every tensor
     `Shard(0)` over the ranks, FSDP2's uneven chunks: each rank sends its rows of every
-    tensor, as `ShardedPublisher` does).
+    tensor, as a Publisher on every rank does).
 
     Raises:
         ValueError: an unknown transport, counts < 1, or a layout the model does not allow

@@ -10,7 +10,7 @@ trainer group's gloo runs over the hosts' links). Its argument (JSON) says what 
 
 Then it answers one line per command, `{"ok": true, ...}` or `{"ok": false, "error": ...}`:
 
-- `open`: a publisher `key` (`kind` `sharded`: a `ShardedPublisher` on every rank; `plain`: a
+- `open`: a publisher `key` (`kind` `sharded`: a `Publisher` on every rank's group; `plain`: a
   `Publisher` on this process) with `engines` and constructor `options`;
 - `push`: `key`, `version`, push `options`: the push's seconds, fingerprint, the bytes this rank
   sent and, on rank 0, the bytes each engine rank received;
@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from weightbus.core.publisher import Publisher
-from weightbus.core.sharded import ShardedPublisher
 
 _GROUP_TIMEOUT_S = 600
 
@@ -96,7 +95,7 @@ class Rank:
     """What this process holds and the publishers it pushes through."""
 
     def __init__(self, spec: dict) -> None:
-        self.publishers: dict[str, Publisher | ShardedPublisher] = {}
+        self.publishers: dict[str, Publisher] = {}
         self.trainer = _Trainer(spec) if "trainer" in spec else None
         self.model = fsdp_model(spec["checkpoint"]) if "checkpoint" in spec else None
 
@@ -109,8 +108,8 @@ class Rank:
         return self.model
 
     def open(self, command: dict) -> dict:
-        build = ShardedPublisher if command["kind"] == "sharded" else Publisher
-        publisher = build(command["engines"], **command["options"])
+        group = {"group": dist.group.WORLD} if command["kind"] == "sharded" else {}
+        publisher = Publisher(command["engines"], **group, **command["options"])
         if group := command.get("weights_group"):
             publisher.init_weights_group(group, timeout_s=_GROUP_TIMEOUT_S)
         self.publishers[command["key"]] = publisher
@@ -121,17 +120,14 @@ class Rank:
         start = time.perf_counter()
         result = publisher.push(self.weights(), version=command["version"], **command["options"])
         seconds = time.perf_counter() - start
-        reply = {"seconds": seconds, "fingerprint": result.fingerprint}
-        if isinstance(publisher, ShardedPublisher):
-            reply["sent_bytes"] = result.sent_bytes[publisher.rank]
-            result = result.result
-        else:
-            reply["sent_bytes"] = result.sent_bytes
-        if result is not None:
-            reply["engine_rank_bytes"] = [e.rank_nbytes for e in result.engines]
-            reply["delta"] = None if result.delta is None else result.delta.sent
-            reply["nbytes"] = result.nbytes
-        return reply
+        return {
+            "seconds": seconds,
+            "fingerprint": result.fingerprint,
+            "sent_bytes": result.rank_sent_bytes[publisher.rank],
+            "engine_rank_bytes": [e.rank_nbytes for e in result.engines],
+            "delta": None if result.delta is None else result.delta.sent,
+            "nbytes": result.nbytes,
+        }
 
     def base(self, command: dict) -> dict:
         self.publishers[command["key"]].set_delta_base(self.weights(), version=command["version"])

@@ -98,7 +98,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="train with FSDP2 on this many processes, each pushing its own shards "
-        "(ShardedPublisher over shm, whole versions; docs/sharded.md)",
+        "(a Publisher on the trainer's group, over shm; docs/sharded.md)",
     )
     parser.add_argument(
         "--fp8",

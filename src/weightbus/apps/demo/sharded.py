@@ -5,7 +5,8 @@ processes (one gloo group). Every rank builds the same `transformers` model, sha
 FSDP2's `fully_shard` on a CPU mesh, and runs every step: rank 0 samples the rollouts from the
 engine and hands them to the others over the group (msgpack, no pickle); every rank takes the
 same update (FSDP2 all-gathers the parameters for its forward and reduce-scatters the
-gradients); then every rank pushes its own shards with a `ShardedPublisher`, no gather. Rank 0
+gradients); then every rank pushes its own shards with a `Publisher` on the group, no gather.
+Rank 0
 checks the engine's version and fingerprint and prints the step, and writes the run's record
 for the demo process to summarize.
 """
@@ -113,7 +114,7 @@ class _RankLoop:
         from weightbus.apps.demo.records import DemoRecord
         from weightbus.apps.demo.rollout import RolloutClient
         from weightbus.core.digest import fingerprint
-        from weightbus.core.sharded import ShardedPublisher
+        from weightbus.core.publisher import Publisher
 
         self.args = args
         self.rank = dist.get_rank()
@@ -125,7 +126,9 @@ class _RankLoop:
         fully_shard(self.trainer.model, mesh=mesh)
         # fully_shard swapped the parameters for DTensors: the optimizer steps those
         self.trainer.optimizer = torch.optim.Adam(self.trainer.model.parameters(), lr=args.lr)
-        self.publisher = ShardedPublisher([args.url], transport="shm", timeout_s=120)
+        self.publisher = Publisher(
+            [args.url], group=dist.group.WORLD, transport="shm", timeout_s=120
+        )
         self.client = None
         if self.rank == 0:
             self.client = RolloutClient(
@@ -193,7 +196,6 @@ class _RankLoop:
         if self.rank != 0:
             return new_version
         assert self.client is not None
-        assert result.result is not None
         state = self.client.weights()
         matched = (state["version"], state["fingerprint"]) == (new_version, result.fingerprint)
         entry = StepRecord(
@@ -202,14 +204,14 @@ class _RankLoop:
             reward=reward,
             logprob_gap=gap,
             rollout_tokens_per_s=sum(len(r.token_ids) for r in rollouts) / self._rollout_s,
-            push_s=result.result.seconds,
-            push_bytes=result.result.nbytes,
+            push_s=result.seconds,
+            push_bytes=result.nbytes,
             fingerprint=result.fingerprint,
             fingerprint_matched=matched,
         )
         self.record.steps.append(entry)
         print_step(entry, self.args.steps, render(rollouts[0].token_ids))
-        sent = " / ".join(format_bytes(nbytes) for nbytes in result.sent_bytes)
+        sent = " / ".join(format_bytes(nbytes) for nbytes in result.rank_sent_bytes)
         print(f"          trainer ranks sent {sent} (no gather)", flush=True)
         if not matched:
             raise DemoCheckError(f"step {step}: the engine serves {state}, not {new_version!r}")

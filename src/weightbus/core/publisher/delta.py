@@ -220,7 +220,7 @@ class DeltaState:
         for report in ranks.collect_reports(round_, key, "delta encoding", EncodeReport):
             for name, found in report.counts.items():
                 counts.setdefault(name, {}).update(found)
-        kinds, figures = _kinds(layout, changed, counts, self.sparse)
+        kinds, figures = delta_kinds(layout, changed, counts, self.sparse)
         figures["encode_s"] = time.perf_counter() - start
         ratio = figures["stream_bytes"] / max(figures["full_bytes"], 1)
         if mode == "auto" and ratio > self.max_ratio:
@@ -394,7 +394,7 @@ def _fingerprint(layout: TrainerLayout, digests: Mapping[str, str]) -> str:
     )
 
 
-def _kinds(
+def delta_kinds(
     layout: TrainerLayout, changed: list[str], counts: dict[str, dict[int, int]], sparse: bool
 ) -> tuple[dict[str, DeltaKind], dict]:
     """Each changed tensor's kind (sparse when its changes are smaller than it, its owners'

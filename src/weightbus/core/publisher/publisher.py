@@ -131,6 +131,11 @@ class Publisher:
         return self._pushes.ranks.rank
 
     @property
+    def world_size(self) -> int:
+        """The number of ranks in the trainer group (1: this process holds every tensor)."""
+        return self._pushes.ranks.group.world_size
+
+    @property
     def _fleet(self) -> Fleet:
         return self._pushes.leader_fleet
 

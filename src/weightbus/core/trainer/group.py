@@ -109,12 +109,14 @@ class TrainerGroup:
     def of(cls, group: dist.ProcessGroup | None, host: str, timeout_s: float) -> "TrainerGroup":
         """The group of every rank of `group` (None: the default process group), built by
         every rank: rank 0 serves the store at `host` (an address every rank reaches) and sends
-        its port on `group`.
+        its port on `group`. A process group of one is the group of one (`local`: no store).
 
         Raises:
             TrainerRankError: the ranks could not form the store within `timeout_s`.
         """
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        if world_size == 1:
+            return cls.local()
         timeout = timedelta(seconds=timeout_s)
         port = torch.zeros(1, dtype=torch.int64)
         store = None

@@ -70,5 +70,5 @@ def _check_block_edges(holding: Holding, spec: Fp8Block) -> None:
             f"{box.row_start}:{box.row_stop} and columns {box.col_start}:{box.col_stop} of "
             f"{tuple(holding.meta.shape)}, not whole {block_rows}x{block_cols} blocks: each "
             "rank quantizes its own shard, so shards must split on block edges (or push the "
-            "gathered model with a Publisher)"
+            "gathered model from one process)"
         )

@@ -1,7 +1,8 @@
-"""Pushing TRL's policy: the model TRL trains, from one process with a `Publisher`, or from every
-process with a `ShardedPublisher` (each sends the bytes it holds: DDP replicas split the model,
-FSDP2 ranks send their shards; nothing is gathered). A PEFT (LoRA) policy pushes its adapter
-only, onto the frozen base the engines serve (`Publisher.push(..., adapter=...)`)."""
+"""Pushing TRL's policy: the model TRL trains, from one process, or from every process of a
+multi-process run with a `Publisher` on its process group (each sends the bytes it holds: DDP
+replicas split the model, FSDP2 ranks send their shards; nothing is gathered). A PEFT (LoRA)
+policy pushes its adapter only, onto the frozen base the engines serve
+(`Publisher.push(..., adapter=...)`)."""
 
 import time
 from dataclasses import dataclass
@@ -11,35 +12,29 @@ import torch
 
 from weightbus.core.lora import base_weights
 from weightbus.core.publisher import Publisher
-from weightbus.core.sharded import ShardedPublisher
 
 # What weightbus cannot read from a trainer's parameters, and what to use instead.
 _ZERO3 = (
     "DeepSpeed ZeRO-3 keeps each parameter as a flat partition of the whole model that "
     "weightbus cannot map to a Hugging Face tensor without gathering it; train with FSDP2 "
-    "(accelerate fsdp_version: 2) and a ShardedPublisher on every process, or with ZeRO-1/2"
+    "(accelerate fsdp_version: 2) and a Publisher(group=...) on every process, or with ZeRO-1/2"
 )
 _FSDP1 = (
     "FSDP1 flattens parameters into FlatParameters weightbus cannot map to Hugging Face "
-    "tensors; use FSDP2 (accelerate fsdp_version: 2) with a ShardedPublisher on every process"
-)
-_SHARDED_PEFT = (
-    "the model is a PEFT (LoRA) model trained by several processes: adapter pushes go from one "
-    "process with a Publisher (or merge the adapter, peft's merge_and_unload, and push the model)"
+    "tensors; use FSDP2 (accelerate fsdp_version: 2) with a Publisher(group=...) on every process"
 )
 
 
 @dataclass(frozen=True, slots=True)
 class PushRecord:
     """One push of the policy: its version, the fingerprint the engines committed, how long the
-    push took (the trainer waited that long) and, when sharded, the bytes each trainer process
-    sent (None: one process sent everything)."""
+    push took (the trainer waited that long) and the bytes each trainer process sent."""
 
     step: int
     version: str
     fingerprint: str
     push_s: float
-    sent_bytes: list[int] | None = None
+    sent_bytes: list[int]
 
 
 def _refuse_unmappable(trainer: Any, model: torch.nn.Module) -> None:
@@ -59,15 +54,15 @@ class PolicyPusher:
     """Pushes `trainer.model` as `<version_prefix><step>`.
 
     Args:
-        publisher: a `Publisher` (one TRL process), or this process's `ShardedPublisher`
-            (every process of a multi-process run builds one, collectively).
+        publisher: this process's `Publisher` (one TRL process: a group of one; several:
+            every process builds one on its process group, collectively).
         version_prefix: versions are this prefix and TRL's global step.
         push_options: more `push` options (`pause_mode`, `two_phase`, `delta`, ...).
     """
 
     def __init__(
         self,
-        publisher: Publisher | ShardedPublisher,
+        publisher: Publisher,
         *,
         version_prefix: str,
         push_options: dict[str, Any] | None = None,
@@ -89,36 +84,33 @@ class PolicyPusher:
         training keeps the base frozen), and each engine checks it serves that base.
 
         Raises:
-            NotImplementedError: a trainer weightbus cannot push from (ZeRO-3, FSDP1, a PEFT
-                model trained by several processes).
-            ValueError: several TRL processes with a `Publisher` (build a `ShardedPublisher`
-                on each).
+            NotImplementedError: a trainer weightbus cannot push from (ZeRO-3, FSDP1).
+            ValueError: several TRL processes with a Publisher of one process (build one on
+                every process with `group=`).
             PushError, NonFiniteWeightsError, TrainerRankError: as the publisher's `push`.
         """
         model = trainer.accelerator.unwrap_model(trainer.model)
         _refuse_unmappable(trainer, model)
         num_processes = trainer.accelerator.num_processes
-        if isinstance(self.publisher, Publisher) and num_processes > 1:
+        if self.publisher.world_size != num_processes:
             raise ValueError(
-                f"TRL runs {num_processes} processes: build a ShardedPublisher on every process "
-                "(each sends the bytes it holds) instead of a Publisher"
+                f"TRL runs {num_processes} processes, the Publisher's trainer group "
+                f"{self.publisher.world_size}: build one on every process with group=... (each "
+                "sends the bytes it holds)"
             )
         version = self.version_of(step)
         start = time.perf_counter()
         options = self.push_options | self._adapter_options(model)
         result = self.publisher.push(model, version=version, **options)
         push_s = time.perf_counter() - start
-        sent_bytes = getattr(result, "sent_bytes", None)  # a ShardedPushResult's
-        return PushRecord(step, version, result.fingerprint, push_s, sent_bytes)
+        return PushRecord(step, version, result.fingerprint, push_s, result.rank_sent_bytes)
 
     def _adapter_options(self, model: torch.nn.Module) -> dict[str, Any]:
         """The push's adapter options for a PEFT model (none for a plain one)."""
         configs = getattr(model, "peft_config", None)
         if configs is None:
             return {}
-        if isinstance(self.publisher, ShardedPublisher):
-            raise NotImplementedError(_SHARDED_PEFT)
-        if self._base_fingerprint is None:
+        if self._base_fingerprint is None:  # collectively: each process digests its shards
             self._base_fingerprint = self.publisher.fingerprint(base_weights(model))
         return {
             "adapter": configs[model.active_adapter],

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from weightbus.core.publisher import Publisher
 from weightbus.core.publisher.targets import EngineTarget
-from weightbus.core.sharded import ShardedPublisher
 from weightbus.integrations.trl.completions import Completion, EngineCompletions, Sampling
 from weightbus.integrations.trl.pushes import PolicyPusher, PushRecord
 
@@ -88,11 +87,11 @@ class WeightbusRollouts:
     completion of the step from the engines.
 
     Args:
-        publisher: a `Publisher` on the engines (one TRL process), or this process's
-            `ShardedPublisher` (every process of a multi-process run builds one).
-        engines: the engines to sample from (default: the publisher's targets; a
-            `ShardedPublisher` other than rank 0's has none: pass the same engines to every
-            process). Groups of completions are spread over them.
+        publisher: this process's `Publisher` (one TRL process, or every process of a
+            multi-process run on its process group, collectively).
+        engines: the engines to sample from (default: the publisher's targets; only rank 0's
+            publisher talks to engines: pass the same engines to every process). Groups of
+            completions are spread over them.
         version_prefix: the policy pushed at TRL step `s` is version `<version_prefix><s>`.
         push_every_steps: push every this many steps (1: on-policy; more: the engines keep an
             earlier version in between and those steps' rollouts are counted off-policy).
@@ -108,12 +107,12 @@ class WeightbusRollouts:
 
     Raises:
         ValueError: `push_every_steps` < 1, `max_concurrency` < 1 or an unknown `off_policy`;
-            a `ShardedPublisher` other than rank 0's without `engines`.
+            a publisher other than rank 0's without `engines`.
     """
 
     def __init__(
         self,
-        publisher: Publisher | ShardedPublisher,
+        publisher: Publisher,
         *,
         engines: list[str | EngineTarget] | None = None,
         version_prefix: str = "step-",
@@ -250,17 +249,13 @@ class WeightbusRollouts:
 
 
 def _targets(
-    publisher: Publisher | ShardedPublisher, engines: list[str | EngineTarget] | None
+    publisher: Publisher, engines: list[str | EngineTarget] | None
 ) -> list[str | EngineTarget]:
-    if engines is not None:
-        targets = list(engines)
-    elif isinstance(publisher, Publisher):
-        targets = publisher.targets
-    else:
-        targets = publisher.targets if publisher.rank == 0 else []
+    targets = list(engines) if engines is not None else publisher.targets
     if not targets:
         raise ValueError(
-            "engines: this process's ShardedPublisher has no engines to sample from; pass the "
-            "engines every process samples from (the list rank 0's publisher was built with)"
+            f"engines: this process's Publisher (trainer rank {publisher.rank}) talks to no "
+            "engine; pass the engines every process samples from (the list rank 0's publisher "
+            "was built with)"
         )
     return targets
