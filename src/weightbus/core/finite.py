@@ -132,8 +132,13 @@ def refuse_nonfinite(
     """
     found = describe_nonfinite(named)
     if found:
-        raise NonFiniteWeightsError(
-            f"the weights hold non-finite values in {len(found)} tensor(s): "
-            f"{', '.join(found.values())}; "
-            f"{outcome} (push with allow_nonfinite=True to send them anyway)"
-        )
+        raise nonfinite_error(list(found.values()), outcome)
+
+
+def nonfinite_error(found: list[str], outcome: str) -> NonFiniteWeightsError:
+    """The refusal of a push whose tensors `found` (each `"name (N NaN, M inf)"`, and its rank
+    in a group of several) hold non-finite values; `outcome` says what became of the push."""
+    return NonFiniteWeightsError(
+        f"the weights hold non-finite values in {len(found)} tensor(s): {', '.join(found)}; "
+        f"{outcome} (push with allow_nonfinite=True to send them anyway)"
+    )

@@ -15,7 +15,6 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
 import torch.distributed as dist
 
 from weightbus.core.fp8 import Fp8Block, fp8_spec
@@ -26,12 +25,7 @@ from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.pushes import PushArgs, Pushes
 from weightbus.core.publisher.ranks import TrainerRanks
 from weightbus.core.publisher.results import FleetVersion, PushResult
-from weightbus.core.publisher.targets import (
-    EngineResult,
-    EngineTarget,
-    EngineWeights,
-    HttpEngineTarget,
-)
+from weightbus.core.publisher.targets import EngineResult, EngineTarget, EngineWeights
 from weightbus.core.trainer.group import TrainerGroup
 from weightbus.core.transport import BucketSink, WeightsGroupInfo
 from weightbus.core.transport.base import Progress
@@ -44,32 +38,28 @@ _CONTROL_TIMEOUT_S = 10.0  # bound of reading the version every engine serves
 
 
 class Publisher:
-    """Trainer-side handle on a fleet of engines (docs/sharded.md: one rank or many).
+    """Trainer-side handle on a fleet of engines (one rank or many: docs/sharded.md).
 
     Args:
-        engines: the engines: base URLs of engines speaking weightbus's HTTP API (the
-            reference engine) or `EngineTarget`s, in any mix. Only the leader (rank 0 of
-            `group`) talks to them: the other ranks may pass the same list or nothing.
-            `close` closes every target.
+        engines: the engines: URLs of engines speaking weightbus's HTTP API, or
+            `EngineTarget`s, in any mix. Only the leader (rank 0) talks to them: the other
+            ranks may pass nothing. `close` closes every target.
         group: the trainer's process group when every rank pushes what it holds (FSDP2,
             Megatron, pipeline stages, replicas): every rank builds the Publisher and calls
             it collectively. None: this process holds every tensor (a group of one).
         transport: a registered transport (`transport_names()`), or each engine's by URL
             (`{url: "shm", url2: "nixl"}`: one push, each engine over its own transport).
         bucket_bytes: bucket size of the plan (and of transport buffers).
-        token: bearer token of the engines' admin routes (URL engines), if they require one.
+        token: bearer token of the engines' admin routes, if they require one.
         timeout_s: bound of one push (and of every other call) on every engine and rank.
-        transport_options: keyword arguments of the transport's sink (e.g. `root` for disk);
-            with routes, by transport name.
-        delta: how pushes go by default: `never` (whole), `always` (as changes to the last
-            version pushed, whenever every engine can take them) or `auto` (when they carry
-            at most `delta_max_ratio` of the bytes). Each rank keeps a host copy of what it
-            pushed last (`delta_base_nbytes`).
-        delta_max_ratio, delta_sparse: see `delta`; `delta_sparse` False sends changed
-            tensors whole (only unchanged ones are skipped).
+        transport_options: keyword arguments of the transport's sink (with routes, by
+            transport name).
+        delta, delta_max_ratio, delta_sparse: how pushes go by default (docs/delta.md):
+            `never`, `always` or `auto` (a delta when it carries at most `delta_max_ratio`
+            of the bytes); each rank keeps a host copy of what it pushed last.
         quantize: `Fp8Block()` or "fp8-block": each rank quantizes what it holds to block FP8
-            before a byte leaves (docs/fp8.md); None: as given.
-        control_host: with `group`, an address of rank 0 every rank reaches (its store).
+            before a byte leaves (docs/fp8.md).
+        control_host: with `group`, an address of rank 0 every rank reaches.
 
     Raises:
         ValueError: the leader has no engines, an unknown transport, or a non-positive timeout.
@@ -96,34 +86,23 @@ class Publisher:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.quantize = fp8_spec(quantize)
         self.bucket_bytes = bucket_bytes
-        deltas = DeltaState.of(delta, delta_max_ratio, delta_sparse)
         trainer = (
             TrainerGroup.local()
             if group is None
             else TrainerGroup.of(group, control_host, timeout_s)
         )
-        ranks = TrainerRanks(trainer, bucket_bytes)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(headers=headers)
-        if ranks.is_leader and not engines:
-            self._http.close()
-            raise ValueError("engines: give at least one engine URL or target")
-        fleet = None
-        try:
-            if ranks.is_leader:
-                targets = [self._target(engine) for engine in engines or ()]
-                fleet = Fleet.build(targets, transport, dict(transport_options or {}), timeout_s)
-        except Exception:
-            self._http.close()
-            raise
-        self._pushes = Pushes(
-            ranks, fleet, timeout_s=timeout_s, quantize=self.quantize, deltas=deltas,
+        self._pushes = Pushes.build(
+            engines,
+            TrainerRanks(trainer, bucket_bytes),
+            transport=transport,
+            token=token,
+            timeout_s=timeout_s,
+            transport_options=dict(transport_options or {}),
+            deltas=DeltaState.of(delta, delta_max_ratio, delta_sparse),
             delta_mode=delta,
-        )  # fmt: skip
+            quantize=self.quantize,
+        )
         self._lock = threading.RLock()
-
-    def _target(self, engine: str | EngineTarget) -> EngineTarget:
-        return HttpEngineTarget(engine, client=self._http) if isinstance(engine, str) else engine
 
     @property
     def rank(self) -> int:
@@ -151,12 +130,12 @@ class Publisher:
 
     @property
     def transport(self) -> str | dict[str, str]:
-        """The transport's name, or each routed engine's by URL (on the leader)."""
+        """The transport's name, or each routed engine's by URL (`transports`: the set of
+        them); on the leader."""
         return self._fleet.transport
 
     @property
     def transports(self) -> set[str]:
-        """The transports pushes take (on the leader)."""
         return self._fleet.transports
 
     @property
@@ -166,8 +145,7 @@ class Publisher:
 
     @property
     def fleet_version(self) -> FleetVersion | None:
-        """What every member serves since this Publisher's last commit (None before the
-        first; on the leader)."""
+        """What every member serves since the last commit (on the leader)."""
         return None if self._pushes.fleet is None else self._pushes.fleet.version
 
     @property
@@ -177,7 +155,6 @@ class Publisher:
 
     @property
     def sink(self) -> BucketSink:
-        """The transport's sink (on the leader)."""
         return self._fleet.sink
 
     def __enter__(self) -> "Publisher":
@@ -189,19 +166,12 @@ class Publisher:
     def close(self) -> None:
         """Free the transport (files, shared memory, sockets, its set-up on the engines), the
         targets, each rank's senders and the HTTP connections."""
-        if self._pushes.fleet is not None:
-            self._pushes.fleet.close()
-        self._pushes.ranks.close()
-        self._http.close()
+        self._pushes.close()
 
     def setup_transport(self, **options: Any) -> Any:
-        """Set the transport up across every engine (and trainer rank) before pushing: the
-        `dist` weights group (`master_addr`, `master_port`, `backend`, `timeout_s`). Calling
-        it again re-does it; membership changes re-do it with the same options.
-
-        Returns:
-            What the transport's set-up reports (`WeightsGroupInfo` for `dist`; with routes,
-            a dict of the reports by transport name).
+        """Set the transport up across every engine and trainer rank (the `dist` weights
+        group: `master_addr`, `master_port`, `backend`, `timeout_s`), again on a second call;
+        returns its report (`WeightsGroupInfo`; with routes, a dict by transport).
 
         Raises:
             ValueError: the transport needs no set-up.
@@ -218,13 +188,8 @@ class Publisher:
         self, master_addr: str, master_port: int = 0, *, backend: str = "gloo",
         timeout_s: float = 60.0,
     ) -> WeightsGroupInfo:  # fmt: skip
-        """Form the `dist` weights group (SGLang's name for `setup_transport`): the trainer
-        ranks first, rank r of engine i at `offset_i + r`.
-
-        Raises:
-            ValueError: the transport is not `dist`.
-            WeightsGroupError: an engine or a trainer rank could not join (each named).
-        """
+        """`setup_transport` of `dist` (SGLang's name): the trainer ranks first, rank r of
+        engine i at `offset_i + r`. Raises `WeightsGroupError` naming who could not join."""
         if self._pushes.fleet is not None and "dist" not in self.transports:
             raise ValueError(f"init_weights_group needs transport 'dist', not {self.transport!r}")
         return self.setup_transport(
@@ -236,11 +201,7 @@ class Publisher:
         self.teardown_transport(timeout_s)
 
     def engine_weights(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> list[EngineWeights]:
-        """The version, fingerprint and status every engine serves now (on the leader).
-
-        Raises:
-            EngineRequestError: an engine did not answer.
-        """
+        """What every engine serves now (on the leader; `EngineRequestError`: no answer)."""
         return self._fleet.engine_weights(timeout_s)
 
     def fingerprint(self, weights: Weights, name_map: NameMap | None = None) -> str:
@@ -279,46 +240,39 @@ class Publisher:
         base_fingerprint: str | None = None,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed. With a
-        group, every rank calls it with what it holds (docs/sharded.md).
+        group, every rank calls it with what it holds.
 
         Args:
             weights: an `nn.Module`, a state dict or `(name, tensor)` pairs (HF names); on a
                 rank of a group, its shards (DTensors, `DeclaredShard`s, plain tensors); with
                 `adapter`, a `PeftModel` or an adapter's state dict.
-            version: the new version; engines refuse one they serve unless `force`.
-            step: optional increasing training step; engines refuse one not above theirs.
-            pause_mode: `drain`, `in_place` or `abort` (docs/engine.md).
-            atomic: stage and swap at a step boundary (the old version serves on failure).
+            version, step: the new version (refused if served, unless `force`) and an
+                optional increasing training step.
+            pause_mode, atomic, two_phase: how engines pause, stage and commit
+                (docs/engine.md, docs/fleet.md).
             verify: `full` checks every digest on the engines; `none` skips digests only.
-            force: re-push the version an engine already serves.
             name_map: renames applied before sending (a name mapped to None is dropped).
             progress: called with the bytes of each part handed to the transport.
-            probe: logprobs every engine must reproduce once it serves the version
-                (`LogprobProbe.of_model`, run on every rank of a group); a failed probe
-                rolls the engines back (docs/fp8.md).
-            two_phase: all engines stage and verify, then all commit or none (None: for
-                atomic pushes to several engines that support it).
+            probe: logprobs every engine must reproduce once it serves the version (run
+                `LogprobProbe.of_model` on every rank of a group); a failed one rolls back.
             delta: `never`, `always` or `auto` (None: the Publisher's), docs/delta.md.
             keep_draft: `weights` hold no draft model: engines serving one keep it.
             allow_nonfinite: send NaN and inf (refused otherwise, before any engine serves
-                them: docs/reliability.md).
-            adapter: the peft `LoraConfig` of the LoRA adapter in `weights`: only its
-                matrices travel (docs/lora.md).
-            base_fingerprint: with `adapter`, its base's fingerprint (default: the last whole
-                push's).
+                them).
+            adapter, base_fingerprint: the peft `LoraConfig` of the adapter in `weights`, and
+                its base's fingerprint (default: the last whole push's), docs/lora.md.
 
         Returns:
-            The committed version, its fingerprint, per-engine results, the bytes each
+            The committed version, its fingerprint, per-engine results and the bytes each
             trainer rank sent (`rank_sent_bytes`); the same on every rank.
 
         Raises:
-            PushError: an engine refused, failed or timed out (each named with its reason);
-                two-phase: no engine committed.
-            NonFiniteWeightsError: a tensor holds NaN or inf (each named, with its rank) and
-                `allow_nonfinite` is off; no engine serves any of it.
+            PushError: an engine refused, failed or timed out (each named); two-phase: no
+                engine committed.
+            NonFiniteWeightsError: a tensor holds NaN or inf (named, with its rank); no engine
+                serves any of it.
             TrainerRankError: a trainer rank failed, died or did not answer in time (named).
-            ValueError: options the engines cannot take (a probe, two-phase, an adapter's
-                peft options), or ranks that disagree on the model (named).
+            ValueError: options the engines cannot take, or ranks that disagree on the model.
         """
         args = PushArgs(
             version=version, step=step, pause_mode=pause_mode, atomic=atomic, verify=verify,
@@ -372,24 +326,21 @@ class Publisher:
         transport: str | None = None,
     ) -> EngineResult | None:
         """Add an engine, brought to the fleet's version first by a push of its own (every
-        rank sends it what it holds; pushes to the members go on meanwhile in a group of one).
+        rank sends it what it holds; in a group of one, pushes to the members go on meanwhile).
 
         Args:
             engine: the newcomer's URL or target (the leader's counts).
-            weights: the weights of `fleet_version` (checked by fingerprint before a byte is
-                sent), needed once the fleet has a version.
-            name_map: as for `push`.
+            weights, name_map: the weights of `fleet_version` (checked by fingerprint).
             transport: the newcomer's transport on a routed Publisher.
 
         Returns:
-            The newcomer's catch-up result (None when the fleet has no version yet).
+            Its catch-up result (None when the fleet has no version yet).
 
         Raises:
-            ValueError: already a member, weights missing or not the fleet's version, or no
-                usable transport for it.
-            PushError: the catch-up failed (it is not added), or the fleet moved meanwhile.
+            ValueError: already a member, weights missing or not the fleet's version.
+            PushError: the catch-up failed (not added), or the fleet moved meanwhile.
         """
-        target = None if engine is None or self._pushes.fleet is None else self._target(engine)
+        target = None if engine is None else self._pushes.target(engine)
         return self._pushes.add_engine(target, weights, name_map, transport, self._lock)
 
     def remove_engine(self, url: str) -> None:

@@ -9,14 +9,15 @@ one the leader is alone and nothing is announced: the same code, nothing crosses
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import msgspec
 import torch
 
-from weightbus.core.finite import NonFiniteWeightsError
+from weightbus.core.finite import NOTHING_SERVED, NonFiniteWeightsError
 from weightbus.core.fp8 import Fp8Block, describe
 from weightbus.core.lora import adapter_tensors, check_adapter
 from weightbus.core.publisher.adapter import AdapterState
@@ -32,7 +33,7 @@ from weightbus.core.publisher.push_session import (
 )
 from weightbus.core.publisher.ranks import Round, TrainerRanks
 from weightbus.core.publisher.results import PushResult
-from weightbus.core.publisher.targets import EngineResult, EngineTarget
+from weightbus.core.publisher.targets import EngineResult, EngineTarget, HttpEngineTarget
 from weightbus.core.trainer.holdings import Holding, holdings_of
 from weightbus.core.trainer.layout import TrainerLayout
 from weightbus.core.trainer.quantize import quantized_holdings
@@ -93,10 +94,54 @@ class Pushes:
         quantize: Fp8Block | None,
         deltas: DeltaState,
         delta_mode: DeltaMode,
+        http: httpx.Client | None = None,
     ) -> None:
         self.ranks, self.fleet, self.timeout_s = ranks, fleet, timeout_s
         self.quantize, self.deltas, self.delta_mode = quantize, deltas, delta_mode
         self.adapter = AdapterState()
+        self.http = http or httpx.Client()
+
+    @classmethod
+    def build(
+        cls,
+        engines: Sequence[str | EngineTarget] | None,
+        ranks: TrainerRanks,
+        *,
+        transport: str | Mapping[str, str],
+        token: str | None,
+        timeout_s: float,
+        transport_options: dict[str, Any],
+        **options: Any,
+    ) -> "Pushes":
+        """The calls of a Publisher: on the leader, a fleet of `engines` over `transport`.
+
+        Raises:
+            ValueError: the leader has no engines, or an unknown transport.
+        """
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        http = httpx.Client(headers=headers)
+        fleet = None
+        try:
+            if ranks.is_leader:
+                if not engines:
+                    raise ValueError("engines: give at least one engine URL or target")  # noqa: TRY301
+                targets = [_target(engine, http) for engine in engines]
+                fleet = Fleet.build(targets, transport, transport_options, timeout_s)
+        except Exception:
+            http.close()
+            raise
+        return cls(ranks, fleet, timeout_s=timeout_s, http=http, **options)
+
+    def target(self, engine: str | EngineTarget) -> EngineTarget:
+        """`engine` as a target (a URL: the reference engine's HTTP API)."""
+        return _target(engine, self.http)
+
+    def close(self) -> None:
+        """Free the fleet (leader), every sender of this rank and the HTTP connections."""
+        if self.fleet is not None:
+            self.fleet.close()
+        self.ranks.close()
+        self.http.close()
 
     @property
     def leader_fleet(self) -> Fleet:
@@ -187,7 +232,7 @@ class Pushes:
             return push_version(fleet, self.ranks, self.deltas, request, mode)
         except NonFiniteWeightsError:
             # the stream named the first bad tensor it met: name them all, with counts
-            self.ranks.check_nonfinite(round_, held.layout, held.holdings)
+            self.ranks.check_nonfinite(round_, held.layout, held.holdings, NOTHING_SERVED)
             raise
 
     def _options(self, args: PushArgs, **overrides: Any) -> Any:
@@ -322,6 +367,10 @@ class Pushes:
         fingerprint = self.deltas.committed_full(held, version, digests)
         self.adapter.base_fingerprint = fingerprint
         return fingerprint
+
+
+def _target(engine: str | EngineTarget, http: httpx.Client) -> EngineTarget:
+    return HttpEngineTarget(engine, client=http) if isinstance(engine, str) else engine
 
 
 def _adapter_of(weights: Any) -> Any:

@@ -20,7 +20,12 @@ from typing import Any
 import msgspec
 
 from weightbus.core.digest import fingerprint_of_digests
-from weightbus.core.finite import NonFiniteWeightsError, describe_nonfinite
+from weightbus.core.finite import (
+    NOTHING_SENT,
+    NonFiniteWeightsError,
+    describe_nonfinite,
+    nonfinite_error,
+)
 from weightbus.core.meta import dtype_name
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES, Plan, plan_buckets
 from weightbus.core.publisher.results import PushError
@@ -228,9 +233,14 @@ class TrainerRanks:
         )
 
     def check_nonfinite(
-        self, round_: Round, layout: TrainerLayout, holdings: dict[str, Holding]
+        self,
+        round_: Round,
+        layout: TrainerLayout,
+        holdings: dict[str, Holding],
+        outcome: str = NOTHING_SENT,
     ) -> None:
-        """The leader: every rank looks for NaN/inf in what it holds, before a byte moves.
+        """The leader: every rank looks for NaN/inf in what it holds (before a byte moves;
+        after a stream that refused some, `outcome` says so).
 
         Raises:
             NonFiniteWeightsError: some rank's tensors hold NaN or inf (each named, with the
@@ -241,10 +251,7 @@ class TrainerRanks:
         for found_there in self.collect_reports(round_, key, "NaN/inf check", list[str]):
             found += found_there
         if found:
-            raise NonFiniteWeightsError(
-                f"the weights hold non-finite values: {', '.join(found)}; nothing was sent "
-                "(push with allow_nonfinite=True to send them anyway)"
-            )
+            raise nonfinite_error(found, outcome)
 
     def digests(
         self, round_: Round, layout: TrainerLayout, holdings: dict[str, Holding]

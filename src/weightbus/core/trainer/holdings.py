@@ -159,7 +159,11 @@ def _local_shape_and_offset(shape: tuple[int, ...], mesh: Any, placements: tuple
 
 
 def _is_dtensor(value: Any) -> bool:
-    return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
+    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
+        return False  # a plain tensor: torch.distributed's tensor module is not loaded for it
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def holding(name: str, source: Source) -> Holding:
