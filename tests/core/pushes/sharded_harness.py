@@ -14,6 +14,34 @@ from weightbus.engines.vllm.launch import free_port
 TRAINER = Path(__file__).with_name("sharded_trainer.py")
 
 
+def run_ranks(world_size: int, script: Path, args: dict, out: Path) -> list[dict]:
+    """Run `script` on `world_size` ranks of one gloo group (its JSON argument: `args` and
+    `out`); each rank's record, `<out>/rank<r>.json` ({} when it wrote none)."""
+    out.mkdir(parents=True, exist_ok=True)
+    procs = _start(world_size, script, json.dumps({**args, "out": str(out)}))
+    for proc in procs:
+        proc.wait(timeout=600)
+    paths = [out / f"rank{rank}.json" for rank in range(world_size)]
+    return [json.loads(path.read_text()) if path.exists() else {} for path in paths]
+
+
+def _start(world_size: int, script: Path, argument: str) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(subprocess.Popen([sys.executable, str(script), argument], env=env))
+    return procs
+
+
 def run_trainers(
     world_size: int,
     model: str,
@@ -38,19 +66,7 @@ def run_trainers(
             "lora_rank": lora_rank,
         }
     )
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(subprocess.Popen([sys.executable, str(TRAINER), args], env=env))
+    procs = _start(world_size, TRAINER, args)
     for proc in procs:
         proc.wait(timeout=600)
     records = []

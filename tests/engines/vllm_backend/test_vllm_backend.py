@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,6 +30,9 @@ PROBE_IDS = [*PROMPT, 11, 12, 13, 14]
 # float32 on both sides: vLLM-CPU and transformers agree to ~1e-5 (measured); a stale head
 # is off by more than 1.
 PROBE_TOLERANCE = 1e-3
+
+
+RANKS_SCRIPT = Path(__file__).with_name("trainer_api_ranks.py")
 
 
 def _served_version(served) -> str:
@@ -294,31 +298,32 @@ def test_completions_running_during_a_push_are_never_lost(untied_tp2, pause_mode
     untied_tp2.model = model
 
 
-def test_vllms_own_trainer_api_pushes_with_weightbus(tied_tp1):
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.plugins import load_general_plugins
+def test_vllms_own_trainer_api_pushes_from_every_rank_what_it_holds(untied_tp2, tmp_path):
+    """Two trainer processes send through vLLM's trainer API (`WeightTransferTrainerFactory`,
+    backend weightbus) a `WeightSource` whose `held_names()` are each one's pipeline stage:
+    each rank sends what it holds, vLLM TP 2 then generates what transformers does."""
+    from sharded_harness import run_ranks
 
-    from weightbus.engines.vllm.trainer import WeightbusTrainerInitInfo
-
-    load_general_plugins()  # a trainer process loads vLLM's plugins itself: our entry point
-    model = trained(tied_tp1.model, seed=61)
-    client = HTTPVLLMWeightSyncClient(tied_tp1.url, timeout=60)
-    engine = WeightTransferTrainerFactory.trainer_init(
-        WeightbusTrainerInitInfo(rank=0, engine_tp_size=1, version_prefix="trainer-api-"),
-        client=client,
-        source=ModuleSource(model),
-    )
+    served = untied_tp2
+    args = {"model_dir": str(served.server.model_dir), "url": served.url, "seed": 63}
+    httpx.post(f"{served.url}/pause", params={"mode": "wait"}, timeout=60)
     try:
-        httpx.post(f"{tied_tp1.url}/pause", params={"mode": "wait"}, timeout=60)
-        engine.send_weights()
-        httpx.post(f"{tied_tp1.url}/resume", timeout=60)
+        records = run_ranks(2, RANKS_SCRIPT, {**args, "prefix": "trainer-api-"}, tmp_path)
     finally:
-        engine.shutdown()
-    assert _served_version(tied_tp1) == "trainer-api-1"
-    assert tied_tp1.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
-    tied_tp1.model = model
+        httpx.post(f"{served.url}/resume", timeout=60)
+    assert [r["ok"] for r in records] == [True, True], records
+    assert not set(records[0]["held"]) & set(records[1]["held"])
+    model = copy.deepcopy(served.model)
+    model.load_state_dict(torch.load(tmp_path / "trained.pt"))
+    from weightbus.core.digest import fingerprint
+
+    assert {r["fingerprint"] for r in records} == {fingerprint(model)}
+    # each rank wrote its stage's part of every worker's staging: every byte once, from both
+    assert sum(records[0]["sent_bytes"]) == sum(_planned_rank_bytes(served, model, tp=2))
+    assert all(sent > 0 for sent in records[0]["sent_bytes"]), records
+    assert _served_version(served) == "trainer-api-1"
+    assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    served.model = model
 
 
 def test_two_fsdp2_ranks_push_into_vllm_tp2_without_a_gather(untied_tp2, tmp_path):

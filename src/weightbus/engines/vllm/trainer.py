@@ -75,7 +75,7 @@ class WeightbusTrainerInitInfo(TrainerInitInfo):
 
 class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInfo]):
     """Pushes the trainer's `WeightSource` with weightbus each round, every rank sending what
-    it holds."""
+    it holds (`last_push`: the last round's `PushResult`, the same on every rank)."""
 
     init_info_cls = WeightbusTrainerInitInfo
 
@@ -91,6 +91,7 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.rounds = 0
         engine.version_prefix = init_info.version_prefix
+        engine.last_push = None
         targets = None
         if engine.is_sender:
             client.init_weight_transfer_engine(msgspec.to_builtins(VllmInitInfo()))
@@ -115,7 +116,7 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
             PushError, TrainerRankError: as `Publisher.push`.
         """
         self.rounds += 1
-        self.publisher.push(
+        self.last_push = self.publisher.push(
             held_weights(self.source), version=version or f"{self.version_prefix}{self.rounds}"
         )
 
