@@ -63,7 +63,7 @@ def socket_without_listener() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["broadcast", "scatter"])
+@pytest.mark.parametrize("mode", ["broadcast", "parts"])
 def test_one_group_carries_pushes_into_tp1_and_tp2_bit_exactly(engines, mode):
     targets = [engines["tp2"], engines["tp1"]]
     reference = engines["reference_tp2"]
@@ -82,7 +82,7 @@ def test_one_group_carries_pushes_into_tp1_and_tp2_bit_exactly(engines, mode):
     assert info.name not in group_names()  # close() left the group
     full_bytes = sent_bytes[3]  # the TP 1 engine loads every byte in both modes
     assert full_bytes >= result.nbytes
-    if mode == "scatter":
+    if mode == "parts":
         # TP 2 ranks get only their slices: half of the sharded tensors, the small norms whole
         assert sent_bytes[1] + sent_bytes[2] < 1.05 * full_bytes
     else:

@@ -1,25 +1,31 @@
-"""`dist` from sharded senders over the layout matrix: per bucket, each engine rank's regions
-(what `dist` scatter packs for it) cut into parts, each sent by a trainer rank that holds it.
-Buckets small enough that tensors split across them, at row boundaries and inside rows: the
-parts, copied from the senders' memory as the engine rank receives them, give exactly the bytes
-scatter would send, every element once."""
+"""`dist` parts mode over the layout matrix: per bucket, each engine rank's regions cut into
+parts, each sent by a trainer rank that holds it (a tensor some rank holds whole: by its
+sender, one part per region). Buckets small enough that tensors split across them, at row
+boundaries and inside rows: the parts, copied from the senders' memory as the engine rank
+receives them, give exactly the bytes of its regions, every element once."""
 
 import pytest
 import torch
-from sharded_layouts import LAYOUTS, engine_slices, holdings, model
+from sharded_layouts import LAYOUTS, SHAPES, engine_slices, holdings, model
 
 from weightbus.core.plan import plan_buckets
 from weightbus.core.plan.bucket import BucketEntry, pack_entries
-from weightbus.core.sharded.dist_parts import bucket_parts
-from weightbus.core.sharded.layout import TrainerLayout, held_metas
-from weightbus.core.sharded.schedule import cell_view
+from weightbus.core.trainer.boxes import Box
+from weightbus.core.trainer.cells import cell_view
+from weightbus.core.trainer.layout import TrainerLayout, held_metas
 from weightbus.core.transport.distributed.parts import entry_box, region_matrix
+from weightbus.core.transport.distributed.schedule import bucket_parts
 from weightbus.core.transport.distributed.slices import rank_regions, slice_targets
 from weightbus.core.wire.messages import RankLayout, SentPart, SliceSpec
 
 # smaller than every matrix: tensors split at row boundaries; and smaller than a row of
 # `row.weight` (1200 bytes): split inside rows, as chunks of bytes
 BUCKET_BYTES = (40_192, 1_024)
+# and one process holding every tensor (a group of one: every part from rank 0, whole)
+ALL_LAYOUTS = {
+    **LAYOUTS,
+    "one-process": [{name: Box.whole(shape) for name, (shape, _) in SHAPES.items()}],
+}
 
 
 def _rank_layouts(tp: int) -> list[RankLayout]:
@@ -42,10 +48,10 @@ def _fill(matrix: torch.Tensor, part: SentPart, source: torch.Tensor, seen: torc
 
 @pytest.mark.parametrize("bucket_bytes", BUCKET_BYTES)
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize("layout_name", list(ALL_LAYOUTS))
 def test_parts_give_every_region_byte_once_from_a_holder(layout_name, tp, bucket_bytes):
     full = model(seed=4)
-    held = [holdings(full, boxes) for boxes in LAYOUTS[layout_name]]
+    held = [holdings(full, boxes) for boxes in ALL_LAYOUTS[layout_name]]
     layout = TrainerLayout(tuple(tuple(held_metas(h)) for h in held))
     by_rank = [{h.name: h for h in rank_held} for rank_held in held]
     plan = plan_buckets(layout.metas, bucket_bytes)
@@ -65,6 +71,10 @@ def test_parts_give_every_region_byte_once_from_a_holder(layout_name, tp, bucket
             seen = [torch.zeros(m.shape, dtype=torch.int32) for m in regions]
             for send in target_parts:
                 holding = by_rank[send.part.src][send.name]  # the sender holds it
+                sender = layout.sender(send.name)
+                assert sender in (None, send.part.src)  # a tensor held whole: by its sender
+                same_entry = [p for p in target_parts if p.part.entry == send.part.entry]
+                assert sender is None or same_entry == [send]  # ... in one part
                 if send.cell is None:
                     source = torch.from_numpy(holding.bytes_of(send.start, send.numel))
                 else:

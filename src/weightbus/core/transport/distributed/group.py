@@ -1,8 +1,8 @@
 """Weights groups of the `dist` transport: torch.distributed gloo groups by name, per process.
 
-A weights group spans the publisher (group rank 0; a sharded trainer's ranks: group ranks
-`0 .. senders - 1`) and every rank of every engine (rank r of an engine is group rank
-`rank_offset + r`). It rendezvous on its own TCPStore, served by the
+A weights group spans the trainer ranks (group ranks `0 .. senders - 1`: one process holding
+every tensor is group rank 0 alone) and every rank of every engine (rank r of an engine is group
+rank `rank_offset + r`). It rendezvous on its own TCPStore, served by the
 publisher, and is a standalone `ProcessGroupGloo`: the default process group, which carries the
 engine's TP group, is never touched. A group is created once (`/v1/init_weights_group`) and
 reused by every push until it is destroyed or re-initialised.
@@ -33,8 +33,8 @@ from weightbus.core.wire.messages import RankLayout
 
 logger = logging.getLogger(__name__)
 
-# Tags of point-to-point messages: rank layouts at group creation, bucket data (scatter), the
-# publisher's word in a push's hand-shake.
+# Tags of point-to-point messages: rank layouts at group creation, bucket data (parts mode),
+# the publisher's word in a push's hand-shake.
 _LAYOUT_TAG = 1
 DATA_TAG = 2
 HANDSHAKE_TAG = 3
@@ -59,7 +59,7 @@ class WeightsGroup:
         broken: why the group can no longer be used, or None.
         handshakes: publisher: sessions whose hand-shake keys are still in the store, oldest
             first.
-        senders: the group ranks that send (a sharded trainer's ranks); the rest receive.
+        senders: the group ranks that send (the trainer ranks); the rest receive.
     """
 
     name: str
@@ -135,7 +135,13 @@ def destroy_group(name: str) -> bool:
 
 def _close(group: WeightsGroup) -> None:
     # abort ends pending operations at once (a dead peer must not hold the engine's loop)
-    group.broken = group.broken or "destroyed"
+    abort(group, "destroyed")
+
+
+def abort(group: WeightsGroup, why: str) -> None:
+    """End this member's part in the group now: every peer's pending operation fails at once
+    (the group must be formed again)."""
+    group.broken = group.broken or why
     group.pg.abort()
 
 
@@ -256,7 +262,7 @@ def join_group(
     senders: int = 1,
 ) -> WeightsGroup:
     """Engine rank: join group `name` (replacing a group of that name) and report `layout`;
-    a sharded trainer's rank other than 0 joins with no layout (it sends, and receives only
+    a trainer rank other than the leader joins with no layout (it sends, and receives only
     the session's messages).
 
     Raises:

@@ -22,14 +22,14 @@ class DistDescription(SourceDescription, frozen=True):
     """One `dist` session on the live weights group `group_name`.
 
     Attributes:
-        mode: `broadcast` (every rank gets every byte), `scatter` (each rank its slices) or
-            `sharded` (each rank its slices, in parts from the trainer ranks that hold them).
+        mode: `broadcast` (every rank gets every byte) or `parts` (each rank its slices, in
+            parts from the trainer ranks that send them).
         prefetch_depth: buckets a rank receives ahead of the one it loads.
     """
 
     group_name: GroupName
     session_id: Hex128
-    mode: Literal["broadcast", "scatter", "sharded"]
+    mode: Literal["broadcast", "parts"]
     prefetch_depth: Annotated[int, msgspec.Meta(ge=1, le=MAX_PREFETCH_DEPTH)] = 1
 
 

@@ -1,10 +1,10 @@
-"""`dist` from sharded senders: an engine rank's regions of a bucket arrive in parts, each part
-from the trainer rank that holds it (`BucketSent.parts`).
+"""`dist` parts mode, engine-rank side: a rank's regions of a bucket arrive in parts, each
+part from the trainer rank that sends it (`BucketSent.parts`, computed by `schedule.py`).
 
 A region (`slices.rank_regions`) is seen as a matrix (`region_matrix`): a typed region as its
 tensor's matrix rows and columns, a chunk of bytes (a tensor split across buckets at no row
-boundary) as a column of bytes. A part is a rectangle of it. Each sender sends one payload per
-bucket and receiving rank: its parts back to back in the order listed (each at an aligned
+boundary) as a column of bytes. A part is a rectangle of it. Each trainer rank sends one payload
+per bucket and receiving rank: its parts back to back in the order listed (each at an aligned
 offset), then the xxh3-128 of those bytes. Both ends lay the payload out with
 `slices.aligned_offsets`, so they agree by construction.
 """
@@ -61,8 +61,8 @@ def entry_box(entry: BucketEntry, spec: SliceSpec | None) -> MatrixBox | None:
         inner = prod(shape[2:])
         return first, last, spec.start * inner, (spec.start + spec.length) * inner
     raise ValueError(
-        f"tensor {entry.name!r}: slices along dimension {spec.dim} cannot come from sharded "
-        "senders (dimension 0 or 1)"
+        f"tensor {entry.name!r}: slices along dimension {spec.dim} cannot be sent in parts "
+        "(dimension 0 or 1)"
     )
 
 

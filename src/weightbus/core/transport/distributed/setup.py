@@ -58,6 +58,12 @@ def _tp_sizes(engines: Sequence[EngineLink], name: str, timeout_s: float) -> lis
     return [futures[engine.url].result() for engine in engines]
 
 
+# Called with the group's store port, its size and the leader's own part of forming it (the
+# engines and this process join; True when every member did): runs that part while the other
+# trainer ranks join, and raises `WeightsGroupError` naming those that did not.
+JoinSenders = Callable[[int, int, Callable[[], bool]], None]
+
+
 def form_group(
     engines: Sequence[EngineLink],
     *,
@@ -67,18 +73,18 @@ def form_group(
     backend: Backend = "gloo",
     timeout_s: float = 60.0,
     senders: int = 1,
-    store_served: Callable[[int, int], None] | None = None,
+    join_senders: JoinSenders | None = None,
 ) -> WeightsGroupInfo:
     """Publisher: form weights group `name` with every rank of `engines`; this process is rank 0.
 
     Serves the group's store on `master_addr:master_port` (0: a free port from the OS), asks
     every engine in parallel to join (rank r of engine i is group rank `offset_i + r`) and
-    joins itself. A sharded trainer's group has `senders` ranks before the engines' (told the
-    store's port and the group's size by `store_served(port, world_size)`: they join too).
+    joins itself. A trainer group of `senders` ranks has them before the engines' ranks: the
+    others join through `join_senders`.
 
     Raises:
-        WeightsGroupError: an engine or this process could not join (each one named); the
-            group is left on this process.
+        WeightsGroupError: an engine, a trainer rank or this process could not join (each
+            named); the group is left on this process.
     """
     tp_sizes = _tp_sizes(engines, name, timeout_s)
     offsets = list(accumulate([senders, *tp_sizes[:-1]]))
@@ -90,8 +96,6 @@ def form_group(
         world_size=world_size,
         timeout_s=timeout_s,
     )
-    if store_served is not None:
-        store_served(store.port, world_size)
     requests = {
         engine.url: WeightsGroupInit(
             master_addr=master_addr,
@@ -104,25 +108,43 @@ def form_group(
         )
         for engine, offset in zip(engines, offsets, strict=True)
     }
-    futures = _run_all(
-        engines,
-        lambda engine: engine.setup_transport(
-            "dist", requests[engine.url], timeout_s + ANSWER_MARGIN_S
-        ),
-    )
-    failures = {}
-    try:
-        create_publisher_group(
-            name=name,
-            store=store,
-            master_addr=master_addr,
-            world_size=world_size,
-            timeout_s=timeout_s,
-            senders=senders,
+    failures: dict[str, str] = {}
+
+    def lead() -> bool:
+        """Ask every engine to join, join too; whether every member did (what failed goes to
+        `failures`)."""
+        futures = _run_all(
+            engines,
+            lambda engine: engine.setup_transport(
+                "dist", requests[engine.url], timeout_s + ANSWER_MARGIN_S
+            ),
         )
-    except (TimeoutError, OSError) as exc:
-        failures["publisher"] = str(exc)
-    failures = {**_failures(futures), **failures}
+        publisher = None
+        try:
+            create_publisher_group(
+                name=name,
+                store=store,
+                master_addr=master_addr,
+                world_size=world_size,
+                timeout_s=timeout_s,
+                senders=senders,
+            )
+        except (TimeoutError, OSError) as exc:
+            publisher = str(exc)
+        failures.update(_failures(futures))
+        if publisher is not None:
+            failures["publisher"] = publisher
+        return not failures
+
+    try:
+        if join_senders is None:
+            lead()
+        else:
+            join_senders(store.port, world_size, lead)
+    except WeightsGroupError as exc:  # trainer ranks that did not join, named
+        failures.update(exc.failures)
+    except (TimeoutError, OSError) as exc:  # the trainer group's own store failed
+        failures["trainer ranks"] = str(exc)
     if failures:
         destroy_group(name)
         raise WeightsGroupError(name, "initialisation", failures)

@@ -1,48 +1,49 @@
-"""`dist`, publisher side: buckets travel on a torch.distributed gloo group spanning hosts.
+"""`dist`, the trainer group's leader: buckets travel on a torch.distributed gloo group spanning
+hosts.
 
-The group (`group.py`) is created once and reused: the publisher is group rank 0, every
-engine rank a member. Per push, once every engine rank said it is ready (the hand-shake,
-`handshake.py`: a push an engine refuses is cancelled before anything moves, and the group
-stays usable), on the group, in order:
+The weights group (`group.py`) is formed once and reused: the trainer ranks are its first ranks
+(senders; one process holding every tensor is rank 0 alone), every engine rank a member after
+them. Per push, `prepare` has every trainer rank digest its share (`sender.DigestOrder`), and
+`stream`, once every engine rank said it is ready (the hand-shake, `handshake.py`: a push an
+engine refuses is cancelled before anything moves, and the group stays usable), has every
+trainer rank send its part (`sender.SessionOrder`, `session.py`):
 
     UpdateBegin -> (BucketSent, bucket data) x buckets -> UpdateEnd
 
-Messages are typed wire frames broadcast as `uint8` tensors (length first), never pickle.
-Bucket data goes out as asynchronous operations from two send buffers, so packing bucket k+1
-overlaps sending bucket k. Two modes:
+Two modes:
 
-- `broadcast`: one broadcast of the whole bucket; every rank receives every byte.
-- `scatter`: each rank receives only the regions of the bucket it loads (its TP slices, from
-  the `RankLayout` it reported when it joined), as a point-to-point send: 1/tp of the bytes for
-  sharded tensors. Ranks with the same slice map share one packed buffer. No rank holds whole
-  tensors, so per-tensor digests cannot be checked on the engine: the transport checks an
-  xxh3-128 of each rank's bytes of every bucket instead, and engines run with `verify: none`.
+- `broadcast`: every engine rank receives every byte, one broadcast per bucket entry straight
+  from the trainer's tensors. Only a group of one can: the other trainer ranks would receive
+  every byte too.
+- `parts`: each engine rank receives only the regions of each bucket it loads (its TP slices,
+  from the `RankLayout` it reported when it joined), in parts from the trainer ranks that send
+  them (`schedule.py`), point to point, each payload with its xxh3-128. No engine rank holds
+  whole tensors, so engines run with `verify: none` and the transport checks the bytes.
 
-`auto` picks `scatter` when every engine rank is part of a TP group (tp > 1), else `broadcast`.
-A rank receives in a background thread, up to `prefetch_depth` buckets ahead of the Receiver.
+`auto` sends in parts when the trainer group has several ranks or every engine rank is part of
+a TP group (tp > 1), else broadcasts.
+
+A group of one forms its group with `Publisher.init_weights_group` (`setup_transport`). A group
+of N forms it on its first push (`setup_on_push`; the store on the sink's `master_addr`) and
+again after a failed push (`setup_broken`): the other trainer ranks join when told
+(`sender.JoinOrder`).
 """
 
 import contextlib
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
-import torch
 
-from weightbus.core.digest import bytes_digest
-from weightbus.core.plan import BucketPlan
-from weightbus.core.plan.bucket import BucketEntry, byte_view, check_entry_tensor, pack_entries
+from weightbus.core.trainer.digests import combine_shares
 from weightbus.core.transport.base import BucketSink, EngineLink, Progress, PushSession, no_progress
 from weightbus.core.transport.distributed.group import (
-    DATA_TAG,
     WeightsGroup,
-    broadcast_message,
+    abort,
     get_group,
     group_names,
-    op_timeout,
-    wait,
 )
 from weightbus.core.transport.distributed.handshake import start_stream
 from weightbus.core.transport.distributed.messages import (
@@ -54,67 +55,51 @@ from weightbus.core.transport.distributed.messages import (
     WeightsGroupError,
     WeightsGroupInfo,
 )
-from weightbus.core.transport.distributed.setup import form_group, leave_group
-from weightbus.core.transport.distributed.slices import (
-    SliceTarget,
-    check_slices,
-    layout_slices,
-    pack_regions,
-    rank_regions,
-    regions_nbytes,
-    slice_targets,
-)
-from weightbus.core.wire.messages import BucketSent
+from weightbus.core.transport.distributed.sender import DigestOrder, SessionOrder, SessionReport
+from weightbus.core.transport.distributed.session import LeaderPart
+from weightbus.core.transport.distributed.setup import JoinSenders, form_group, leave_group
+from weightbus.core.transport.distributed.slices import check_slices, layout_slices
+from weightbus.core.transport.distributed.trainer_ranks import failure_cause, joining
+from weightbus.core.transport.sending import Sending
 
-Mode = Literal["auto", "broadcast", "scatter"]
-MODES = ("auto", "broadcast", "scatter")
+Mode = Literal["auto", "broadcast", "parts"]
+MODES = ("auto", "broadcast", "parts")
 # Bound of leaving the group at `close` (engines that do not answer by then are left as is).
 CLOSE_TIMEOUT_S = 10.0
 
 
-def choose_mode(group: WeightsGroup, mode: Mode) -> Literal["broadcast", "scatter"]:
-    """The mode of a push: `mode` unless `auto`, which scatters when every rank has tp > 1."""
-    if mode != "auto":
-        return mode
-    tp_sizes = [layout.tp_size for layout in group.layouts.values()]
-    return "scatter" if tp_sizes and min(tp_sizes) > 1 else "broadcast"
-
-
-class _InFlight:
-    """Operations of one bucket not yet known complete, and the tensors they read."""
-
-    def __init__(self) -> None:
-        self.ops: list[tuple[object, torch.Tensor]] = []
-        self.nbytes = 0
-
-    def finish(self, group: WeightsGroup, deadline: float, what: str) -> int:
-        for work, _ in self.ops:
-            wait(group, work, deadline, what)
-        nbytes, self.ops, self.nbytes = self.nbytes, [], 0
-        return nbytes
-
-
 class DistSink(BucketSink):
-    """Publisher side of `dist`. `setup` forms the weights group (`Publisher.setup_transport`,
-    or its SGLang-style name `Publisher.init_weights_group`); every push reuses it.
+    """The leader's side of `dist`. `setup` forms the weights group (`Publisher.setup_transport`
+    or `init_weights_group`; a trainer group of several ranks forms it on its first push);
+    every push reuses it.
 
     Args:
         group_name: the weights group to push on.
-        mode: `broadcast`, `scatter` or `auto`.
-        prefetch_depth: buckets each rank receives ahead of the one it loads.
+        mode: `broadcast`, `parts` or `auto`.
+        prefetch_depth: buckets each engine rank receives ahead of the one it loads.
+        master_addr: the leader's address as every engine rank and trainer rank reaches it,
+            for a group formed without one (a group of N's first push).
+        master_port: the group store's port then (0: a free port from the OS).
+        group_timeout_s: bound of forming the group then.
 
     Attributes:
-        rank_sent_bytes: bytes each receiving group rank got in the last push, alignment padding
+        rank_sent_bytes: bytes each engine group rank got in the last push, alignment padding
             included (`PushSession.sent_bytes` counts the push's tensor bytes).
     """
 
     name = "dist"
 
     def __init__(
-        self, group_name: str = DEFAULT_GROUP_NAME, mode: Mode = "auto", prefetch_depth: int = 1
+        self,
+        group_name: str = DEFAULT_GROUP_NAME,
+        mode: Mode = "auto",
+        prefetch_depth: int = 1,
+        *,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        group_timeout_s: float = 60.0,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        _check_mode(mode)
         if not 1 <= prefetch_depth <= MAX_PREFETCH_DEPTH:
             raise ValueError(
                 f"prefetch_depth must be in [1, {MAX_PREFETCH_DEPTH}], got {prefetch_depth}"
@@ -122,42 +107,72 @@ class DistSink(BucketSink):
         self.group_name = group_name
         self.requested_mode = mode
         self.prefetch_depth = prefetch_depth
+        self.master_addr, self.master_port = master_addr, master_port
+        self.group_timeout_s = group_timeout_s
         self.rank_sent_bytes: dict[int, int] = {}
         self._session_mode: tuple[str, str] = ("", "broadcast")
         self._members: Sequence[EngineLink] = ()  # the engines of the group this sink formed
         self._engine_at_offset: dict[int, str] = {}  # first group rank -> engine URL
+        self._reform = False  # a group of N's push failed: form the group again first
+        self._live_session: str | None = None  # the session the trainer ranks are sending
+
+    # --- the weights group ---
 
     def setup(
         self,
         engines: Sequence[EngineLink],
+        steps: Sending | None = None,
         *,
-        master_addr: str,
-        master_port: int = 0,
+        master_addr: str | None = None,
+        master_port: int | None = None,
         backend: Backend = "gloo",
-        timeout_s: float = 60.0,
+        timeout_s: float | None = None,
     ) -> WeightsGroupInfo:
-        """Form the weights group with every rank of `engines` (again: re-form it, e.g. after a
-        failed push left it broken). See `setup.form_group`.
+        """Form the weights group with every trainer rank (through `steps`) and every rank of
+        `engines`; again: re-form it (e.g. after a failed push left it broken). See
+        `setup.form_group`; options left out are the sink's own.
 
         Raises:
-            WeightsGroupError: an engine or this process could not join (each one named).
+            WeightsGroupError: an engine, a trainer rank or the leader could not join (each
+                named).
         """
         self._members = ()
+        timeout_s = self.group_timeout_s if timeout_s is None else timeout_s
+        trainers = steps if steps is not None and not steps.single else None
+        if trainers is not None:  # within the call's bound: the ranks wait for it no longer
+            timeout_s = max(0.001, min(timeout_s, trainers.deadline - time.monotonic()))
+        master_addr = master_addr or self.master_addr
         info = form_group(
             engines,
             name=self.group_name,
             master_addr=master_addr,
-            master_port=master_port,
+            master_port=self.master_port if master_port is None else master_port,
             backend=backend,
             timeout_s=timeout_s,
-            **self._senders(),
+            senders=1 if trainers is None else trainers.group.world_size,
+            join_senders=None
+            if trainers is None
+            else self._joining(trainers, master_addr, timeout_s),
         )
         self._members = tuple(engines)
         self._engine_at_offset = {offset: url for url, offset in info.rank_offsets.items()}
+        self._reform = False
         return info
 
-    def _senders(self) -> dict[str, Any]:
-        """`form_group`'s options for the group's senders (this process alone here)."""
+    def _joining(self, steps: Sending, master_addr: str, timeout_s: float) -> JoinSenders:
+        return joining(
+            lambda order, hooks: self.everyone(steps, order, hooks=hooks),
+            group_name=self.group_name,
+            master_addr=master_addr,
+            timeout_s=timeout_s,
+        )
+
+    def setup_on_push(self, steps: Sending | None) -> dict[str, Any] | None:
+        """The set-up options a push runs first when no set-up was done, or None: a group of
+        several trainer ranks forms its weights group on its first push (the sink's
+        `master_addr`), a group of one needs `init_weights_group` first."""
+        if steps is None or steps.single or self._members:
+            return None
         return {}
 
     def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:
@@ -174,10 +189,11 @@ class DistSink(BucketSink):
         name, and a fixed store port is taken by this sink's group."""
         name = f"{self.group_name[:48]}-join-{secrets.token_hex(4)}"
         setup = None if setup_options is None else {**setup_options, "master_port": 0}
-        return {**sink_options, "group_name": name}, setup
+        return {**sink_options, "group_name": name, "master_port": 0}, setup
 
     def teardown(self, timeout_s: float) -> None:
-        """Leave the weights group here and on every engine.
+        """Leave the weights group here and on every engine (the other trainer ranks leave
+        theirs when their senders close, or when the group forms again).
 
         Raises:
             WeightsGroupError: an engine did not confirm (this process has left regardless).
@@ -186,33 +202,51 @@ class DistSink(BucketSink):
         leave_group(members, name=self.group_name, timeout_s=timeout_s)
 
     def setup_broken(self) -> str | None:
+        if self._reform:
+            return "the last push failed: the trainer ranks form the group anew"
         if not self._members or self.group_name not in group_names():
             return None
         return get_group(self.group_name).broken
 
-    def _group(self) -> WeightsGroup:
+    def _group(self, sending: Sending) -> WeightsGroup:
         group = get_group(self.group_name)
         group.check_usable()
+        if group.senders != sending.group.world_size:
+            raise ValueError(
+                f"weights group {self.group_name!r} was formed for {group.senders} trainer "
+                f"ranks, this push has {sending.group.world_size}: re-initialise it"
+            )
         return group
 
-    def _push_mode(self, group: WeightsGroup) -> Literal["broadcast", "scatter", "sharded"]:
-        return choose_mode(group, self.requested_mode)
+    def _push_mode(self, group: WeightsGroup, sending: Sending) -> Literal["broadcast", "parts"]:
+        mode = self.requested_mode
+        _check_mode(mode)
+        if mode == "broadcast" and not sending.single:
+            raise ValueError(
+                "dist broadcast needs one process holding every tensor: a trainer group of "
+                f"{sending.group.world_size} ranks sends in parts (mode 'parts' or 'auto')"
+            )
+        if mode != "auto":
+            return mode
+        tp_sizes = [layout.tp_size for layout in group.layouts.values()]
+        split = tp_sizes and min(tp_sizes) > 1
+        return "parts" if split or not sending.single else "broadcast"
+
+    # --- one push ---
 
     def prepare(
-        self,
-        session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
-        progress: Progress = no_progress,
+        self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> DistDescription:
-        group = self._group()
-        mode = self._push_mode(group)
-        if mode != "broadcast":
+        group = self._group(sending)
+        mode = self._push_mode(group, sending)
+        if mode == "parts":
             shapes = {meta.name: meta.shape for meta in session.plan.metas}
             for layout in group.layouts.values():
                 check_slices(layout_slices(layout), shapes)
         self._session_mode = (session.session_id, mode)
-        if mode != "sharded":  # sharded: the trainer ranks digest their shards when streaming
-            session.ensure_digests(tensors)  # each bucket's message carries its tensors' digests
+        # each bucket's message carries the digests of the tensors it completes
+        reports = self.everyone(sending, DigestOrder())
+        session.digests.update(combine_shares(sending.layout, [r.digests for r in reports]))
         return DistDescription(
             group_name=self.group_name,
             session_id=session.session_id,
@@ -225,35 +259,100 @@ class DistSink(BucketSink):
         return f"dist {self._session_mode[1]}"
 
     def receiver_verify(self, verify: str) -> str:
-        # scatter, sharded: no rank holds whole tensors; the transport checks each rank's bytes
+        # parts: no engine rank holds whole tensors; the transport checks each payload's bytes
         return verify if self._session_mode[1] == "broadcast" else "none"
 
     def stream(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         timeout_s: float,
         progress: Progress = no_progress,
     ) -> None:
-        group = self._group()
         session_id, mode = self._session_mode
         assert session_id == session.session_id, "prepare() the session first"
-        push = _Push(group, session, tensors, time.monotonic() + timeout_s)
-        self.rank_sent_bytes = push.rank_sent_bytes
+        try:
+            self._stream(session, sending, mode, timeout_s, progress)
+        except BaseException:
+            # whatever failed (an engine that lost its group, a rank that died), a group of N
+            # forms its group anew before the next push rather than find out midway
+            self._reform = not sending.single
+            raise
+
+    def _stream(
+        self,
+        session: PushSession,
+        sending: Sending,
+        mode: str,
+        timeout_s: float,
+        progress: Progress,
+    ) -> None:
+        group = self._group(sending)
+        deadline = time.monotonic() + timeout_s
         # raises when the push cannot start: nothing moved, the group stays usable
         start_stream(
             group,
-            session_id,
-            push.deadline,
+            session.session_id,
+            deadline,
             abandoned=lambda: session.abandoned,
             describe_rank=lambda group_rank: self._describe_rank(group, group_rank),
         )
+        leader = LeaderPart(session, progress)
+        order = self._session_order(session, sending, group, mode, deadline)
+        self._live_session = session.session_id
         try:
-            push.run(mode, progress)
+            reports = self.everyone(sending, order, hooks=leader)
         except BaseException as exc:
-            # the receivers are at some step of the stream: the group must be re-initialised
+            # the engine ranks are at some step of the stream: the group must be formed again
             group.broken = group.broken or f"a push failed midway: {exc}"
-            raise
+            known = not sending.single and leader.key
+            cause = failure_cause(sending.group, leader.key) if known else None
+            if cause is None:
+                raise
+            raise cause from exc
+        finally:
+            self._live_session = None
+        self._count(session, sending, reports)
+
+    def _session_order(
+        self,
+        session: PushSession,
+        sending: Sending,
+        group: WeightsGroup,
+        mode: str,
+        deadline: float,
+    ) -> SessionOrder:
+        order = SessionOrder(
+            group_name=self.group_name,
+            session_id=session.session_id,
+            mode=mode,
+            bucket_bytes=session.plan.bucket_bytes,
+            plan_hash=session.plan.plan_hash,
+            timeout_s=max(0.0, deadline - time.monotonic()),
+            layouts=[group.layouts[rank] for rank in sorted(group.layouts)],
+        )
+        if mode != "parts" or sending.single:
+            return order
+        # every rank checks it computed the leader's parts before anything moves
+        _, hashed = sending.senders(self.key, self.name).parts_plan(sending.layout, order)
+        return msgspec.structs.replace(order, parts_hash=hashed)
+
+    def _count(self, session: PushSession, sending: Sending, reports: list[SessionReport]) -> None:
+        sending.count_sent([report.sent_bytes for report in reports])
+        session.count_sent(sum(report.sent_bytes for report in reports))
+        self.rank_sent_bytes = {}
+        for report in reports:
+            for group_rank, nbytes in report.rank_bytes.items():
+                self.rank_sent_bytes[group_rank] = self.rank_sent_bytes.get(group_rank, 0) + nbytes
+
+    def engine_answered(self, session: PushSession, url: str, reason: str) -> None:
+        """An engine that failed mid-stream (its ranks lost a sender: a trainer rank died)
+        ends every member's pending operation at once, instead of at the push's deadline."""
+        super().engine_answered(session, url, reason)
+        live = session.session_id == self._live_session and self.group_name in group_names()
+        group = get_group(self.group_name) if live else None
+        if group is not None and group.senders > 1 and session.at_fault:
+            abort(group, f"engine {url} failed mid-stream: {reason}")
 
     def _describe_rank(self, group: WeightsGroup, group_rank: int) -> str:
         """`engine URL (group rank r)`, or `group rank r` for a rank of no known engine."""
@@ -270,118 +369,6 @@ class DistSink(BucketSink):
                 self.teardown(timeout_s=CLOSE_TIMEOUT_S)
 
 
-class _Push:
-    """One push on the group: `run` is a loop over `_send_bucket`, two buckets in flight."""
-
-    def __init__(
-        self,
-        group: WeightsGroup,
-        session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
-        deadline: float,
-    ) -> None:
-        self.group = group
-        self.session = session
-        self.tensors = tensors
-        self.deadline = deadline
-        self.rank_sent_bytes = dict.fromkeys(group.receiving_ranks, 0)
-        self.in_flight = [_InFlight(), _InFlight()]  # double buffering: pack one, send one
-
-    def run(self, mode: str, progress: Progress) -> None:
-        group, deadline = self.group, self.deadline
-        targets = slice_targets(group.layouts.values()) if mode == "scatter" else None
-        begin = broadcast_message(group, self.session.begin_message(), deadline)
-        for bucket in self.session.plan.buckets:
-            pending = self.in_flight[bucket.index % 2]
-            progress(pending.finish(group, deadline, f"bucket {bucket.index - 2}"))
-            self._send_bucket(bucket, pending, targets)
-        for pending in self.in_flight:
-            progress(pending.finish(group, deadline, "the last buckets"))
-        end = broadcast_message(group, self.session.end_message(), deadline)
-        for work, _ in [*begin, *end]:
-            wait(group, work, deadline, "the session's messages")
-
-    def _send_bucket(
-        self, bucket: BucketPlan, pending: _InFlight, targets: list[SliceTarget] | None
-    ) -> None:
-        buffer = self.group.buffer(("send", bucket.index % 2), self.session.plan.bucket_bytes)
-        message = BucketSent(
-            session_id=self.session.session_id,
-            bucket_index=bucket.index,
-            digests=completed_digests(self.session, bucket),
-        )
-        if targets is None:
-            self._broadcast(bucket, buffer, message, pending)
-        else:
-            pack_entries(buffer, bucket.entries, self.tensors)
-            self._scatter(bucket, buffer, targets, message, pending)
-        pending.nbytes = bucket.nbytes
-
-    def _entry_bytes(self, entry: BucketEntry, buffer: torch.Tensor) -> torch.Tensor:
-        """The entry's bytes: a view of the source tensor when it is contiguous (no copy),
-        else packed into the bucket buffer."""
-        tensor = self.tensors.get(entry.name)
-        if tensor is None or not tensor.is_contiguous() or tensor.device.type != "cpu":
-            pack_entries(buffer, [entry], self.tensors)  # also raises for a missing tensor
-            return buffer[entry.offset : entry.end]
-        check_entry_tensor(entry, tensor)
-        start = entry.tensor_offset
-        return byte_view(tensor.detach())[start : start + entry.nbytes]
-
-    def _broadcast(
-        self, bucket: BucketPlan, buffer: torch.Tensor, message: BucketSent, pending: _InFlight
-    ) -> None:
-        # one collective per entry, straight from the tensors: no packing copy on this side,
-        # and each lands at its place in the receivers' bucket buffers
-        pending.ops += broadcast_message(self.group, message, self.deadline)
-        timeout = op_timeout(self.deadline, f"broadcast of bucket {bucket.index}")
-        for entry in bucket.entries:
-            if entry.nbytes:
-                data = self._entry_bytes(entry, buffer)
-                pending.ops.append((self.group.pg.broadcast(data, 0, timeout), data))
-        self.session.count_sent(bucket.payload_bytes)  # one send, whatever the receivers
-        for group_rank in self.rank_sent_bytes:
-            self.rank_sent_bytes[group_rank] += bucket.nbytes
-
-    def _scatter(
-        self,
-        bucket: BucketPlan,
-        buffer: torch.Tensor,
-        targets: list[SliceTarget],
-        message: BucketSent,
-        pending: _InFlight,
-    ) -> None:
-        packed_buffers, payloads = [], []
-        for index, target in enumerate(targets):
-            packed = self.group.buffer(("packed", bucket.index % 2, index), buffer.numel())
-            regions = rank_regions(bucket, buffer, target.slices)
-            nbytes = pack_regions(regions, packed)
-            packed_buffers.append(packed[:nbytes])
-            payloads.append(regions_nbytes(regions))
-        sends = [
-            (group_rank, packed)
-            for target, packed in zip(targets, packed_buffers, strict=True)
-            for group_rank in target.group_ranks
-        ]
-        digests = [bytes_digest(packed) for packed in packed_buffers]
-        by_rank = {
-            group_rank: digest
-            for target, digest in zip(targets, digests, strict=True)
-            for group_rank in target.group_ranks
-        }
-        message = msgspec.structs.replace(message, rank_digests=by_rank)
-        pending.ops += broadcast_message(self.group, message, self.deadline)
-        for group_rank, packed in sends:
-            pending.ops.append((self.group.pg.send([packed], group_rank, DATA_TAG), packed))
-            self.rank_sent_bytes[group_rank] += packed.numel()
-        for target, payload in zip(targets, payloads, strict=True):
-            self.session.count_sent(payload * len(target.group_ranks))  # one send per rank
-
-
-def completed_digests(session: PushSession, bucket: BucketPlan) -> dict[str, str]:
-    # digests of the tensors whose last byte is in this bucket
-    return {
-        e.name: session.digests[e.name]
-        for e in bucket.entries
-        if e.tensor_offset + e.nbytes == e.tensor_nbytes
-    }
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

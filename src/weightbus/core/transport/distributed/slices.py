@@ -1,14 +1,14 @@
-"""Which bytes of a bucket one engine rank needs (`dist` scatter mode), as views of the bucket.
+"""Which bytes of a bucket one engine rank needs (`dist` parts mode), as views of the bucket.
 
 A rank's slice map (`RankLayout.slices`, from `LlamaForCausalLM.shard_copies`) says which rows
 along which dimension of each full tensor it loads. `rank_regions` turns it into views of a full
-bucket buffer; the publisher copies them back to back into a packed buffer for that rank
-(`pack_regions`), the rank copies them back into its own full bucket buffer (`unpack_regions`)
-and hands the bucket to the Receiver as usual: `load_weights` reads only those regions. One
-function computes the regions on both ends, so they agree by construction.
+bucket buffer: the trainer ranks send those regions in parts (`schedule.py`), the engine rank
+copies each part into its place in its own bucket buffer (`parts.receive_parts`) and hands the
+bucket to the Receiver as usual: `load_weights` reads only those regions. One function computes
+the regions on both ends, so they agree by construction.
 """
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -85,11 +85,6 @@ def rank_regions(
     return regions
 
 
-def regions_nbytes(regions: Sequence[torch.Tensor]) -> int:
-    """The tensor bytes of the regions (what a rank receives, without the packing's padding)."""
-    return sum(region.numel() * region.element_size() for region in regions)
-
-
 def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
     """Aligned offsets of parts of `sizes` bytes packed back to back, and where they end."""
     offsets, offset = [], 0
@@ -98,31 +93,6 @@ def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
         offsets.append(offset)
         offset += size
     return offsets, offset
-
-
-def packed_offsets(regions: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Aligned offsets of the regions packed back to back, and the bytes they need."""
-    return aligned_offsets(region.numel() * region.element_size() for region in regions)
-
-
-def _packed_view(packed: torch.Tensor, offset: int, region: torch.Tensor) -> torch.Tensor:
-    nbytes = region.numel() * region.element_size()
-    return packed[offset : offset + nbytes].view(region.dtype).view(region.shape)
-
-
-def pack_regions(regions: Sequence[torch.Tensor], packed: torch.Tensor) -> int:
-    """Copy the regions back to back into `packed`; returns the bytes used."""
-    offsets, nbytes = packed_offsets(regions)
-    for region, offset in zip(regions, offsets, strict=True):
-        _packed_view(packed, offset, region).copy_(region)
-    return nbytes
-
-
-def unpack_regions(packed: torch.Tensor, regions: Sequence[torch.Tensor]) -> None:
-    """Copy the packed bytes back into the regions (the inverse of `pack_regions`)."""
-    offsets, _ = packed_offsets(regions)
-    for region, offset in zip(regions, offsets, strict=True):
-        region.copy_(_packed_view(packed, offset, region))
 
 
 def check_slices(slices: Mapping[str, SliceSpec], shapes: Mapping[str, tuple[int, ...]]) -> None:

@@ -3,9 +3,9 @@
 `begin` first tells the publisher this rank is ready and waits for its word (the hand-shake,
 `handshake.py`): a push cancelled then moved nothing, and the group stays usable. A background
 thread receives up to `prefetch_depth` buckets ahead of the Receiver, into a pool of reused
-bucket buffers; in scatter mode only this rank's regions arrive, checked against the xxh3-128
-the publisher sent for them; in sharded mode they arrive in parts from the trainer ranks that
-hold them, each sender's bytes checked against the xxh3-128 it computed (`parts.py`).
+bucket buffers: in broadcast mode every byte of each bucket; in parts mode only this rank's
+regions, in parts from the trainer ranks that send them, each sender's bytes checked against
+the xxh3-128 it computed (`parts.py`).
 """
 
 import queue
@@ -14,12 +14,10 @@ from collections.abc import Iterator
 
 import torch
 
-from weightbus.core.digest import bytes_digest
 from weightbus.core.plan import BucketPlan, Plan, plan_buckets
 from weightbus.core.plan.assemble import ChunkAssembler, unpack_bucket
 from weightbus.core.transport.base import BucketSource, ReceivedBatch
 from weightbus.core.transport.distributed.group import (
-    DATA_TAG,
     WeightsGroup,
     get_group,
     op_timeout,
@@ -29,13 +27,6 @@ from weightbus.core.transport.distributed.group import (
 from weightbus.core.transport.distributed.handshake import join_stream, refuse_stream
 from weightbus.core.transport.distributed.messages import DistDescription
 from weightbus.core.transport.distributed.parts import receive_parts
-from weightbus.core.transport.distributed.slices import (
-    layout_slices,
-    packed_offsets,
-    rank_regions,
-    regions_nbytes,
-    unpack_regions,
-)
 from weightbus.core.transport.parts.deadlines import remaining_s
 from weightbus.core.transport.parts.prefetch import Prefetcher
 from weightbus.core.wire import Message, ProtocolError, UpdateBegin, UpdateEnd
@@ -126,11 +117,9 @@ class DistSource(BucketSource):
                 )
             index = pool.acquire(deadline)
             buffer = pool.buffers[index]
-            if self.mode == "sharded":
+            if self.mode == "parts":
                 parts = message.parts.get(self.group.group_rank, [])
                 nbytes = receive_parts(self.group, bucket, buffer, parts, deadline)
-            elif self.mode == "scatter":
-                nbytes = self._receive_slices(bucket, buffer, message, deadline)
             else:
                 nbytes = self._receive_whole(bucket, buffer, deadline)
             yield ReceivedBatch(
@@ -152,21 +141,6 @@ class DistSource(BucketSource):
         for work in ops:
             wait(self.group, work, deadline, what)
         return bucket.payload_bytes
-
-    def _receive_slices(
-        self, bucket: BucketPlan, buffer: torch.Tensor, message: BucketSent, deadline: float
-    ) -> int:
-        """Receive this rank's regions of the bucket into `buffer`; returns their bytes."""
-        group = self.group
-        regions = rank_regions(bucket, buffer, layout_slices(group.layouts[group.group_rank]))
-        _, nbytes = packed_offsets(regions)
-        packed = group.buffer(("packed",), nbytes)
-        wait(group, group.pg.recv([packed], 0, DATA_TAG), deadline, f"bucket {bucket.index}")
-        expected = message.rank_digests.get(group.group_rank)
-        if expected is None or bytes_digest(packed) != expected:
-            raise ValueError(f"bucket {bucket.index}: the bytes received are corrupted (digest)")
-        unpack_regions(packed, regions)
-        return regions_nbytes(regions)
 
     def end(self, timeout_s: float) -> UpdateEnd:
         end = self._recv(UpdateEnd, time.monotonic() + timeout_s)
