@@ -298,9 +298,11 @@ class Pushes:
 
     def rollback(self, pause_mode: PauseMode, timeout_s: float | None) -> PushResult:
         round_ = self.round(timeout_s)
-        return self.collective(
+        result = self.collective(
             round_, None, lambda: self.leader_fleet.rollback(pause_mode, timeout_s), PushResult
         )
+        self.adapter.base_fingerprint = result.fingerprint  # what the engines serve again
+        return result
 
     def add_engine(
         self,
