@@ -1,7 +1,7 @@
 """`weightbus plan`'s byte counts against real pushes: for the tiny model and two Hugging Face
 test models (tied embeddings, one KV head replicated on TP 2, biases, a vocabulary TP 2 does not
 divide), pushed into a TP 2 and a TP 1 engine over `shm` (direct and slots), `nixl` and `dist`
-(broadcast and scatter), the planner's bytes per engine rank equal what each rank's transport
+(broadcast and parts), the planner's bytes per engine rank equal what each rank's transport
 counted, and its trainer bytes what the publisher's sink counted."""
 
 import json
@@ -33,7 +33,7 @@ TRANSPORTS = {
     "shm-slots": ("shm", {"direct": False}),
     "nixl": ("nixl", {}),
     "dist-broadcast": ("dist", {"mode": "broadcast"}),
-    "dist-scatter": ("dist", {"mode": "scatter"}),
+    "dist-parts": ("dist", {"mode": "parts"}),
 }
 
 

@@ -79,11 +79,11 @@ def test_every_byte_is_held_once_per_replica_except_replicated_ones() -> None:
 
 def test_patterns_decide_what_ranks_receive_and_trainers_send() -> None:
     layout = EngineLayout(2)
-    scatter = traffic(MOE, layout, "dist", replicas=3, bucket_bytes=1 << 20)
+    parts = traffic(MOE, layout, "dist", replicas=3, bucket_bytes=1 << 20)
     broadcast = traffic(MOE, layout, "dist-broadcast", replicas=3, bucket_bytes=1 << 20)
-    assert scatter.transport == "dist-scatter"  # dist's auto: every rank has tp > 1
-    assert scatter.receive_bytes == scatter.share_bytes
-    assert sum(scatter.trainer_send_bytes) == 3 * sum(scatter.share_bytes)
+    assert parts.transport == "dist-parts"  # dist's auto: every rank has tp > 1
+    assert parts.receive_bytes == parts.share_bytes
+    assert sum(parts.trainer_send_bytes) == 3 * sum(parts.share_bytes)
     assert broadcast.receive_bytes == (MOE.total_bytes,) * 2
     assert broadcast.trainer_send_bytes == (MOE.total_bytes,)
     spread = traffic(MOE, layout, "nixl", replicas=3, trainer_ranks=4, bucket_bytes=1 << 20)

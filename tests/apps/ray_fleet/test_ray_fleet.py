@@ -218,7 +218,7 @@ def test_trainer_actor_pushes_across_nodes_over_dist_too(placed, trainer, v1, se
         timeout=2 * TIMEOUT_S,
     )
     assert outcome["routes"] == {replica0.url: "shm", replica1.url: "dist"}
-    assert outcome["mode"] == "dist: dist scatter, shm: shm direct"  # TP 2: each rank its share
+    assert outcome["mode"] == "dist: dist parts, shm: shm direct"  # TP 2: each rank its share
     assert set(outcome["engines"].values()) == {outcome["local_fingerprint"]}
     served.append(outcome)
     for replica in fleet.replicas:

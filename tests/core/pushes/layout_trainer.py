@@ -160,7 +160,8 @@ def steps(rank: Rank) -> list[tuple[str, Any]]:
         ("join", lambda: main.add_engine(rank.args["engines"]["join"], rank.weights())),
         ("leave", lambda: main.remove_engine(rank.args["engines"]["join"])),
         ("probe-bad", probe_bad),
-        ("probe-good", lambda: main.push(rank.weights(), version=f"{tag}-probe-good", probe=rank.probe())),
+        ("probe-good", lambda: main.push(
+            rank.weights(), version=f"{tag}-probe-good", probe=rank.probe())),
         ("rollback", main.rollback),
         ("train", lambda: rank.train(seed=4)),
         ("hf_dir", hf_dir),

@@ -48,7 +48,7 @@ def engines(
         ("shm", {}, ("tp2", "tp1")),
         ("hf_dir", {}, ("tp2", "tp1")),
         ("dist", {"mode": "broadcast"}, ("tp2", "tp1")),
-        ("dist", {"mode": "scatter"}, ("tp2",)),
+        ("dist", {"mode": "parts"}, ("tp2",)),
     ],
 )
 def test_deltas_land_bit_exactly_over_each_transport(engines, transport, options, members):

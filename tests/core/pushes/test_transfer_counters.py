@@ -74,7 +74,7 @@ CASES = {
     "shm-direct-in-place": ("shm", {"direct": True}, {"atomic": False}, True),
     "shm-slots": ("shm", {"direct": False}, {}, False),
     "dist-broadcast": ("dist", {"mode": "broadcast"}, {}, False),
-    "dist-scatter": ("dist", {"mode": "scatter"}, {"atomic": False}, True),
+    "dist-parts": ("dist", {"mode": "parts"}, {"atomic": False}, True),
     "nixl": ("nixl", {}, {}, True),
     "disk": ("disk", {}, {}, False),
     # routed: the TP 2 engine over shm direct, the TP 1 engine over disk (its full tensors)

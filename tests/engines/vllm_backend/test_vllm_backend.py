@@ -205,7 +205,7 @@ def test_publisher_killed_mid_push_leaves_the_previous_version_and_the_next_push
     untied_tp2.model = model
 
 
-@pytest.mark.parametrize("dist_mode", ["broadcast", "scatter"])
+@pytest.mark.parametrize("dist_mode", ["broadcast", "parts"])
 def test_dist_pushes_reach_every_worker_over_a_weights_group(untied_tp2, dist_mode):
     model = trained(untied_tp2.model, seed=70 + len(dist_mode))
     probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
@@ -216,7 +216,7 @@ def test_dist_pushes_reach_every_worker_over_a_weights_group(untied_tp2, dist_mo
         result = pub.push(model, version=f"over-dist-{dist_mode}", probe=probe)
     total_bytes = sum(t.nbytes for t in model.state_dict().values())
     received = result.engines[0].rank_nbytes  # each worker's own count of what arrived
-    if dist_mode == "scatter":  # each worker gets only the part of each tensor it loads
+    if dist_mode == "parts":  # each worker gets only the part of each tensor it loads
         assert received == _planned_rank_bytes(untied_tp2, model, tp=2)
         assert sum(received) < 2 * total_bytes
     else:

@@ -20,7 +20,7 @@ SUITES = {
     ),
     "dist": (
         "weightbus.apps.bench.dist",
-        "dist pushes (broadcast, scatter) vs raw gloo broadcasts, same run",
+        "dist pushes (broadcast, parts) vs raw gloo broadcasts, same run",
     ),
     "fp8": (
         "weightbus.apps.bench.fp8",

@@ -26,7 +26,7 @@ Rows run round-robin for `--repeat` rounds after one untimed warm-up round, with
 model's bytes into a preallocated buffer (the floor of the encode's cost) in every round. Every
 delta row must have gone as a delta and every push must leave the engine serving the pushed
 fingerprint, else the run fails. Reports medians: bytes the push carried (`PushResult.nbytes`)
-and the bytes the transport handed over (`sent_bytes`: `dist` scatter sums its ranks), seconds,
+and the bytes the transport handed over (`sent_bytes`: `dist` parts sums its ranks), seconds,
 speed-up against the same transport's full push, the delta's encode seconds (`encode_s`) and
 their ratio to the memcpy, and the whole delta phase (`phases["delta_s"]`: the engines' base
 check, the new version's digests and the encode). `--json` adds every sample and push phase.

@@ -7,10 +7,10 @@ group of the same size. Then times, interleaved on the same bytes:
 
 - the baseline: one raw gloo broadcast of the model's bytes as a single tensor;
 - the naive path: one broadcast per tensor;
-- `dist` pushes in `broadcast` and `scatter` mode (verify none: the transport alone).
+- `dist` pushes in `broadcast` and `parts` mode (verify none: the transport alone).
 
 Reports median seconds, GB/s per receiving rank (bytes a rank received / s), the ratio to the
-baseline's bandwidth, and the bytes each rank received (scatter: its TP slices only).
+baseline's bandwidth, and the bytes each rank received (parts: its TP slices only).
 """
 
 import argparse
@@ -145,7 +145,7 @@ class Baseline:
             wait(self.group, self.group.pg.broadcast(tensor, 0), deadline, "tensor broadcast")
 
     def send_each(self, nbytes: int) -> None:
-        """`nbytes` to every peer at once, point to point (what a scatter's link carries)."""
+        """`nbytes` to every peer at once, point to point (what the parts mode's link carries)."""
         _broadcast_command(self.group, _RECEIVE, nbytes)
         deadline = time.monotonic() + _GROUP_TIMEOUT_S
         works = [
@@ -207,7 +207,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict:
     publisher = Publisher([url], transport="dist", bucket_bytes=args.bucket_bytes, timeout_s=600)
     try:
         publisher.init_weights_group("127.0.0.1", timeout_s=_GROUP_TIMEOUT_S)
-        pushers = {mode: DistPusher(publisher, mode) for mode in ("broadcast", "scatter")}
+        pushers = {mode: DistPusher(publisher, mode) for mode in ("broadcast", "parts")}
         operations = [
             ("gloo broadcast, one tensor", model_bytes, baseline.single),
             ("gloo broadcast per tensor", model_bytes, baseline.per_tensor),

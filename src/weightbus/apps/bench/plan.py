@@ -7,10 +7,10 @@ are measured on this machine, interleaved with the pushes they predict:
   cores: the `shm` direct write and the ranks' copies;
 - xxh3-128 of the model's tensors on one thread (`digest.tensor_digest`: the fingerprint);
 - one raw gloo broadcast of the model's bytes to N peer processes (`dist` broadcast's link);
-- raw gloo point-to-point sends of a rank's share to each peer at once (`dist` scatter's link);
+- raw gloo point-to-point sends of a rank's share to each peer at once (`dist` parts's link);
 - the fixed cost of each path: pushes of a tiny model (4 MiB) into a TP-N engine.
 
-Then it predicts `shm` direct and `dist` broadcast / scatter pushes of Llama-shaped bf16 weights
+Then it predicts `shm` direct and `dist` broadcast / parts pushes of Llama-shaped bf16 weights
 into a real TP-N engine (in place, verify none) and times them: predicted against measured.
 """
 
@@ -37,7 +37,7 @@ from weightbus.core.meta import metas_of
 from weightbus.core.publisher import Publisher
 from weightbus.core.units import format_bytes, parse_bytes
 
-PATHS = ("shm", "dist-broadcast", "dist-scatter")
+PATHS = ("shm", "dist-broadcast", "dist-parts")
 _TINY_BYTES = 4 << 20
 _GROUP_TIMEOUT_S = 120.0
 FLOORS = ("memcpy into shared memory", "xxh3, one thread", "gloo broadcast", "gloo send, each peer")
@@ -62,7 +62,7 @@ class _Pushers:
         self.by_path = {
             "shm": self._push_shm,
             "dist-broadcast": DistPusher(self.dist, "broadcast"),
-            "dist-scatter": DistPusher(self.dist, "scatter"),
+            "dist-parts": DistPusher(self.dist, "parts"),
         }
         self.count = 0
 

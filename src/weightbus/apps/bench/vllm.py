@@ -146,7 +146,7 @@ def _measure(
     # the frozen-attention push follows a weightbus push in every round: the workers' record
     # of what they loaded is current (the reload row changes it)
     full, partial, two_phase = publisher(), publisher(skip_unchanged=True), publisher()
-    dist = publisher("dist", transport_options={"mode": "scatter"})
+    dist = publisher("dist", transport_options={"mode": "parts"})
     nixl = publisher("nixl") if importlib.util.find_spec("nixl") else None
     delta, whole = publisher(delta="always"), publisher(delta="never")
     with full, partial, two_phase, dist, nixl or contextlib.nullcontext(), delta, whole:

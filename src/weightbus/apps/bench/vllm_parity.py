@@ -1,6 +1,6 @@
 """`weightbus bench vllm`, the rows of vLLM at parity with the reference engine: a two-phase push
 (stage on every worker, then commit), a rollback from the workers' second staging copy, a `dist`
-scatter push (each worker receives only its part of every tensor), and delta pushes against
+parts push (each worker receives only its part of every tensor), and delta pushes against
 whole ones -- with the bytes each worker received (its own count, `weightbus_state`).
 
 The two-phase, rollback and dist rows are interleaved with the shm and save + reload rows
@@ -41,7 +41,7 @@ class ParityFigures:
 def parity_operations(
     bench, two_phase, dist, nixl, figures: ParityFigures
 ) -> list[tuple[str, int, Callable[[], object]]]:
-    """Interleaved rows: two-phase push, rollback, dist scatter push, an `shm` push whose
+    """Interleaved rows: two-phase push, rollback, dist parts push, an `shm` push whose
     workers trust the publisher's digests (`verify="none"`), nixl push (`bench`:
     vllm._Bench; `nixl` None: NIXL is not installed, no row; the nixl and verify-none pushes'
     versions go to `bench.split_versions`)."""
@@ -67,7 +67,7 @@ def parity_operations(
         ("weightbus shm, two-phase (stage, commit)", bench.nbytes, push(two_phase, "two-phase",
                                                                          two_phase=True)),
         ("rollback (second staging copy)", bench.nbytes, rollback),
-        ("weightbus dist scatter", bench.nbytes, push(dist, "dist scatter")),
+        ("weightbus dist parts", bench.nbytes, push(dist, "dist parts")),
         ("weightbus shm, verify none", bench.nbytes, push(two_phase, "verify none",
                                                             verify="none")),
     ] + ([("weightbus nixl", bench.nbytes, push(nixl, "nixl"))] if nixl else [])  # fmt: skip

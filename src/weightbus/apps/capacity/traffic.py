@@ -2,7 +2,7 @@
 sends, and the memory both ends set aside — under a transport's data pattern.
 
 Patterns:
-- `sharded` (`shm` direct, `nixl`, `dist` scatter): each engine rank receives only its share,
+- `sharded` (`shm` direct, `nixl`, `dist` parts): each engine rank receives only its share,
   sent to it point to point; a replicated tensor reaches every rank that holds it.
 - `broadcast` (`dist` broadcast): every engine rank receives every byte; a trainer rank sends
   each of its bytes once into the collective.
@@ -25,7 +25,7 @@ from weightbus.apps.capacity.sharding import (
 from weightbus.core.digest import DIGEST_BLOCK_BYTES
 from weightbus.core.plan.planner import plan_buckets
 
-TRANSPORTS = ("shm", "shm-slots", "nixl", "dist", "dist-broadcast", "dist-scatter")
+TRANSPORTS = ("shm", "shm-slots", "nixl", "dist", "dist-broadcast", "dist-parts")
 # Bucket buffers a dist rank receives into: its prefetch depth (1) + 3 (dist/source.py).
 DIST_RANK_BUFFERS = 4
 SLOTS = 2  # shm slot-mode slots (the sink's default)
@@ -33,11 +33,11 @@ NIXL_INFLIGHT = 2  # nixl send buffers in flight (the sink's default)
 
 
 def resolve_transport(transport: str, layout: EngineLayout) -> str:
-    """The concrete path: `dist` scatters when every engine rank has tp > 1 (its `auto`)."""
+    """The concrete path: `dist` partss when every engine rank has tp > 1 (its `auto`)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if transport == "dist":
-        return "dist-scatter" if layout.tp > 1 else "dist-broadcast"
+        return "dist-parts" if layout.tp > 1 else "dist-broadcast"
     return transport
 
 
@@ -52,7 +52,7 @@ def pattern_of(transport: str) -> str:
 class Traffic:
     """Per-rank bytes of one push into `replicas` engines of one layout."""
 
-    transport: str  # the concrete path (`dist` resolved to broadcast or scatter)
+    transport: str  # the concrete path (`dist` resolved to broadcast or parts)
     pattern: str
     total_bytes: int
     num_tensors: int
@@ -280,26 +280,26 @@ def _row_chunks(rows: list[int], amounts: list[int], ranks: int) -> tuple[int, .
 
 
 def _packed(transport: str, own: tuple[int, ...], senders: tuple[int, ...]) -> int:
-    """Bytes a trainer rank packs first: shm slots its tensors, nixl and dist scatter each
+    """Bytes a trainer rank packs first: shm slots its tensors, nixl and dist parts each
     rank's slices into a send buffer; shm direct's copy is its wire, dist broadcast sends from
     the trainer's tensors."""
     if transport == "shm-slots":
         return max(own)
-    return max(senders) if transport in ("nixl", "dist-scatter") else 0
+    return max(senders) if transport in ("nixl", "dist-parts") else 0
 
 
 def _copies(transport: str) -> int:
     """Copies of its share a rank makes: none for direct writes (they land in the parameters),
-    two for `dist` scatter (unpack its packed regions into the bucket, then load), else one."""
+    two for `dist` parts (unpack its packed regions into the bucket, then load), else one."""
     if transport in ("shm", "nixl"):
         return 0
-    return 2 if transport == "dist-scatter" else 1
+    return 2 if transport == "dist-parts" else 1
 
 
 def _checked(transport: str, sent: int, verify: bool) -> int:
     """Bytes the trainer hashes besides the fingerprint: per-rank checks of what it sends
-    (`dist` scatter always, `nixl` as it packs, `shm` direct for verifying ranks)."""
-    if transport in ("dist-scatter", "nixl") or (transport == "shm" and verify):
+    (`dist` parts always, `nixl` as it packs, `shm` direct for verifying ranks)."""
+    if transport in ("dist-parts", "nixl") or (transport == "shm" and verify):
         return sent
     return 0
 
@@ -307,10 +307,10 @@ def _checked(transport: str, sent: int, verify: bool) -> int:
 def _rank_hashes(
     transport: str, shares: tuple[int, ...], received: tuple[int, ...], verify: bool
 ) -> tuple[int, ...]:
-    """Bytes each engine rank hashes: `dist` scatter checks what it received (its engines run
+    """Bytes each engine rank hashes: `dist` parts checks what it received (its engines run
     without verification); verifying ranks re-hash their regions (direct writes) or their part
     of the tensors (every rank receives all of them; each tensor is checked by one rank)."""
-    if transport == "dist-scatter":
+    if transport == "dist-parts":
         return received
     if not verify:
         return (0,) * len(shares)

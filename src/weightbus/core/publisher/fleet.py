@@ -170,14 +170,21 @@ class Fleet:
         return self.sink.setup(self.targets, steps=self.steps, **self._setup_options)
 
     def repair_setup(self) -> None:
-        """Re-do the transport's set-up when a failed push left it broken (a `dist` group
-        whose members stopped mid-stream), so the next push needs no call from the user.
+        """Do the transport's set-up a push needs first (`BucketSink.setup_on_push`: a group
+        of several trainer ranks forms its `dist` weights group on its first push), or re-do
+        it when a failed push left it broken (members that stopped mid-stream), so the next
+        push needs no call from the user.
 
         Raises:
-            WeightsGroupError: the set-up could not re-form (each member named with its
+            WeightsGroupError: the set-up could not (re-)form (each member named with its
                 reason: a dead engine is removed with `remove_engine`).
         """
-        broken = None if self._setup_options is None else self.sink.setup_broken()
+        if self._setup_options is None:
+            options = self.sink.setup_on_push(self.steps)
+            if options is not None:
+                self.setup(**options)
+            return
+        broken = self.sink.setup_broken()
         if broken is None:
             return
         logger.warning("re-forming the %s set-up before the push (%s)", self.transport, broken)

@@ -172,6 +172,10 @@ class RoutedSink(BucketSink):
         for child in self.children.values():
             child.teardown(timeout_s)
 
+    def setup_on_push(self, steps: Sending | None) -> dict[str, Any] | None:
+        found = (child.setup_on_push(steps) for child in self.children.values())
+        return next((options for options in found if options is not None), None)
+
     def setup_broken(self) -> str | None:
         reasons = (child.setup_broken() for child in self.children.values())
         return next((reason for reason in reasons if reason is not None), None)

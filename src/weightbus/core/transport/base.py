@@ -321,6 +321,12 @@ class BucketSink(ABC):
     def teardown(self, timeout_s: float) -> None:  # noqa: B027 (optional: most need none)
         """Undo `setup` on the engines and here (a no-op when there was none)."""
 
+    def setup_on_push(self, steps: Sending | None) -> dict[str, Any] | None:
+        """The options of a set-up a push must do first when none was done (a group of several
+        trainer ranks forming its `dist` weights group), or None: it needs none."""
+        del steps
+        return None
+
     def setup_broken(self) -> str | None:
         """Why the set-up must be done again before the next push (a `dist` group a failed
         push left broken), or None: it need not (or there is none)."""

@@ -261,8 +261,8 @@ class SliceSpec(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fie
 class RankLayout(Message, kw_only=True):
     """An engine rank joined a `dist` weights group: which slice of each tensor it loads.
 
-    Sent once per group to the publisher (group rank 0), which packs each rank only its slices
-    in `scatter` mode. A tensor without a slice is sent whole.
+    Sent once per group to the publisher (group rank 0): in `parts` mode each rank receives
+    only its slices. A tensor without a slice is sent whole.
     """
 
     group_rank: Annotated[int, msgspec.Meta(ge=1)]
@@ -272,7 +272,7 @@ class RankLayout(Message, kw_only=True):
 
 
 class SentPart(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    """`dist` from sharded senders: group rank `src` sends rows `[row_start, row_stop)` x
+    """`dist` parts: trainer (group) rank `src` sends rows `[row_start, row_stop)` x
     columns `[col_start, col_stop)` of the receiving rank's region `entry` of a bucket (the
     region seen as a matrix, `slices.region_matrix`)."""
 
@@ -288,14 +288,12 @@ class SentPart(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fiel
 class BucketSent(Message, kw_only=True):
     """`dist`: bucket `bucket_index` follows on the group, as one collective.
 
-    `digests` covers the tensors whose last byte is in this bucket; in `scatter` mode
-    `rank_digests` maps each receiving group rank to the xxh3-128 of the bytes sent to it; in
-    `sharded` mode `parts` maps each receiving group rank to what each sender sends it (each
-    sender's bytes end with their xxh3-128).
+    `digests` covers the tensors whose last byte is in this bucket; in `parts` mode `parts`
+    maps each receiving group rank to what each trainer rank sends it (each sender's bytes end
+    with their xxh3-128).
     """
 
     session_id: Hex128
     bucket_index: NonNegative
     digests: dict[TensorName, Hex128] = msgspec.field(default_factory=dict)
-    rank_digests: dict[NonNegative, Hex128] = msgspec.field(default_factory=dict)
     parts: dict[NonNegative, list[SentPart]] = msgspec.field(default_factory=dict)

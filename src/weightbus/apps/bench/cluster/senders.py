@@ -18,7 +18,7 @@ from weightbus.apps.cluster.ranks import TrainerRanks
 
 CASE = "senders"
 _ENGINE_ARGS = ("--dtype", "bfloat16")
-_PLANNED_PATH = {"nixl": "nixl", "dist": "dist-scatter"}  # sharded dist: parts point to point
+_PLANNED_PATH = {"nixl": "nixl", "dist": "dist-parts"}  # sharded dist: parts point to point
 
 
 def hosts_needed(args) -> int:
