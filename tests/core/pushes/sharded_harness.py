@@ -50,10 +50,8 @@ def run_trainers(
     out: Path,
     timeout_s: float = 30,
     vllm: bool = False,
-    lora_rank: int = 0,
 ) -> list[list[dict]]:
-    """Run the sharded trainer on `world_size` ranks; each rank's records (`lora_rank`: it
-    trains a peft LoRA adapter of that rank on every projection, the base frozen)."""
+    """Run the sharded trainer on `world_size` ranks; each rank's records."""
     out.mkdir(parents=True, exist_ok=True)
     args = json.dumps(
         {
@@ -63,7 +61,6 @@ def run_trainers(
             "out": str(out),
             "timeout_s": timeout_s,
             "vllm": vllm,
-            "lora_rank": lora_rank,
         }
     )
     procs = _start(world_size, TRAINER, args)

@@ -5,12 +5,8 @@ what it holds). It runs the actions of its JSON argument in
 order and writes one JSON line per action to `<out>/rank<r>.jsonl`; after each `push` with
 `save`, rank 0 writes the gathered weights (for the test's checks only) to `<out>/<version>.pt`.
 
-With `lora_rank`, the model is a peft LoRA model (every projection, the base frozen) and a
-`push` with `adapter` sends the adapter only.
-
 Actions: `train` (steps), `push` (version; `direct`: False packs the slots; `transport`:
-`shm`, `nixl`, `dist` or `disk`; `quantize`: "fp8-block"; `adapter`: the LoRA adapter only),
-`push_2d` (the same weights as DTensors on a 2-D FSDP x TP mesh, row- and column-parallel),
+`shm`, `nixl`, `dist` or `disk`; `quantize`: "fp8-block"),
 `nan` (rank `on` holds a NaN), `raise` (rank `on` passes a non-tensor), `kill` (rank `on` dies
 by SIGKILL as its copies start; over `dist`, as it packs its first parts).
 """
@@ -54,37 +50,11 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
         optimizer.zero_grad()
 
 
-# a Megatron-style tensor-parallel plan on the second mesh dimension: column-parallel
-# projections split their rows, row-parallel ones their columns
-_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
-_ROWWISE = ("o_proj", "down_proj")
-
-
-def _mesh_2d_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights as DTensors on a (2, world/2) mesh: FSDP `Shard(0)` on the first
-    dimension, on the second `Shard(0)` (column-parallel), `Shard(1)` (row-parallel) or
-    `Replicate` (norms, biases)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
-    weights = {}
-    for name, param in model.state_dict().items():
-        full = param.full_tensor()
-        if full.dim() == 2 and any(part in name for part in _ROWWISE):
-            placements = [Shard(0), Shard(1)]
-        elif full.dim() == 2 and any(part in name for part in _COLWISE):
-            placements = [Shard(0), Shard(0)]
-        else:
-            placements = [Shard(0), Replicate()]
-        weights[name] = distribute_tensor(full, mesh, placements)
-    return weights
-
-
 def _push(publisher: Publisher, model: torch.nn.Module, action: dict, rank: int) -> dict:
-    weights: object = _mesh_2d_weights(model) if action["kind"] == "push_2d" else model
+    weights: object = model
     if action["kind"] == "nan" and rank == action["on"]:
-        name, tensor = next(iter(model.state_dict().items()))
-        weights = {**model.state_dict(), name: tensor.detach().clone()}
+        name = "model.norm.weight"  # not the tied embeddings: a clone of those unties the head
+        weights = {**model.state_dict(), name: model.state_dict()[name].detach().clone()}
         weights[name].to_local()[0] = float("nan")
     if action["kind"] == "raise" and rank == action["on"]:
         weights = {**model.state_dict(), "not.a.tensor": 3}
@@ -97,8 +67,6 @@ def _push(publisher: Publisher, model: torch.nn.Module, action: dict, rank: int)
         else:
             ShmRankSender._copy = die
     options = dict(action.get("options", {}))
-    if action.get("adapter"):
-        options["adapter"] = model.peft_config["default"]
     result = publisher.push(weights, version=action["version"], **options)
     return {
         "fingerprint": result.fingerprint,
@@ -128,13 +96,6 @@ def main() -> None:
     rank = dist.get_rank()
     model = _model(args["model"])
     layers = model.model.layers
-    if args.get("lora_rank"):
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(
-            r=args["lora_rank"], lora_alpha=8, target_modules="all-linear", lora_dropout=0.0
-        )
-        model = get_peft_model(model, config)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in layers:
         fully_shard(layer, mesh=mesh)

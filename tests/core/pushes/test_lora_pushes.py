@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from engine_harness import ServedEngine
-from sharded_harness import gathered, run_trainers
 from update_harness import ByteFlippingTarget, engine_greedy, hf_greedy, weights_state
 
 from helpers import SMALL_LLAMA as CONFIG
 from weightbus import Publisher, PushError
 from weightbus.core.finite import NonFiniteWeightsError
-from weightbus.core.lora import adapter_spec, adapter_tensors, base_weights
+from weightbus.core.lora import adapter_tensors, base_weights
 from weightbus.core.wire.adapter import adapter_names, served_fingerprint
 
 pytestmark = pytest.mark.e2e  # starts `weightbus serve` (tests/conftest.py)
@@ -274,36 +273,6 @@ def test_a_push_of_the_base_drops_the_adapter(tp2, base):
         pub.push(new_base, version="new-base-again")  # drops the adapter again
         removed = pub.remove_adapter(version="no-adapter")  # stamped with the current base
     assert removed.fingerprint == weights_state(tp2)["fingerprint"] == pushed.fingerprint
-
-
-def test_fsdp2_ranks_push_their_shards_of_the_adapter(tp2, base, tmp_path):
-    """Two FSDP2 ranks training a peft adapter: each sends its shards of lora_A / lora_B only,
-    nothing gathered, and the engine serves what peft computes with the gathered adapter."""
-    path, base_model = base
-    _back_to_the_base([tp2], base_model)
-    with Publisher([tp2.url]) as pub:
-        base_fp = pub.fingerprint(base_model)
-    actions = [
-        {"kind": "train", "steps": 1},
-        {"kind": "push", "version": "adapter-fsdp", "adapter": True, "save": True,
-         "options": {"base_fingerprint": base_fp}},
-    ]  # fmt: skip
-    records = run_trainers(2, str(path), [tp2.url], actions, tmp_path, lora_rank=RANK)
-    assert all(r[0]["ok"] for r in records), records
-    model = _peft(base_model)
-    model.load_state_dict(gathered(tmp_path, "adapter-fsdp"))
-    tensors = adapter_tensors(model)
-    with Publisher([tp2.url]) as pub:
-        expected = served_fingerprint(
-            adapter_spec(model.peft_config["default"], base_fp), pub.fingerprint(tensors)
-        )
-    assert {r[0]["fingerprint"] for r in records} == {expected}
-    # both ranks sent their shards of the adapter (A goes to both engine ranks of a column-
-    # parallel layer), none of the base
-    sent = records[0][0]["sent_bytes"]
-    assert min(sent) > 0
-    assert sum(sent) <= 2 * sum(t.nbytes for t in tensors.values())
-    assert_serves(tp2, model.eval(), "adapter-fsdp")
 
 
 def test_weightbus_push_sends_a_peft_adapter_directory(tp2, base, tmp_path):

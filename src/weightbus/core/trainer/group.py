@@ -13,7 +13,7 @@ A group of one keeps its words in a dict: the same calls, nothing crosses a proc
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import TypeVar
@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
-Interrupt = Callable[[], str | None] | None
+# asked while waiting: why to stop (a message, or the error to raise), or None
+Interrupt = Callable[[], "str | TrainerRankError | None"] | None
 _STORE_CALL_S = 10.0  # a follower's store call with no bound of its own (values <= 4 MiB)
 _POLL_S = 0.01  # how often an interruptible wait looks for the reports
 
@@ -99,6 +100,7 @@ class TrainerGroup:
         self.rank, self.world_size = rank, world_size
         self._sequence = 0
         self._written: dict[int, list[str]] = {}  # the keys this rank set, by push
+        self._watched: str | None = None  # the step whose other ranks' failures end a wait
 
     @classmethod
     def local(cls) -> "TrainerGroup":
@@ -133,6 +135,32 @@ class TrainerGroup:
             # otherwise block for the whole timeout after each wait that already expired
             store.set_timeout(timedelta(seconds=min(timeout_s, _STORE_CALL_S)))
         return cls(store, rank, world_size)
+
+    @contextlib.contextmanager
+    def watching(self, step: str) -> Iterator[None]:
+        """While this rank does its part of `step`, a wait on the others (a digest exchange)
+        ends at once when another rank reports it failed the step (on `<step>/done/<rank>`),
+        with that rank's error, instead of at the deadline."""
+        self._watched = step
+        try:
+            yield
+        finally:
+            self._watched = None
+
+    def _failed_peer(self) -> "TrainerRankError | None":
+        """The first other rank that reported it failed the watched step, as an error."""
+        for rank in range(self.world_size):
+            key = f"{self._watched}/done/{rank}"
+            if rank == self.rank or not self._store.check([key]):
+                continue
+            message = msgspec.msgpack.decode(self._store.get(key), type=ControlMessage)
+            if not message.ok:
+                return TrainerRankError(
+                    f"trainer rank {rank} failed: {message.error}",
+                    kind=message.kind,
+                    reason=f"{message.error.partition(': ')[2]} on trainer rank {rank}",
+                )
+        return None
 
     @property
     def is_leader(self) -> bool:
@@ -204,6 +232,8 @@ class TrainerGroup:
         """
         ranks = range(self.world_size) if ranks is None else ranks
         keys = [f"{key}/{rank}" for rank in ranks]
+        if interrupt is None and self._watched is not None and self.world_size > 1:
+            interrupt = self._failed_peer
         by_key = self._collect(
             keys, what, deadline, lambda k: f"trainer rank {k.rsplit('/', 1)[1]}", interrupt
         )
@@ -262,6 +292,8 @@ class TrainerGroup:
             if time.monotonic() >= deadline:
                 raise TrainerRankError(f"{self._missing(keys, who)} sent no {what} in time")
             if (reason := interrupt()) is not None:
+                if isinstance(reason, TrainerRankError):
+                    raise reason
                 raise TrainerRankError(
                     f"stopped waiting for {self._missing(keys, who)} ({what}): {reason}"
                 )

@@ -155,7 +155,14 @@ class Sending:
             refuse_nonfinite=self.refuse_nonfinite,
             hooks=hooks,
         )
-        own = sender.run(order, work)
+        try:
+            with self.group.watching(key):
+                own = sender.run(order, work)
+        except Exception as exc:
+            if not self.single:  # the others stop waiting on this rank's part at once
+                self.group.report(f"{key}/done", ControlMessage.failed(exc))
+            _raise_refusal(exc)
+            raise
         if self.single:
             return [own]
         try:
@@ -163,13 +170,19 @@ class Sending:
                 f"{key}/done", f"part of the {transport} step", self.deadline, self.group.others
             )
         except TrainerRankError as exc:
-            if exc.kind == NonFiniteWeightsError.__name__:  # refused in its copies, as here
-                raise NonFiniteWeightsError(exc.reason) from exc
+            _raise_refusal(exc)
             raise
-        decoded = [
-            msgspec.msgpack.decode(m.body, type=sender.report_type) for m in reports.values()
+        return [own] + [
+            msgspec.msgpack.decode(message.body, type=sender.report_type)
+            for message in reports.values()
         ]
-        return [own, *decoded]
+
+
+def _raise_refusal(exc: BaseException) -> None:
+    """Another rank's refusal of NaN/inf in its copies is this push's refusal: raise it as the
+    same error (anything else: return, for the caller to raise as it is)."""
+    if isinstance(exc, TrainerRankError) and exc.kind == NonFiniteWeightsError.__name__:
+        raise NonFiniteWeightsError(exc.reason) from exc
 
 
 def run_step(step: TransportStep, senders: SenderOf, work: RankWork) -> None:
@@ -182,4 +195,5 @@ def run_step(step: TransportStep, senders: SenderOf, work: RankWork) -> None:
         return msgspec.msgpack.encode(sender.run(order, work))
 
     work.refuse_nonfinite = step.refuse_nonfinite
-    work.group.answer(f"{work.key}/done", run)
+    with work.group.watching(work.key):
+        work.group.answer(f"{work.key}/done", run)
