@@ -10,11 +10,14 @@ from hypothesis import strategies as st
 
 from helpers import all_dtype_tensors, random_tensor
 from weightbus.core.digest import (
-    DIGEST_BLOCK_BYTES,
+    LEAF_BYTES,
+    MIN_DEPTH,
+    MIN_LEAF_BYTES,
     TensorHasher,
     bytes_digest,
     fingerprint,
     fingerprint_of_digests,
+    leaf_rows,
     tensor_digest,
 )
 from weightbus.core.meta import metas_of
@@ -45,28 +48,57 @@ def test_same_weights_same_fingerprint_and_plan_hash_in_another_process(tmp_path
     assert remote_plan_hash == plan_buckets(metas_of(weights), 4096).plan_hash
 
 
-def test_digest_is_xxh3_128_over_the_block_digests_in_order():
-    tensor = random_tensor((3 * DIGEST_BLOCK_BYTES // 4 + 5, 2), torch.bfloat16)
+def _tree(raw: bytes, rows: int, depth: int = 0) -> bytes:
+    """The digest tree, written from its definition (module docstring of weightbus.core.digest)."""
+    if rows <= 1 or len(raw) <= MIN_LEAF_BYTES or (len(raw) <= LEAF_BYTES and depth >= MIN_DEPTH):
+        return xxhash.xxh3_128_digest(raw)
+    first = (rows + 1) // 2
+    cut = len(raw) // rows * first
+    left, right = _tree(raw[:cut], first, depth + 1), _tree(raw[cut:], rows - first, depth + 1)
+    return xxhash.xxh3_128_digest(left + right)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1000, 3), (7, 5000), (3, 300, 7), (5000,), (37, 1), (1, 70000), (0, 4)],
+    ids=lambda shape: "x".join(map(str, shape)),
+)
+def test_digest_is_the_halving_tree_over_rows(shape):
+    tensor = random_tensor(shape, torch.bfloat16)
     raw = byte_view(tensor).numpy().tobytes()
-    blocks = [
-        xxhash.xxh3_128_digest(raw[start : start + DIGEST_BLOCK_BYTES])
-        for start in range(0, len(raw), DIGEST_BLOCK_BYTES)
-    ]
-    assert len(blocks) == 4  # three whole blocks and a short last one
-    assert tensor_digest(tensor) == xxhash.xxh3_128_hexdigest(b"".join(blocks))
+    assert tensor_digest(tensor) == _tree(raw, shape[0]).hex()
+
+
+def test_scalar_digest_is_one_leaf():
+    expected = xxhash.xxh3_128_hexdigest(torch.tensor([1.0]).numpy().tobytes())
+    assert tensor_digest(torch.tensor(1.0)) == expected
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 64, 256])
+def test_even_fsdp_shards_are_whole_subtrees(ranks):
+    rows = 2048  # an expert matrix of Kimi-K2 (7168 one-byte FP8 columns): 56 KiB per shard
+    edges = {stop for _, stop in leaf_rows(rows, 7168)}
+    assert {rows // ranks * rank for rank in range(1, ranks)} <= edges
 
 
 @settings(max_examples=40, deadline=None)
-@given(nbytes=st.integers(0, 3 * DIGEST_BLOCK_BYTES + 17), cuts=st.lists(st.floats(0, 1)))
-def test_a_stream_fed_in_any_parts_digests_like_the_whole(nbytes, cuts):
+@given(
+    rows=st.integers(0, 300),
+    row_bytes=st.sampled_from([1, 2, 12, 4096]),
+    cuts=st.lists(st.floats(0, 1)),
+)
+def test_a_stream_fed_in_any_parts_digests_like_the_whole(rows, row_bytes, cuts):
+    nbytes = rows * row_bytes
     data = torch.randint(
         0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)
     )
     bounds = sorted({0, nbytes, *(int(cut * nbytes) for cut in cuts)})
-    hasher = TensorHasher()
+    hasher = TensorHasher(rows, row_bytes)
     for start, stop in itertools.pairwise(bounds):
         hasher.update(data[start:stop].numpy())
-    assert hasher.hexdigest() == bytes_digest(data)
+    assert hasher.hexdigest() == tensor_digest(data.view(rows, row_bytes))
+    if row_bytes == 1:
+        assert hasher.hexdigest() == bytes_digest(data)
 
 
 def test_non_contiguous_tensor_digests_like_its_contiguous_copy():
@@ -107,12 +139,6 @@ def test_metadata_changes_change_the_fingerprint(change):
     weights = [("a", random_tensor((4, 6), torch.bfloat16)), ("b", torch.ones(2))]
     changed = [change(*weights[0]), weights[1]]
     assert fingerprint(changed) != fingerprint(weights)
-
-
-def test_empty_and_scalar_tensors_have_digests():
-    assert tensor_digest(torch.empty(0)) == xxhash.xxh3_128_hexdigest(b"")  # no block
-    one_block = xxhash.xxh3_128_digest(torch.tensor([1.0]).numpy().tobytes())
-    assert tensor_digest(torch.tensor(1.0)) == xxhash.xxh3_128_hexdigest(one_block)
 
 
 def test_fingerprint_rejects_duplicate_names():

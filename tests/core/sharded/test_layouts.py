@@ -9,7 +9,7 @@ import torch
 import xxhash
 from sharded_layouts import LAYOUTS, SHAPES, engine_slices, holdings, model
 
-from weightbus.core.digest import combine_blocks, tensor_digest
+from weightbus.core.digest import combine_leaves, tensor_digest
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.trainer.boxes import Box
 from weightbus.core.trainer.cells import as_matrix, cell_view, make_schedule, slice_box
@@ -32,7 +32,11 @@ def _simulated_digests(plan: DigestPlan, held_by_rank) -> list[str]:
         for segment in block.segments:
             hasher.update(held_by_rank[segment.rank][name].bytes_of(segment.start, segment.numel))
         blocks[block.region][block.index] = hasher.digest()
-    return [combine_blocks(per_region) for per_region in blocks]
+    metas = plan.layout.metas_by_name
+    return [
+        combine_leaves(region.box.rows, region.box.cols * metas[region.name].element_bytes, leaves)
+        for region, leaves in zip(plan.regions, blocks, strict=True)
+    ]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -10,8 +10,11 @@ Patterns:
   every bucket and copies its share out.
 """
 
+import bisect
 import dataclasses
+import functools
 import heapq
+from collections import Counter
 from dataclasses import dataclass
 
 from weightbus.apps.capacity.shapes import ModelTensors
@@ -22,7 +25,7 @@ from weightbus.apps.capacity.sharding import (
     rank_shares,
     unmatched_modules,
 )
-from weightbus.core.digest import DIGEST_BLOCK_BYTES
+from weightbus.core.digest import leaf_rows
 from weightbus.core.plan.planner import plan_buckets
 
 TRANSPORTS = ("shm", "shm-slots", "nixl", "dist", "dist-broadcast", "dist-parts")
@@ -32,12 +35,13 @@ SLOTS = 2  # shm slot-mode slots (the sink's default)
 NIXL_INFLIGHT = 2  # nixl send buffers in flight (the sink's default)
 
 
-def resolve_transport(transport: str, layout: EngineLayout) -> str:
-    """The concrete path: `dist` partss when every engine rank has tp > 1 (its `auto`)."""
+def resolve_transport(transport: str, layout: EngineLayout, trainer_ranks: int = 1) -> str:
+    """The concrete path: `dist` sends in parts when the trainer has several ranks or the
+    engines' ranks are TP groups, else broadcasts (its `auto`)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if transport == "dist":
-        return "dist-parts" if layout.tp > 1 else "dist-broadcast"
+        return "dist-parts" if layout.tp > 1 or trainer_ranks > 1 else "dist-broadcast"
     return transport
 
 
@@ -116,7 +120,7 @@ def traffic(
         )
     check_layout(model.config, layout)
     check_block_alignment(model.metas, model.config, layout)
-    transport = resolve_transport(transport, layout)
+    transport = resolve_transport(transport, layout, trainer_ranks)
     pattern = pattern_of(transport)
     shares = [rank_shares(meta, model.config, layout) for meta in model.metas]
     share_bytes = tuple(sum(row[r] for row in shares) for r in range(layout.tp))
@@ -230,23 +234,40 @@ def binomial_nic_copies(replicas: int, tp: int, engine_ranks_per_nic: int) -> in
 
 
 def _digest_exchange(metas, ranks: int) -> tuple[int, ...]:
-    """Per trainer rank, the bytes it sends so that every digest block cut by an FSDP2 row
-    boundary is hashed whole: at each boundary inside a block, the rank holding the smaller
-    side sends it to the other (`DigestPlan` gives a cut block to the rank holding most)."""
+    """Per trainer rank, the bytes it sends so that every leaf of a digest tree cut by an FSDP2
+    row boundary is hashed whole: at each boundary inside a leaf, the rank holding the smaller
+    side sends it to the other (`DigestPlan` gives a cut leaf to the rank holding most). Even
+    splits fall on the tree's halvings: nothing travels but 16-byte digests."""
     sent = [0] * ranks
-    for meta in metas:
-        rows = meta.shape[0] if meta.shape else 1
-        row_bytes = meta.nbytes // rows if rows else 0
-        step = -(-rows // ranks)
-        for rank in range(1, ranks):
-            offset = min(rank * step, rows) * row_bytes
-            if offset in (0, meta.nbytes):
-                continue
-            start = offset // DIGEST_BLOCK_BYTES * DIGEST_BLOCK_BYTES
-            left, right = offset - start, min(start + DIGEST_BLOCK_BYTES, meta.nbytes) - offset
-            if left and right:
-                sender = rank - 1 if left < right else rank
-                sent[sender] += min(left, right)
+    shapes = Counter(
+        (
+            meta.shape[0] if meta.shape else 1,
+            meta.nbytes // max(meta.shape[0] if meta.shape else 1, 1),
+        )
+        for meta in metas
+    )
+    for (rows, row_bytes), count in shapes.items():
+        for rank, nbytes in enumerate(_cut_leaves(rows, row_bytes, ranks)):
+            sent[rank] += count * nbytes
+    return tuple(sent)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cut_leaves(rows: int, row_bytes: int, ranks: int) -> tuple[int, ...]:
+    """What each rank sends of the leaves FSDP's row chunks cut, for one tensor."""
+    sent = [0] * ranks
+    ends = [stop for _, stop in leaf_rows(rows, row_bytes)]
+    step = -(-rows // ranks)
+    for rank in range(1, ranks):
+        boundary = min(rank * step, rows)
+        if boundary in (0, rows):
+            continue
+        index = bisect.bisect_right(ends, boundary)
+        first = ends[index - 1] if index else 0
+        if first == boundary:  # on a leaf's edge
+            continue
+        left, right = boundary - first, ends[index] - boundary
+        sent[rank - 1 if left < right else rank] += min(left, right) * row_bytes
     return tuple(sent)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 import xxhash
 
-from weightbus.core.digest import DIGEST_BLOCK_BYTES, combine_blocks, tensor_digest
+from weightbus.core.digest import combine_leaves, leaf_rows, tensor_digest
 from weightbus.core.trainer.boxes import Box, Run, held_runs, matrix_shape, runs
 from weightbus.core.trainer.group import ControlMessage, TrainerGroup
 from weightbus.core.trainer.holdings import Holding
@@ -93,14 +93,13 @@ class DigestPlan:
         self.blocks, self.block_counts = [], []
         for index, region in enumerate(self.regions):
             meta = metas[region.name]
-            per_block = DIGEST_BLOCK_BYTES // meta.element_bytes
             cols = matrix_shape(meta.shape)[1]
             holders = self.layout.holders(region.name)
-            count = -(-region.box.numel // per_block)  # none for an empty tensor
-            self.block_counts.append(count)
-            for block in range(count):
-                start, stop = block * per_block, min((block + 1) * per_block, region.box.numel)
-                block_runs = list(runs(region.box, cols, start, stop))
+            width = region.box.cols  # the region's rows: its leaves are ranges of them
+            leaves = leaf_rows(region.box.rows, width * meta.element_bytes)
+            self.block_counts.append(len(leaves))
+            for block, (first, stop) in enumerate(leaves):
+                block_runs = list(runs(region.box, cols, first * width, stop * width))
                 self.blocks.append(_assign(index, block, block_runs, holders, cols=cols, load=load))
 
     def rounds(self) -> list[list[Block]]:
@@ -283,11 +282,13 @@ def combine(plan: DigestPlan, reports: Sequence[BlockDigests]) -> list[str]:
             if blocks[region][index] is not None:
                 raise ValueError(f"block {index} of {plan.regions[region].name!r} digested twice")
             blocks[region][index] = digest
+    metas = plan.layout.metas_by_name
     digests = []
     for region, per_block in zip(plan.regions, blocks, strict=True):
         if any(digest is None for digest in per_block):
             raise ValueError(f"a block of {region.name!r} was digested by no trainer rank")
-        digests.append(combine_blocks(per_block))  # type: ignore[arg-type]
+        row_bytes = region.box.cols * metas[region.name].element_bytes
+        digests.append(combine_leaves(region.box.rows, row_bytes, per_block))  # type: ignore[arg-type]
     return digests
 
 

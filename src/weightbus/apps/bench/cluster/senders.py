@@ -18,7 +18,6 @@ from weightbus.apps.cluster.ranks import TrainerRanks
 
 CASE = "senders"
 _ENGINE_ARGS = ("--dtype", "bfloat16")
-_PLANNED_PATH = {"nixl": "nixl", "dist": "dist-parts"}  # sharded dist: parts point to point
 
 
 def hosts_needed(args) -> int:
@@ -51,7 +50,7 @@ def run(cluster: Cluster, checkpoint: Checkpoint, link_bits_per_s: float, args) 
                         checkpoint,
                         link_bits_per_s,
                         engine=EngineLayout(1),
-                        transport=_PLANNED_PATH[transport],
+                        transport=transport,  # dist: broadcast from one rank, else parts
                         replicas=engines,
                         trainer_ranks=trainers,
                         trainer_layout="fsdp",

@@ -23,10 +23,9 @@ Two modes:
 `auto` sends in parts when the trainer group has several ranks or every engine rank is part of
 a TP group (tp > 1), else broadcasts.
 
-A group of one forms its group with `Publisher.init_weights_group` (`setup_transport`). A group
-of N forms it on its first push (`setup_on_push`; the store on the sink's `master_addr`) and
-again after a failed push (`setup_broken`): the other trainer ranks join when told
-(`sender.JoinOrder`).
+`Publisher.init_weights_group` (`setup_transport`) forms the group; a push with none formed forms
+it first (`setup_on_push`; the store on the sink's `master_addr`), as one after a failed push of
+a group of N does (`setup_broken`): the other trainer ranks join when told (`sender.JoinOrder`).
 """
 
 import contextlib
@@ -168,10 +167,9 @@ class DistSink(BucketSink):
         )
 
     def setup_on_push(self, steps: Sending | None) -> dict[str, Any] | None:
-        """The set-up options a push runs first when no set-up was done, or None: a group of
-        several trainer ranks forms its weights group on its first push (the sink's
-        `master_addr`), a group of one needs `init_weights_group` first."""
-        if steps is None or steps.single or self._members:
+        """The set-up options a push runs first, or None: a push with no weights group formed
+        (never, or destroyed) forms it, on the sink's `master_addr`, whatever the group's size."""
+        if steps is None or self._members:
             return None
         return {}
 

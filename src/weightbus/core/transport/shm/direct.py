@@ -147,8 +147,12 @@ def _write_tensor(
             stopped after the first bad chunk).
     """
     full = full if full.is_contiguous() else full.contiguous()
-    digest = TensorHasher()
-    slices = {dest.rank_index: TensorHasher() for dest in dests} if slice_digests else {}
+    digest = TensorHasher.of(full)
+    slices = (
+        {dest.rank_index: TensorHasher.of(dest.copy.source(full)) for dest in dests}
+        if slice_digests
+        else {}
+    )
     parts = [(partial(dest.chunk, full), slices.get(dest.rank_index)) for dest in dests]
     parts.append(digest_part(full, digest))
     row_bytes = full[0].nbytes if full.dim() and full.shape[0] else full.nbytes
@@ -291,7 +295,9 @@ class DirectWriter:
         jobs = []
         for entry in bucket.entries:
             if entry.name in tensors:
-                hasher = hashers.setdefault(entry.name, TensorHasher())
+                hasher = hashers.get(entry.name) or hashers.setdefault(
+                    entry.name, TensorHasher.of_shape(entry.shape, entry.torch_dtype.itemsize)
+                )
                 jobs.append((entry, tensors[entry.name].detach(), hasher))
         # biggest first: two workers finish together
         jobs.sort(key=lambda job: -job[0].nbytes)
