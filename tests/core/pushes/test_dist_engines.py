@@ -264,8 +264,9 @@ def test_the_handshake_cancels_for_a_refusing_or_missing_rank_and_the_group_goes
 def test_a_push_forms_the_group_and_the_group_needs_dist(engines):
     engine = engines["tp1"]
     with Publisher([engine.url], transport="dist", timeout_s=30) as pub:
-        assert pub.push(_weights(1), version="formed").fingerprint == (
-            weights_state(engine)["fingerprint"]
+        assert (
+            pub.push(_weights(1), version="formed").fingerprint
+            == (weights_state(engine)["fingerprint"])
         )
         assert "weightbus" in group_names()
     assert "weightbus" not in group_names()  # closing left it, here and on the engine
