@@ -185,26 +185,6 @@ def dequantize(fp8: torch.Tensor, scale_inv: torch.Tensor, spec: Fp8Block) -> to
     return fp8.float() * expand_scales(scale_inv.float(), tuple(fp8.shape), spec)
 
 
-def refuse_nonfinite_to_quantize(tensors: dict[str, torch.Tensor], context: str) -> None:
-    """Raise NonFiniteWeightsError naming every matrix `quantize_weights` would quantize that
-    holds NaN or inf, with counts (float8_e4m3fn has no inf, and one NaN makes its block's
-    scale NaN: never sent, whatever `allow_nonfinite` says).
-
-    Args:
-        context: what happened instead, appended to the message ("nothing was sent").
-    """
-    to_quantize = (
-        (name, t)
-        for name, t in tensors.items()
-        if t.dtype != FP8_DTYPE and quantizes(name, tuple(t.shape))
-    )
-    found = describe_nonfinite(to_quantize)
-    if found:
-        raise NonFiniteWeightsError(
-            f"fp8-block: {', '.join(found.values())} cannot be quantized; {context}"
-        )
-
-
 def quantize_weights(
     named: Iterable[tuple[str, torch.Tensor]], spec: Fp8Block
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ computes, and an engine serving the plain form would serve another model.
 """
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -130,12 +130,6 @@ def _saved_name(name: str, adapter_name: str) -> str | None:
         saved = ".".join(parts)
         return saved if saved.startswith(PEFT_PREFIX) else PEFT_PREFIX + saved
     return None
-
-
-def adapter_name_map(adapter_name: str = "default") -> Callable[[str], str | None]:
-    """A `name_map` keeping only the `adapter_name` adapter's matrices, under peft's saved
-    names (what a sharded trainer rank's adapter push sends)."""
-    return lambda name: _saved_name(name, adapter_name)
 
 
 def adapter_tensors(

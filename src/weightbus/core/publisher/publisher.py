@@ -20,7 +20,6 @@ import torch.distributed as dist
 from weightbus.core.fp8 import Fp8Block, fp8_spec
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher.delta import DEFAULT_MAX_RATIO, DeltaMode, DeltaState
-from weightbus.core.publisher.fleet import Fleet
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.pushes import PushArgs, Pushes
 from weightbus.core.publisher.ranks import TrainerRanks
@@ -115,10 +114,6 @@ class Publisher:
         return self._pushes.ranks.group.world_size
 
     @property
-    def _fleet(self) -> Fleet:
-        return self._pushes.leader_fleet
-
-    @property
     def targets(self) -> list[EngineTarget]:
         """The members, in push order (on the leader; none on the other ranks)."""
         return self._pushes.fleet.targets if self._pushes.fleet is not None else []
@@ -132,11 +127,11 @@ class Publisher:
     def transport(self) -> str | dict[str, str]:
         """The transport's name, or each routed engine's by URL (`transports`: the set of
         them); on the leader."""
-        return self._fleet.transport
+        return self._pushes.leader_fleet.transport
 
     @property
     def transports(self) -> set[str]:
-        return self._fleet.transports
+        return self._pushes.leader_fleet.transports
 
     @property
     def timeout_s(self) -> float:
@@ -155,7 +150,7 @@ class Publisher:
 
     @property
     def sink(self) -> BucketSink:
-        return self._fleet.sink
+        return self._pushes.leader_fleet.sink
 
     def __enter__(self) -> "Publisher":
         return self
@@ -164,18 +159,13 @@ class Publisher:
         self.close()
 
     def close(self) -> None:
-        """Free the transport (files, shared memory, sockets, its set-up on the engines), the
-        targets, each rank's senders and the HTTP connections."""
+        """Free the transport (and its set-up on the engines), targets, senders, connections."""
         self._pushes.close()
 
     def setup_transport(self, **options: Any) -> Any:
-        """Set the transport up across every engine and trainer rank (the `dist` weights
-        group: `master_addr`, `master_port`, `backend`, `timeout_s`), again on a second call;
-        returns its report (`WeightsGroupInfo`; with routes, a dict by transport).
-
-        Raises:
-            ValueError: the transport needs no set-up.
-        """
+        """Set the transport up on every engine and trainer rank (again on a second call: the
+        `dist` group's `master_addr`, `master_port`, `backend`, `timeout_s`); returns its report
+        (`WeightsGroupInfo`; routed: by transport). ValueError: the transport needs none."""
         with self._lock:
             return self._pushes.setup_transport(options)
 
@@ -202,7 +192,7 @@ class Publisher:
 
     def engine_weights(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> list[EngineWeights]:
         """What every engine serves now (on the leader; `EngineRequestError`: no answer)."""
-        return self._fleet.engine_weights(timeout_s)
+        return self._pushes.leader_fleet.engine_weights(timeout_s)
 
     def fingerprint(self, weights: Weights, name_map: NameMap | None = None) -> str:
         """The fingerprint engines report after a push of `weights` (quantized with
@@ -293,11 +283,7 @@ class Publisher:
         two_phase: bool | None = None,
     ) -> PushResult:
         """Make every engine serve the base alone again, as `version` (docs/lora.md).
-
-        Raises:
-            ValueError: this Publisher pushed no adapter.
-            PushError: as for `push`.
-        """
+        ValueError: this Publisher pushed no adapter; PushError: as for `push`."""
         args = PushArgs(
             version=version, step=step, pause_mode=pause_mode, atomic=atomic, two_phase=two_phase
         )
@@ -307,13 +293,9 @@ class Publisher:
     def rollback(
         self, *, pause_mode: PauseMode = "drain", timeout_s: float | None = None
     ) -> PushResult:
-        """Swap every engine back to the previous version its staging memory holds, without
-        moving weights (two-phase with several engines; docs/fleet.md).
-
-        Raises:
-            PushError: an engine holds no rollback version or another one, refused, or did
-                not answer (each named); no engine swapped.
-        """
+        """Swap every engine back to the previous version its staging memory holds, moving no
+        weights (two-phase with several engines; docs/fleet.md). PushError: an engine holds
+        no rollback version or another one, refused, or did not answer (named); none swapped."""
         with self._lock:
             return self._pushes.rollback(pause_mode, timeout_s)
 
@@ -345,9 +327,6 @@ class Publisher:
 
     def remove_engine(self, url: str) -> None:
         """Stop pushing to an engine (alive or not); it keeps serving what it serves.
-
-        Raises:
-            ValueError: no member has this URL, or it is the last one.
-        """
+        ValueError: no member has this URL, or it is the last one."""
         with self._lock:
             self._pushes.remove_engine(url)

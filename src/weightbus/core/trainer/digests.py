@@ -292,19 +292,6 @@ def combine(plan: DigestPlan, reports: Sequence[BlockDigests]) -> list[str]:
     return digests
 
 
-def collected(plan: DigestPlan, control: TrainerGroup, key: str, deadline: float) -> dict[str, str]:
-    """Rank 0: the digests of `plan`'s regions (whole tensors: by name) from every rank's
-    `BlockDigests` reported on `key`.
-
-    Raises:
-        TrainerRankError: a rank failed or did not report by `deadline` (named).
-    """
-    reports = control.collect(key, "block digests", deadline)
-    blocks = [msgspec.msgpack.decode(m.body, type=BlockDigests) for m in reports.values()]
-    names = [region.name for region in plan.regions]
-    return dict(zip(names, combine(plan, blocks), strict=True))
-
-
 class RankDigests(msgspec.Struct, frozen=True, kw_only=True):
     """A rank's share of a version's digests: the tensors it sends whole (by name), and the
     blocks it hashed of the tensors sent in cells."""

@@ -29,14 +29,14 @@ import functools
 import secrets
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import msgspec
 import torch
 
-from weightbus.core.digest import fingerprint_of_digests, tensor_digest
+from weightbus.core.digest import fingerprint_of_digests
 from weightbus.core.meta import dtype_name
 from weightbus.core.plan import Plan
 from weightbus.core.transport.sending import Sending
@@ -191,12 +191,6 @@ class PushSession:
     def abandoned(self) -> str | None:
         """The first reason the stream cannot complete, or None."""
         return self.abandon_reasons[0] if self.abandon_reasons else None
-
-    def ensure_digests(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Digest every tensor not digested yet."""
-        for meta in self.plan.metas:
-            if meta.name not in self.digests:
-                self.digests[meta.name] = tensor_digest(tensors[meta.name])
 
     @property
     def fingerprint(self) -> str:

@@ -22,11 +22,6 @@ from weightbus.core.trainer.group import ControlMessage, TrainerGroup, TrainerRa
 from weightbus.core.trainer.holdings import Holding
 from weightbus.core.trainer.layout import TrainerLayout
 
-# A hook `shm` gives its leader's own sender: called with the index of a bucket whose tensors
-# it sends whole are written, their digests and each engine rank's slice digests (target index
-# -> tensor -> digest), so the sink tells the engine ranks at once.
-BucketDone = Callable[[int, dict[str, str], dict[int, dict[str, str]]], None]
-
 
 @dataclass(slots=True, kw_only=True)
 class RankWork:
@@ -40,7 +35,7 @@ class RankWork:
     deadline: float
     refuse_nonfinite: bool = False
     # the leader's own sender only: what its sink lends it to talk to the engine ranks as it
-    # goes (transport-specific: `shm` a `BucketDone`); None on the other ranks
+    # goes (transport-specific: `shm` tells them of each bucket written); None on the other ranks
     hooks: Any = None
 
     def remaining_s(self) -> float:
