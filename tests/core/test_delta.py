@@ -22,8 +22,6 @@ from weightbus.core.delta import (
     encode_cells,
     payload_names,
     payload_of,
-    rank_digests,
-    version_digests,
 )
 from weightbus.core.delta.bits import element_words
 from weightbus.core.digest import tensor_digest
@@ -33,7 +31,6 @@ from weightbus.core.publisher.delta import StreamStep, delta_kinds, delta_stream
 from weightbus.core.trainer.holdings import whole_holding
 from weightbus.core.trainer.layout import TrainerLayout, held_metas
 from weightbus.core.wire.delta import DeltaSpec, DeltaTensor
-from weightbus.core.wire.messages import SliceSpec
 
 DTYPES = sorted(DTYPES_BY_NAME)
 HEX = "0" * 32
@@ -47,8 +44,7 @@ class _Encoded:
         self.layout = TrainerLayout((tuple(held_metas(list(self.holdings.values()))),))
         held = {name: whole_holding(name, tensor) for name, tensor in base.items()}
         self.base = RankBase(held, self.layout.layout_hash, version="v0")
-        digests, base_digests = version_digests(new)[0], version_digests(base)[0]
-        self.changed = [name for name in new if digests[name] != base_digests[name]]
+        self.changed = [n for n in new if tensor_digest(new[n]) != tensor_digest(base[n])]
         with ThreadPoolExecutor(2) as pool:
             self.changes = self.base.encode(
                 self.changed, encode_cells(self.layout), self.holdings, 0, pool
@@ -129,7 +125,6 @@ def test_each_rank_applies_its_slice_bit_exactly(dtype_name, shape, fraction, tp
     dtype = DTYPES_BY_NAME[dtype_name]
     base = _random_bits(dtype, shape, seed)
     new = _changed(base, fraction, seed + 7)
-    digests, _ = version_digests({"w": new})
     encoded = _Encoded({"w": base}, {"w": new})
     kind = encoded.kind("w")
     assert (kind == "same") == _same_bits(base, new)
@@ -141,14 +136,11 @@ def test_each_rank_applies_its_slice_bit_exactly(dtype_name, shape, fraction, tp
     check_payload("w", indices, values, new.numel())
     dim = dim_pick % len(shape) if shape else 0
     copies = _splits(shape, dim, tp) if shape else [ShardCopy.whole(())]
-    specs = [[SliceSpec("w", c.src_dim, c.src_start, c.length)] for c in copies]
-    expected = rank_digests(specs, ["w"], {"w": new}, digests)
-    for copy, (rank_digest,) in zip(copies, expected, strict=True):
+    for copy in copies:
         param = copy.source(base).clone()
         destination = param if not shape else param.narrow(dim, 0, copy.length)
         apply_to_slice(destination, shape, copy, indices, values)
         assert _same_bits(destination, copy.source(new))
-        assert tensor_digest(destination) == rank_digest
 
 
 def test_a_column_slice_inside_a_wider_parameter_is_written_in_place():

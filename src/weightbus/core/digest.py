@@ -20,7 +20,7 @@ and engine agree on it whatever order the tensors travelled in.
 
 import bisect
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from itertools import pairwise
 from math import prod
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import xxhash
 
-from weightbus.core.meta import dtype_name
+from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.plan.bucket import byte_view
 from weightbus.core.weights import NameMap, Weights, normalize_weights
 
@@ -189,6 +189,13 @@ def fingerprint_of_digests(items: Iterable[tuple[str, str, Iterable[int], str]])
         duplicates = sorted({n for a, n in pairwise(names) if a == n})
         raise ValueError(f"duplicate tensor names: {duplicates}")
     return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode([FINGERPRINT_FORMAT, records]))
+
+
+def fingerprint_of_metas(metas: Iterable[TensorMeta], digests: Mapping[str, str]) -> str:
+    """The fingerprint of tensors of these metas with these digests (by name)."""
+    return fingerprint_of_digests(
+        (meta.name, dtype_name(meta.dtype), meta.shape, digests[meta.name]) for meta in metas
+    )
 
 
 def fingerprint(weights: Weights, name_map: NameMap | None = None) -> str:

@@ -1,7 +1,7 @@
 """Delta pushes: a version sent as its changes to the version the engines already serve.
 
 Publisher side: `RankBase` (what each trainer rank held of the last version pushed) and its
-`encode`, `encode_cells`, `rank_digests`.
+`encode`, `encode_cells`.
 Receiver side: `payload_of`, `check_payload`, `apply_to_slice`. The description of a delta
 (`DeltaSpec`) is a wire type (`weightbus.core.wire.delta`).
 """
@@ -17,9 +17,7 @@ from weightbus.core.delta.encode import (
     CellChanges,
     RankBase,
     encode_cells,
-    rank_digests,
     slice_of,
-    version_digests,
 )
 
 __all__ = [
@@ -31,7 +29,5 @@ __all__ = [
     "encode_cells",
     "payload_names",
     "payload_of",
-    "rank_digests",
     "slice_of",
-    "version_digests",
 ]

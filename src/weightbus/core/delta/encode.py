@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from weightbus.core.delta.bits import changes, index_dtype, scatter
-from weightbus.core.digest import fingerprint_of_digests, tensor_digest
-from weightbus.core.meta import dtype_name
 from weightbus.core.trainer.boxes import Box
 from weightbus.core.trainer.cells import cells
 from weightbus.core.trainer.holdings import Holding
@@ -173,51 +171,6 @@ class RankBase:
         )
 
 
-def version_digests(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, str], str]:
-    """Every tensor's digest, and the version's fingerprint."""
-    digests = {name: tensor_digest(tensor) for name, tensor in tensors.items()}
-    records = [
-        (name, dtype_name(t.dtype), tuple(t.shape), digests[name]) for name, t in tensors.items()
-    ]
-    return digests, fingerprint_of_digests(records)
-
-
 def slice_of(full: torch.Tensor, spec: SliceSpec) -> torch.Tensor:
     """A rank's slice of a full tensor (`SliceSpec`: a range along one dimension)."""
     return full.narrow(spec.dim, spec.start, spec.length) if full.dim() else full
-
-
-def rank_digests(
-    rank_slices: list[list[SliceSpec]],
-    sparse_names: list[str],
-    tensors: Mapping[str, torch.Tensor],
-    digests: Mapping[str, str],
-) -> list[list[str]]:
-    """Per rank, the digest of its slice of each sparse tensor of the new version (whole
-    tensors held by one process).
-
-    Ranks holding a tensor whole reuse its digest; equal slices are digested once.
-
-    Raises:
-        ValueError: a rank's slice map lacks a sparse tensor.
-    """
-    cache: dict[tuple, str] = {}
-    out = []
-    for rank, slices in enumerate(rank_slices):
-        by_name = {spec.name: spec for spec in slices}
-        row = []
-        for name in sparse_names:
-            spec = by_name.get(name)
-            if spec is None:
-                raise ValueError(f"rank {rank}'s slice map lacks tensor {name!r}")
-            full = tensors[name]
-            whole = full.dim() == 0 or (spec.start == 0 and spec.length == full.shape[spec.dim])
-            if whole:
-                row.append(digests[name])
-                continue
-            key = (name, spec.dim, spec.start, spec.length)
-            if key not in cache:
-                cache[key] = tensor_digest(slice_of(_host(full), spec))
-            row.append(cache[key])
-        out.append(row)
-    return out

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import torch
 
-from weightbus.core.delta import CellChanges, RankBase, encode_cells, payload_names, rank_digests
+from weightbus.core.delta import CellChanges, RankBase, encode_cells, payload_names
 from weightbus.core.delta.bits import index_dtype
-from weightbus.core.digest import fingerprint_of_digests
+from weightbus.core.digest import fingerprint_of_metas
 from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.publisher.targets import EngineTarget
 from weightbus.core.trainer.boxes import Box
@@ -235,7 +235,7 @@ class DeltaState:
             for name, kind in kinds.items()
             if kind == "sparse"
         }
-        fingerprint = _fingerprint(layout, digests)
+        fingerprint = fingerprint_of_metas(layout.metas, digests)
         specs = self._specs(
             layout, request, targets, ranks, kinds=kinds, digests=digests, fingerprint=fingerprint
         )
@@ -355,7 +355,7 @@ class DeltaState:
 
     def committed_full(self, held: Any, version: str, digests: Mapping[str, str]) -> str:
         """`set_delta_base` on every rank: `held` is what the engines serve."""
-        fingerprint = _fingerprint(held.layout, digests)
+        fingerprint = fingerprint_of_metas(held.layout.metas, digests)
         self._keep(held, version, fingerprint, digests)
         return fingerprint
 
@@ -385,12 +385,6 @@ def _work(
 ) -> RankWork:
     return RankWork(
         holdings=holdings, layout=layout, group=ranks.group, key=key, deadline=round_.deadline
-    )
-
-
-def _fingerprint(layout: TrainerLayout, digests: Mapping[str, str]) -> str:
-    return fingerprint_of_digests(
-        (meta.name, dtype_name(meta.dtype), meta.shape, digests[meta.name]) for meta in layout.metas
     )
 
 
@@ -524,12 +518,8 @@ def _slice_digests(
     sparse: list[str],
     digests: dict[str, str],
 ) -> dict[str, list[list[str]]]:
-    """Per engine, per rank: the digest of its slice of each sparse tensor (the new version);
-    a group of one digests whole tensors in place, a group of several digests the slices'
-    regions together (no gather)."""
-    if ranks.single:
-        tensors = {name: request.holdings[name].tensor for name in sparse}
-        return {url: rank_digests(m, sparse, tensors, digests) for url, m in maps.items()}
+    """Per engine, per rank: the digest of its slice of each sparse tensor (the new version),
+    the trainer ranks digesting the slices' regions together (no gather)."""
     metas = layout.metas_by_name
     regions: list[Region] = []
     where: dict[Region, int] = {}

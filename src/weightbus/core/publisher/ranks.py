@@ -19,14 +19,13 @@ from typing import Any
 
 import msgspec
 
-from weightbus.core.digest import fingerprint_of_digests
+from weightbus.core.digest import fingerprint_of_metas
 from weightbus.core.finite import (
     NOTHING_SENT,
     NonFiniteWeightsError,
     describe_nonfinite,
     nonfinite_error,
 )
-from weightbus.core.meta import dtype_name
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES, Plan, plan_buckets
 from weightbus.core.publisher.results import PushError
 from weightbus.core.trainer.boxes import Box
@@ -294,11 +293,7 @@ class TrainerRanks:
         self, round_: Round, layout: TrainerLayout, holdings: dict[str, Holding]
     ) -> str:
         """The leader: the fingerprint of what the ranks hold (`digests`)."""
-        digests = self.digests(round_, layout, holdings)
-        return fingerprint_of_digests(
-            (meta.name, dtype_name(meta.dtype), meta.shape, digests[meta.name])
-            for meta in layout.metas
-        )
+        return fingerprint_of_metas(layout.metas, self.digests(round_, layout, holdings))
 
     def lead(self, round_: Round, work: Callable[[], Any], result_type: Any) -> Any:
         """The leader runs `work` and announces how it ended to the other ranks."""

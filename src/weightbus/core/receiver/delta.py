@@ -17,8 +17,8 @@ from typing import Protocol
 import torch
 
 from weightbus.core.delta import check_payload, payload_names, payload_of
-from weightbus.core.digest import fingerprint_of_digests
-from weightbus.core.meta import TensorMeta, dtype_name
+from weightbus.core.digest import fingerprint_of_metas
+from weightbus.core.meta import TensorMeta
 from weightbus.core.wire.delta import DeltaSpec
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -32,12 +32,6 @@ class SliceWriter(Protocol):
 
     def digest(self, name: str) -> str:
         """xxh3-128 of this rank's slice of tensor `name`, row-major."""
-
-
-def _fingerprint(expected: Mapping[str, TensorMeta], digests: Mapping[str, str]) -> str:
-    return fingerprint_of_digests(
-        (name, dtype_name(meta.dtype), meta.shape, digests[name]) for name, meta in expected.items()
-    )
 
 
 class DeltaReceive:
@@ -75,10 +69,10 @@ class DeltaReceive:
         if self.rank >= len(self.spec.rank_digests):
             problems.append((f"delta has no slice digests for rank {self.rank}", []))
         base = {t.name: t.base_digest for t in self.spec.tensors}
-        if _fingerprint(self.expected, base) != self.spec.base_fingerprint:
+        if fingerprint_of_metas(self.expected.values(), base) != self.spec.base_fingerprint:
             problems.append(("delta base digests do not make its base fingerprint", []))
         new = {t.name: t.digest for t in self.spec.tensors}
-        if _fingerprint(self.expected, new) != self.spec.fingerprint:
+        if fingerprint_of_metas(self.expected.values(), new) != self.spec.fingerprint:
             problems.append(("delta digests do not make its fingerprint", []))
         problems.extend(self._stream_problems(stream))
         return problems

@@ -36,8 +36,7 @@ from typing import Any, ClassVar, Protocol
 import msgspec
 import torch
 
-from weightbus.core.digest import fingerprint_of_digests
-from weightbus.core.meta import dtype_name
+from weightbus.core.digest import fingerprint_of_metas
 from weightbus.core.plan import Plan
 from weightbus.core.transport.sending import Sending
 from weightbus.core.wire import UpdateBegin, UpdateEnd, WireMeta
@@ -202,10 +201,7 @@ class PushSession:
         missing = [meta.name for meta in self.plan.metas if meta.name not in self.digests]
         if missing:
             raise RuntimeError(f"no digest yet for {len(missing)} tensors, e.g. {missing[0]!r}")
-        return fingerprint_of_digests(
-            (meta.name, dtype_name(meta.dtype), meta.shape, self.digests[meta.name])
-            for meta in self.plan.metas
-        )
+        return fingerprint_of_metas(self.plan.metas, self.digests)
 
     def begin_message(self) -> UpdateBegin:
         return UpdateBegin(
