@@ -11,7 +11,6 @@ The leader's sink combines the reports and answers the engine ranks.
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import msgspec
@@ -19,27 +18,19 @@ import torch
 
 from weightbus.core.finite import refuse_nonfinite_chunk
 from weightbus.core.plan import Plan
-from weightbus.core.plan.shard import ShardCopy
-from weightbus.core.trainer.cells import Piece, as_matrix, cell_view, make_schedule, schedule_hash
-from weightbus.core.trainer.digests import (
-    BlockDigests,
-    DigestPlan,
-    Region,
-    combine,
-    compute,
-    digest_plan,
-    whole_regions,
-)
+from weightbus.core.trainer.cells import Piece, as_matrix, cell_view
+from weightbus.core.trainer.digests import BlockDigests, compute, digest_plan
 from weightbus.core.trainer.group import run_all
 from weightbus.core.trainer.layout import TrainerLayout
 from weightbus.core.trainer.parts import SlotPart, slot_schedule
+from weightbus.core.trainer.writes import Cells, WriteReport
 from weightbus.core.transport.parts.shared_memory import Slot
 from weightbus.core.transport.sending import RankSender, RankWork
 from weightbus.core.transport.shm.direct import DirectWriter, MappedTarget
 from weightbus.core.wire import DirectTarget
 
 # schedules kept: an atomic engine alternates between two arenas, a fleet has several engines
-COMPILED_KEPT = 8
+CELLS_KEPT = 8
 
 
 class WriteOrder(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -67,18 +58,6 @@ class PackOrder(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     slot: int
 
 
-class WriteReport(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """A rank's write: the schedule it followed, the bytes it copied, the digests of what it
-    sent whole (and of each engine rank's slice of it: target index -> name -> digest) and
-    its blocks of the rest."""
-
-    schedule_hash: str
-    sent_bytes: int
-    whole: dict[str, str]
-    whole_slices: dict[int, dict[str, str]]
-    blocks: BlockDigests
-
-
 class SlotsReport(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """A rank's blocks of the tensors sent in cells (those sent whole digest as they pack)."""
 
@@ -93,83 +72,6 @@ class PackReport(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     digests: dict[str, str]
 
 
-@dataclass(frozen=True)
-class Compiled:
-    """A write's schedule of cells (its hash) and the digest plan of what goes in cells."""
-
-    pieces: list[Piece]
-    schedule_hash: str
-    digest_plan: DigestPlan
-    slice_regions: list[tuple[int, str, int]]  # (engine rank, tensor, its region's index)
-
-    @classmethod
-    def of(
-        cls, layout: TrainerLayout, slices: list[dict[str, list[ShardCopy]]], *, verify: bool
-    ) -> "Compiled":
-        """The cells into engine ranks of `slices` (per rank: tensor -> its copies), and their
-        digests: whole tensors, and with `verify` every engine rank's slices -- each distinct
-        region once (a slice that is the whole tensor, or the same slice of every replica,
-        reuses its digest: hashing it again would exchange its cut blocks again)."""
-        pieces = make_schedule(layout, slices)
-        regions, slice_regions = whole_regions(layout), []
-        index = {region: i for i, region in enumerate(regions)}
-        if verify:
-            for (target, name), box in sorted(
-                {(p.target, p.name): p.slice_box for p in pieces}.items()
-            ):
-                region = Region(name, box)
-                if region not in index:
-                    index[region] = len(regions)
-                    regions.append(region)
-                slice_regions.append((target, name, index[region]))
-        return cls(
-            pieces, schedule_hash(layout, pieces), DigestPlan(layout, regions), slice_regions
-        )
-
-
-@dataclass(frozen=True)
-class WriteOutcome:
-    """What the leader learns from a write: digests by tensor, each engine rank's slice
-    digests, the bytes each trainer rank copied."""
-
-    digests: dict[str, str]
-    slice_digests: list[dict[str, str]]
-    sent_bytes: list[int]
-
-
-def write_outcome(
-    layout: TrainerLayout, compiled: Compiled, reports: list[WriteReport], num_targets: int
-) -> WriteOutcome:
-    """The leader: every rank's `WriteReport`, checked against `compiled` and combined.
-
-    Raises:
-        ValueError: a rank followed another schedule than the leader's.
-    """
-    for rank, report in enumerate(reports):
-        if report.schedule_hash != compiled.schedule_hash:
-            raise ValueError(f"trainer rank {rank} computed another schedule than rank 0")
-    digests: dict[str, str] = {}
-    slices: list[dict[str, str]] = [{} for _ in range(num_targets)]
-    for report in reports:
-        digests.update(report.whole)
-        for target, found in report.whole_slices.items():
-            slices[target].update(found)
-    plan = compiled.digest_plan
-    if plan.regions:
-        split = combine(plan, [report.blocks for report in reports])
-        digests.update(
-            (region.name, split[index])
-            for index, region in enumerate(plan.regions[: len(whole_regions(layout))])
-        )
-        for target, name, region in compiled.slice_regions:
-            slices[target][name] = split[region]
-    return WriteOutcome(
-        digests={meta.name: digests[meta.name] for meta in layout.metas},
-        slice_digests=slices,
-        sent_bytes=[report.sent_bytes for report in reports],
-    )
-
-
 class ShmRankSender(RankSender):
     """A trainer rank's side of `shm` (mapped files, slots and schedules kept while the
     layouts are unchanged)."""
@@ -181,7 +83,7 @@ class ShmRankSender(RankSender):
         super().__init__(group)  # type: ignore[arg-type]
         self._writer = DirectWriter()
         self._mapped: dict[str, MappedTarget] = {}
-        self._compiled: dict[tuple, Compiled] = {}
+        self._cells: dict[tuple, Cells] = {}
         self._slots: dict[str, Slot] = {}
         self._slots_key: tuple | None = None
         self._slot_parts: list[list[SlotPart]] = []
@@ -203,7 +105,7 @@ class ShmRankSender(RankSender):
         plan = layout.plan(order.bucket_bytes, order.plan_hash)
         targets = [self._map(offer, plan) for offer in order.targets]
         self._forget_stale({offer.file for offer in order.targets})
-        compiled = self._compile(layout, targets, order)
+        cells = self._compile(layout, targets, order)
         mine = _sent_whole(work)
         whole: dict[str, str] = {}
         whole_slices: dict[int, dict[str, str]] = defaultdict(dict)
@@ -227,22 +129,22 @@ class ShmRankSender(RankSender):
             for target, found in slices.items():
                 whole_slices[target].update(found)
         sent = sum(target.slice_bytes.get(name, 0) for target in targets for name in mine)
-        sent += self._copy(compiled.pieces, targets, work)
+        sent += self._copy(cells.pieces, targets, work)
         blocks = BlockDigests([])
-        if compiled.digest_plan.regions:
+        if cells.digest_plan.regions:
             key = f"{work.key}/digests"
-            blocks = compute(compiled.digest_plan, work.holdings, work.group, key, work.deadline)
+            blocks = compute(cells.digest_plan, work.holdings, work.group, key, work.deadline)
         return WriteReport(
-            schedule_hash=compiled.schedule_hash,
+            schedule_hash=cells.schedule_hash,
             sent_bytes=sent,
             whole=whole,
             whole_slices=dict(whole_slices),
             blocks=blocks,
         )
 
-    def compiled(self, layout: TrainerLayout, order: WriteOrder) -> Compiled:
-        """The leader: the write's compiled schedule (after its own part ran)."""
-        return self._compiled[_key(layout, order)]
+    def cells(self, layout: TrainerLayout, order: WriteOrder) -> Cells:
+        """The leader: the write's cells (after its own part ran)."""
+        return self._cells[_key(layout, order)]
 
     def _map(self, offer: DirectTarget, plan: Plan) -> MappedTarget:
         mapped = self._mapped.get(offer.file)
@@ -266,17 +168,17 @@ class ShmRankSender(RankSender):
 
     def _compile(
         self, layout: TrainerLayout, targets: list[MappedTarget], order: WriteOrder
-    ) -> Compiled:
+    ) -> Cells:
         key = _key(layout, order)
-        if key not in self._compiled:
+        if key not in self._cells:
             slices = [
                 {name: [copy for copy, _ in copies] for name, copies in t.copies.items()}
                 for t in targets
             ]
-            if len(self._compiled) >= COMPILED_KEPT:  # engines that came and went
-                self._compiled.clear()
-            self._compiled[key] = Compiled.of(layout, slices, verify=order.verify)
-        return self._compiled[key]
+            if len(self._cells) >= CELLS_KEPT:  # engines that came and went
+                self._cells.clear()
+            self._cells[key] = Cells.of(layout, slices, verify=order.verify)
+        return self._cells[key]
 
     def _copy(self, pieces: list[Piece], targets: list[MappedTarget], work: RankWork) -> int:
         """Copy this rank's cells; the bytes copied."""

@@ -25,6 +25,7 @@ import zmq
 
 from weightbus.core.plan import BucketPlan
 from weightbus.core.trainer.digests import combine, digest_plan
+from weightbus.core.trainer.writes import write_outcome
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
 from weightbus.core.transport.parts.direct_channel import receive_one
 from weightbus.core.transport.parts.layout import checked_copies
@@ -32,7 +33,7 @@ from weightbus.core.transport.parts.rank_session import JoiningRanks
 from weightbus.core.transport.parts.shared_memory import Slot, private_ipc_dir, remove_stale_slots
 from weightbus.core.transport.sending import Sending
 from weightbus.core.transport.shm.description import ShmDescription
-from weightbus.core.transport.shm.sender import PackOrder, SlotsOrder, WriteOrder, write_outcome
+from weightbus.core.transport.shm.sender import PackOrder, SlotsOrder, WriteOrder
 from weightbus.core.wire import (
     BucketReady,
     DirectReady,
@@ -301,8 +302,8 @@ class ShmSink(BucketSink):
         session.count_sent(sum(report.sent_bytes for report in reports))
         if sending.single:
             return
-        compiled = sending.senders(self.key, self.name).compiled(sending.layout, order)
-        outcome = write_outcome(sending.layout, compiled, reports, len(offers))
+        cells = sending.senders(self.key, self.name).cells(sending.layout, order)
+        outcome = write_outcome(sending.layout, cells, reports, len(offers))
         for bucket in session.plan.buckets:
             names = bucket.finished_names()
             slices = {
