@@ -21,7 +21,8 @@ from weightbus.core.fp8 import Fp8Block, fp8_spec
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher.delta import DEFAULT_MAX_RATIO, DeltaMode, DeltaState
 from weightbus.core.publisher.probe import LogprobProbe
-from weightbus.core.publisher.pushes import PushArgs, Pushes
+from weightbus.core.publisher.push_session import PushArgs
+from weightbus.core.publisher.pushes import Pushes
 from weightbus.core.publisher.ranks import TrainerRanks
 from weightbus.core.publisher.results import FleetVersion, PushResult
 from weightbus.core.publisher.targets import EngineResult, EngineTarget, EngineWeights

@@ -60,6 +60,7 @@ from weightbus.core.transport import (
     encode_description,
 )
 from weightbus.core.transport.base import EngineRoute, Progress, no_progress
+from weightbus.core.weights import NameMap
 from weightbus.core.wire import PauseMode, VerifyLevel
 from weightbus.core.wire.adapter import served_fingerprint
 from weightbus.core.wire.delta import DeltaSpec
@@ -68,6 +69,27 @@ logger = logging.getLogger(__name__)
 
 # Bound of reading each engine's slice maps and version before a delta.
 _DELTA_CHECK_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushArgs:
+    """A push's arguments, as `Publisher.push` takes them (the leader's count)."""
+
+    version: str
+    step: int | None = None
+    pause_mode: PauseMode = "drain"
+    atomic: bool = True
+    verify: VerifyLevel = "full"
+    force: bool = False
+    name_map: NameMap | None = None
+    progress: Progress | None = None
+    probe: LogprobProbe | None = None
+    two_phase: bool | None = None
+    delta: DeltaMode | None = None
+    keep_draft: bool = False
+    allow_nonfinite: bool = False
+    adapter: Any = None
+    base_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,45 +120,29 @@ class PushRequest:
     stream: str = ""
 
 
-def push_options(
-    fleet: Fleet,
-    *,
-    version: str,
-    step: int | None = None,
-    pause_mode: PauseMode = "drain",
-    atomic: bool = True,
-    verify: VerifyLevel = "full",
-    force: bool = False,
-    probe: LogprobProbe | None = None,
-    two_phase: bool | None = None,
-    keep_draft: bool = False,
-    allow_nonfinite: bool = False,
-) -> PushOrder:
-    """A push's options (as `Publisher.push` takes them), checked against `fleet`'s members.
-
-    Returns:
-        The order every engine's is made from (`engine_order` fills in its transport, source,
-        verify level, plan, timeout and delta); `two_phase` decided (`Fleet.two_phase`).
+def push_options(fleet: Fleet, args: PushArgs) -> PushOrder:
+    """A push's options, checked against `fleet`'s members: the order every engine's is made
+    from (`engine_order` fills in its transport, source, verify level, plan, timeout and
+    delta), `two_phase` decided (`Fleet.two_phase`).
 
     Raises:
         ValueError: a probe for members that cannot score one; `two_phase` with an in-place
             push or members that cannot stage and commit on a later word.
     """
-    use_two_phase = fleet.two_phase(two_phase, atomic)
-    fleet.check_probe(probe)
+    fleet.check_probe(args.probe)
     return PushOrder(
-        version=version,
-        step=step,
+        version=args.version,
+        step=args.step,
         transport="",  # each engine's route says (`engine_order`)
         source={},
-        pause_mode=pause_mode,
-        atomic=atomic,
-        verify=verify,
-        force=force,
-        probe=probe,
-        two_phase=use_two_phase,
-        keep_draft=keep_draft,
-        allow_nonfinite=allow_nonfinite,
+        pause_mode=args.pause_mode,
+        atomic=args.atomic,
+        verify=args.verify,
+        force=args.force,
+        probe=args.probe,
+        two_phase=fleet.two_phase(args.two_phase, args.atomic),
+        keep_draft=args.keep_draft,
+        allow_nonfinite=args.allow_nonfinite,
     )
 
 
@@ -549,7 +555,8 @@ def catch_up(
         )
     newcomer = fleet.sibling(target, route)
     try:
-        options = push_options(newcomer, version=current.version, step=current.step, force=True)
+        args = PushArgs(version=current.version, step=current.step, force=True)
+        options = push_options(newcomer, args)
         request = PushRequest(
             held.layout, held.holdings, round_, current.version, current.step, options
         )

@@ -23,8 +23,8 @@ from weightbus.core.lora import adapter_tensors, check_adapter
 from weightbus.core.publisher.adapter import AdapterState
 from weightbus.core.publisher.delta import DeltaMode, DeltaState, check_delta_mode
 from weightbus.core.publisher.fleet import Fleet
-from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.push_session import (
+    PushArgs,
     PushRequest,
     catch_up,
     push_options,
@@ -37,32 +37,10 @@ from weightbus.core.publisher.targets import EngineResult, EngineTarget, HttpEng
 from weightbus.core.trainer.holdings import Holding, holdings_of
 from weightbus.core.trainer.layout import TrainerLayout
 from weightbus.core.trainer.quantize import quantized_holdings
-from weightbus.core.transport.base import Progress
 from weightbus.core.weights import NameMap
-from weightbus.core.wire import PauseMode, VerifyLevel
+from weightbus.core.wire import PauseMode
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PushArgs:
-    """A push's arguments, as `Publisher.push` takes them (the leader's count)."""
-
-    version: str
-    step: int | None = None
-    pause_mode: PauseMode = "drain"
-    atomic: bool = True
-    verify: VerifyLevel = "full"
-    force: bool = False
-    name_map: NameMap | None = None
-    progress: Progress | None = None
-    probe: LogprobProbe | None = None
-    two_phase: bool | None = None
-    delta: DeltaMode | None = None
-    keep_draft: bool = False
-    allow_nonfinite: bool = False
-    adapter: Any = None
-    base_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,21 +213,8 @@ class Pushes:
             self.ranks.check_nonfinite(round_, held.layout, held.holdings, NOTHING_SERVED)
             raise
 
-    def _options(self, args: PushArgs, **overrides: Any) -> Any:
-        return push_options(
-            self.leader_fleet,
-            version=args.version,
-            step=args.step,
-            pause_mode=args.pause_mode,
-            atomic=args.atomic,
-            verify=args.verify,
-            force=args.force,
-            probe=args.probe,
-            two_phase=args.two_phase,
-            keep_draft=args.keep_draft,
-            allow_nonfinite=args.allow_nonfinite,
-            **overrides,
-        )
+    def _options(self, args: PushArgs) -> Any:
+        return push_options(self.leader_fleet, args)
 
     def push_adapter(self, weights: Any, args: PushArgs) -> PushResult:
         """A LoRA adapter push: each rank sends its shards of the adapter's matrices only."""
