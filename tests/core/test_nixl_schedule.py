@@ -49,14 +49,18 @@ def _rank(rank: int) -> DirectTarget:
     return _target(regions, copies, 1024)
 
 
-@pytest.mark.parametrize("bucket_bytes", [256, 512, 4096], ids=["rows", "small", "one"])
-def test_the_schedule_writes_each_rank_its_slices_exactly(bucket_bytes):
+def _schedule(bucket_bytes: int, sends: set[str] | None = None) -> Schedule:
     metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in FULL.items()]
     plan = plan_buckets(metas, bucket_bytes)
     by_name = {meta.name: meta for meta in metas}
     ranks = [(BASE, checked_copies(_rank(rank), by_name)) for rank in range(2)]
-    schedule = Schedule(plan, ranks)
-    memories = [np.zeros(1024, dtype=np.uint8) for _ in ranks]
+    return Schedule(plan, ranks, sends=sends)
+
+
+def _written(schedule: Schedule) -> tuple[list[np.ndarray], list[int]]:
+    """Each rank's memory after the schedule's writes, carried out by hand, and the bytes
+    moved into each."""
+    memories = [np.zeros(1024, dtype=np.uint8) for _ in range(2)]
     moved = [0, 0]
     for bucket in schedule.buckets:
         for index, writes in enumerate(bucket):
@@ -71,6 +75,12 @@ def test_the_schedule_writes_each_rank_its_slices_exactly(bucket_bytes):
                 start = int(address) - BASE
                 memories[index][start : start + int(length)] = buffer[source : source + length]
                 moved[index] += int(length)
+    return memories, moved
+
+
+@pytest.mark.parametrize("bucket_bytes", [256, 512, 4096], ids=["rows", "small", "one"])
+def test_the_schedule_writes_each_rank_its_slices_exactly(bucket_bytes):
+    memories, moved = _written(_schedule(bucket_bytes))
     for rank, memory in enumerate(memories):
         flat = torch.from_numpy(memory)
         w = flat[0:192].view(torch.float32).view(6, 8)
@@ -85,6 +95,41 @@ def test_the_schedule_writes_each_rank_its_slices_exactly(bucket_bytes):
         assert int(s) == 7
         # the rank's share only: 6 of 12 rows, 4 of 8 columns, all of n and s
         assert moved[rank] == 192 + 6 * 4 * 2 + 16 + 8
+
+
+@pytest.mark.parametrize("bucket_bytes", [256, 4096], ids=["rows", "one"])
+def test_a_trainer_ranks_schedule_writes_the_tensors_it_sends_and_nothing_else(bucket_bytes):
+    """A trainer rank that sends `w` and `s` whole (another sends `o` and `n`) writes those
+    exactly as the whole schedule does, and leaves the rest of each rank's memory alone."""
+    mine = _schedule(bucket_bytes, sends={"w", "s"})
+    assert {job.name for bucket in mine.buckets for w in bucket for job in w.jobs} == {"w", "s"}
+    memories, moved = _written(mine)
+    everything, _ = _written(_schedule(bucket_bytes))
+    for rank, memory in enumerate(memories):
+        assert np.array_equal(memory[0:192], everything[rank][0:192])  # w
+        assert np.array_equal(memory[768:776], everything[rank][768:776])  # s
+        assert not memory[192:768].any()  # o, n: the other rank's
+        assert moved[rank] == 192 + 8
+
+
+def test_entries_a_rank_receives_whole_keep_their_inbox_offsets_in_a_part_schedule():
+    """A rank whose slice map lacks `o` and `n` receives them whole, back to back in its inbox
+    slot as it computes them from the whole bucket: a schedule of `n` alone lands `n` there."""
+    metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in FULL.items()]
+    plan = plan_buckets(metas, 4096)
+    by_name = {meta.name: meta for meta in metas}
+    regions = [ParamRegion("w_param", "float32", (12, 8), 0)]
+    copies = [WireShardCopy("w", "w_param", 0, 0, 0, 12)]
+    held = checked_copies(_target(regions, copies, 1024), by_name, partial=True)
+    whole = Schedule(plan, [(BASE, held)])
+    part = Schedule(plan, [(BASE, held)], sends={"n"})
+    inbox = {job.entry.name: job.entry.offset for job in whole.buckets[0][0].whole}
+    assert set(inbox) == {"o", "n", "s"}
+    assert [(job.entry.name, job.entry.offset) for job in part.buckets[0][0].whole] == [
+        ("n", inbox["n"])
+    ]
+    assert not part.buckets[0][0].jobs
+    assert 0 < part.inbox_bytes[0] <= whole.inbox_bytes[0]
 
 
 def test_a_row_larger_than_a_bucket_is_refused_naming_the_tensor():

@@ -10,6 +10,9 @@ rank whole, in its *inbox*: per bucket, such entries lie back to back at aligned
 (`inbox_entries`, computed the same way by the rank from the plan and its own slice map) in
 one of the inbox's slots. The publisher packs each such entry once per bucket, in a shared
 area after the ranks' areas of the send buffer, and every rank's WRITE reads it from there.
+
+A trainer rank's schedule covers the tensors it sends whole (`sends`; in a group of one,
+every tensor): the other entries of each bucket are other ranks' (or go in cells).
 """
 
 import math
@@ -182,6 +185,8 @@ class Schedule:
         plan: the session's plan.
         ranks: per rank, `(address of its memory, its checked slice map)`; a tensor of the
             plan that the slice map lacks goes to the rank whole, into its inbox.
+        sends: the tensors this schedule writes (None: every tensor of the plan); the other
+            entries are left out (an inbox entry keeps its offset in the slot all the same).
 
     Attributes:
         buckets: `buckets[b][i]` is rank i's part of bucket b.
@@ -193,8 +198,14 @@ class Schedule:
         inbox_bytes: `inbox_bytes[i]`: the inbox slot rank i needs (0: none).
     """
 
-    def __init__(self, plan: Plan, ranks: list[tuple[int, dict[str, list[RegionCopy]]]]) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        ranks: list[tuple[int, dict[str, list[RegionCopy]]]],
+        sends: Container[str] | None = None,
+    ) -> None:
         metas = {meta.name: meta for meta in plan.metas}
+        self.sends = sends
         self.buckets: list[list[RankWrites]] = []
         self.area_offsets: list[list[int]] = []
         self.whole_offsets: list[dict[str, int]] = []
@@ -203,8 +214,8 @@ class Schedule:
         for bucket in plan.buckets:
             writes = [RankWrites() for _ in ranks]
             for entry in bucket.entries:
-                if not any(entry.name in copies for _, copies in ranks):
-                    continue  # whole to every rank: no rows to split
+                if not self.sent(entry.name) or not any(entry.name in c for _, c in ranks):
+                    continue  # another rank's, or whole to every rank: no rows to split
                 rows = entry_rows(metas[entry.name], entry, plan.bucket_bytes)
                 for (base, copies), rank_writes in zip(ranks, writes, strict=True):
                     for each in copies.get(entry.name, []):
@@ -215,7 +226,7 @@ class Schedule:
             whole: dict[str, int] = {}
             end = offsets[-1]
             for (_, copies), rank_writes, inbox in zip(ranks, writes, inboxes, strict=True):
-                entries = inbox_entries(bucket, copies)
+                entries = [e for e in inbox_entries(bucket, copies) if self.sent(e.name)]
                 inbox.append(entries)
                 for entry in entries:
                     if entry.name not in whole:
@@ -227,6 +238,10 @@ class Schedule:
             self.whole_offsets.append(whole)
             self.slot_bytes = max(self.slot_bytes, end)
         self.inbox_bytes = [inbox_slot_bytes(inbox) for inbox in inboxes]
+
+    def sent(self, name: str) -> bool:
+        """Whether this schedule writes tensor `name`."""
+        return self.sends is None or name in self.sends
 
     @staticmethod
     def _add(writes: RankWrites, name: str, base: int, each: RegionCopy, rows) -> None:

@@ -1,47 +1,57 @@
-"""`nixl`, publisher side: one-sided NIXL WRITEs of each rank's slices into its parameters.
+"""`nixl`, the leader's side: one-sided NIXL WRITEs of each engine rank's slices into its
+parameters, posted by every trainer rank (`sender.py`).
 
-No collective group: each engine rank, when it opens a session, connects to the publisher's
-ZMQ socket (`tcp://`) and says hello with its NIXL agent's metadata and its parameter layout
-(the `DirectTarget` that `shm` direct mode uses). The publisher loads each agent's metadata
-(once per change), computes the write schedule once per layout (`schedule.py`), and per plan
-bucket packs every rank's slices into a registered send buffer (digesting them as they pass)
-and posts one WRITE per rank; `inflight_buckets` send buffers bound what is in flight. Once a
-rank's WRITE of a bucket is complete, a `TensorsWritten` tells it which tensors are done, with
-the digests of the bytes now in its regions, which the rank re-reads to verify. An engine can
-join or leave between pushes: nothing else is re-formed.
+No collective group: each engine rank, when it opens a session, connects to the leader's ZMQ
+socket (`tcp://`) and says hello with its NIXL agent's metadata and its parameter layout (the
+`DirectTarget` that `shm` direct mode uses). The leader checks each layout and loads each agent
+(once per change) before its `UpdateBegin`, then orders every trainer rank to write its part
+(`NixlOrder`). Once an engine rank's WRITE of a bucket is complete, a `TensorsWritten` tells it
+which tensors are done, with the digests of the bytes now in its regions, which the rank
+re-reads to verify: in a group of one as each WRITE completes (the leader's own sender calls
+back, `hooks.WriteHooks`), in a group of several once every trainer rank reported. An engine
+can join or leave between pushes: nothing else is re-formed.
 
-A session may carry tensors that are not parameters (a delta push's payload): a tensor of the
-plan that a rank's slice map does not name reaches that rank whole, in its inbox. Such a rank
-answers the `UpdateBegin` with a `NixlInbox` (where its inbox slots are, registered with its
-agent) before its `DirectReady`; the entries travel in the same WRITE as the bucket's slices,
-into slot `bucket % slots`, and the `TensorsWritten` carries their digests. The rank hands
-them to the Receiver as whole tensors and sends a `SlotAck` once the Receiver released the
-batch; a slot is written again only after that ack.
+A session sent by a group of one may carry tensors that are not parameters (a delta push's
+payload): a tensor of the plan that a rank's slice map does not name reaches that rank whole,
+in its inbox. Such a rank answers the `UpdateBegin` with a `NixlInbox` (where its inbox slots
+are, registered with its agent) before its `DirectReady`; the entries travel in the same WRITE
+as the bucket's slices, into slot `bucket % slots`, and the `TensorsWritten` carries their
+digests. The rank hands them to the Receiver as whole tensors and sends a `SlotAck` once the
+Receiver released the batch; a slot is written again only after that ack.
 """
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
 from weightbus.core.transport.nixl.agent import DEFAULT_UCX_TLS, interface_towards, publisher_agent
+from weightbus.core.transport.nixl.floor import plain_writes_seconds
+from weightbus.core.transport.nixl.hooks import WriteHooks
 from weightbus.core.transport.nixl.messages import NixlDescription, NixlHello, NixlInbox
-from weightbus.core.transport.nixl.schedule import Schedule
-from weightbus.core.transport.nixl.writes import POLL_PAUSE_S, BucketWrites, Rank
+from weightbus.core.transport.nixl.outcome import write_outcome
+from weightbus.core.transport.nixl.sender import NixlOrder, NixlReport, NixlTarget
 from weightbus.core.transport.parts.direct_channel import receive_one
 from weightbus.core.transport.parts.layout import checked_copies
 from weightbus.core.transport.parts.rank_session import JoiningRanks
-from weightbus.core.wire import DirectReady, Message, ProtocolError, SlotAck, UpdateAbort, decode
+from weightbus.core.transport.sending import Sending
+from weightbus.core.wire import (
+    DirectReady,
+    Message,
+    ProtocolError,
+    SlotAck,
+    TensorsWritten,
+    UpdateAbort,
+    decode,
+)
 
 logger = logging.getLogger(__name__)
 
-MAX_CACHED_SCHEDULES = 8
+_CHECKED_KEPT = 16  # engine layouts known to fit a plan (engines alternate between arenas)
 
 
 class SessionRanks(JoiningRanks):
@@ -74,32 +84,20 @@ class SessionRanks(JoiningRanks):
         return sorted(self.hellos.items(), key=lambda item: (item[1].group, item[1].rank))
 
 
-def _wait_all(nixl: Any, handles: list, deadline: float) -> None:
-    """Until every transfer completed, then release them."""
-    try:
-        while any(nixl.check_xfer_state(handle) == "PROC" for handle in handles):
-            if time.perf_counter() > deadline:
-                raise TimeoutError("nixl: raw writes not complete in time")
-            time.sleep(POLL_PAUSE_S)
-        if any(nixl.check_xfer_state(handle) != "DONE" for handle in handles):
-            raise RuntimeError("nixl: a raw write failed")
-    finally:
-        for handle in handles:
-            handle.release()
-
-
 class NixlSink(BucketSink):
-    """Publisher side of `nixl`.
+    """The leader's side of `nixl`.
 
     Args:
         host: the address engine ranks reach this publisher at (its ZMQ socket binds there).
         port: the socket's port (0: one from the OS).
-        inflight_buckets: send buffers, i.e. buckets packed or in flight at once (>= 1).
+        inflight_buckets: send buffers of each trainer rank, i.e. buckets packed or in flight
+            at once (>= 1).
         ucx_devices: network devices UCX may use here (`UCX_NET_DEVICES`, e.g. "eth1"; by
-            default the interface `host` is on, so UCX listens nowhere else).
-        ucx_tls: UCX transports here (`UCX_TLS`): by default all but UCX's shared-memory
-            ones (CMA between processes of one host, RDMA or TCP across hosts); "tcp" forces
-            TCP.
+            default the interface `host` is on, so UCX listens nowhere else; the other trainer
+            ranks: the interface that reaches `host`).
+        ucx_tls: UCX transports of every trainer rank (`UCX_TLS`): by default all but UCX's
+            shared-memory ones (CMA between processes of one host, RDMA or TCP across hosts);
+            "tcp" forces TCP.
     """
 
     name = "nixl"
@@ -116,8 +114,11 @@ class NixlSink(BucketSink):
         if inflight_buckets < 1:
             raise ValueError(f"inflight_buckets must be >= 1, got {inflight_buckets}")
         self.inflight_buckets = inflight_buckets
-        devices = ucx_devices or interface_towards(host)
-        self._agent = publisher_agent(ucx_devices=devices, ucx_tls=ucx_tls)
+        self._host, self._ucx_devices, self._ucx_tls = host, ucx_devices, ucx_tls
+        # the leader's own sender writes with the same agent (`NixlOrder`'s settings)
+        self._agent = publisher_agent(
+            ucx_devices=ucx_devices or interface_towards(host), ucx_tls=ucx_tls
+        )
         self._key = f"sink-{id(self):x}"  # this sink's registrations in the shared agent
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -130,9 +131,7 @@ class NixlSink(BucketSink):
             self.close()
             raise ValueError(f"nixl: cannot listen on {host}:{port}: {exc}") from None
         self.endpoint = f"tcp://{host}:{port}"
-        self._schedules: dict[tuple, Schedule] = {}
-        self._buffers: list[torch.Tensor] = []
-        self._pool = ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="nixl-pack")
+        self._checked: set[tuple] = set()  # engine layouts checked against a plan
         # bytes written into each (engine, rank) by the last push: each rank's share
         self.rank_bytes: dict[tuple[int, int], int] = {}
         # (agent, memory address, memory bytes) per rank
@@ -143,11 +142,13 @@ class NixlSink(BucketSink):
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         return {**sink_options, "port": 0}, setup_options  # its own socket
 
+    def carries_any_tensors_from(self, ranks: int) -> bool:
+        """Tensors that are not parameters go whole into inboxes, whose slots the engine ranks
+        release to the leader: only a group of one writes them."""
+        return ranks == 1
+
     def prepare(
-        self,
-        session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
-        progress: Progress = no_progress,
+        self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> NixlDescription:
         return NixlDescription(endpoint=self.endpoint, session_id=session.session_id)
 
@@ -157,7 +158,7 @@ class NixlSink(BucketSink):
     def stream(
         self,
         session: PushSession,
-        tensors: Mapping[str, torch.Tensor],
+        sending: Sending,
         timeout_s: float,
         progress: Progress = no_progress,
     ) -> None:
@@ -174,107 +175,157 @@ class NixlSink(BucketSink):
         joined = ranks.ordered()
         identities = [identity for identity, _ in joined]
         try:
-            targets, schedule = self._targets(session, joined)
+            self._check_targets(session, [hello for _, hello in joined])
             self._send(identities, msgspec.structs.replace(session.begin_message(), direct=True))
             # no byte lands in a rank's parameters before the rank knows they are being written
             while len(ranks.ready) < len(joined):
                 self._receive(ranks, deadline, "every rank to confirm the session")
-            inboxes = self._inboxes(ranks, joined)
-            buffers = self._send_buffers(schedule.slot_bytes)
-            writes = BucketWrites(
-                self._agent.nixl,
+            order = self._order(session, ranks, joined)
+            hooks = None
+            if sending.single:  # each bucket told as soon as its WRITE completed
+                hooks = self._hooks(session, ranks, identities, deadline, progress)
+            reports = self.everyone(sending, order, hooks)
+            self._account(
                 session,
-                tensors=tensors,
-                ranks=targets,
-                schedule=schedule,
-                buffers=buffers,
-                notify=self._send_to,
-                inboxes=inboxes,
-                acks=ranks.acks,
-                listen=lambda: self._listen(ranks),
+                sending=sending,
+                order=order,
+                reports=reports,
+                identities=identities,
+                progress=progress,
             )
-            writes.run(self._pool, deadline, progress)
         except Exception as exc:
             reason = f"publisher failed: {type(exc).__name__}: {exc}"
             self._send(identities, UpdateAbort(session_id=session.session_id, reason=reason))
             self._forget([hello for _, hello in joined])
             raise
-        self.rank_bytes = writes.rank_bytes
         self._last_targets = [
             (hello.agent_name, hello.memory_address, hello.target.nbytes) for _, hello in joined
         ]
         self._send(identities, session.end_message())
 
-    def _targets(
-        self, session: PushSession, joined: list[tuple[bytes, NixlHello]]
-    ) -> tuple[list[Rank], Schedule]:
-        """The session's ranks (their agents loaded) and its schedule."""
-        hellos = [hello for _, hello in joined]
+    def _check_targets(self, session: PushSession, hellos: list[NixlHello]) -> None:
+        """Before any byte is written: every rank offered memory laid out to fit the plan, and
+        its agent can be loaded (each failure names the rank)."""
+        metas = {meta.name: meta for meta in session.plan.metas}
         for hello in hellos:
+            where = f"engine {hello.group} rank {hello.rank}"
             if hello.target is None:
-                raise ValueError(f"engine {hello.group} rank {hello.rank}: {hello.refusal}")
-        schedule = self._schedule(session, hellos)
-        for hello in hellos:
-            self._load_agent(hello)
-        ranks = [
-            Rank(index, hello.group, hello.rank, hello.agent_name, identity)
-            for index, (identity, hello) in enumerate(joined)
-        ]
-        return ranks, schedule
-
-    def _inboxes(
-        self, ranks: SessionRanks, joined: list[tuple[bytes, NixlHello]]
-    ) -> list[NixlInbox | None]:
-        """Each rank's inbox (sent before its `DirectReady`, so here by now), its agent's
-        metadata loaded again: registering the inbox changed it."""
-        inboxes = []
-        for _, hello in joined:
-            inbox = ranks.inboxes.get((hello.group, hello.rank))
-            if inbox is not None:
-                self._load_agent(
-                    msgspec.structs.replace(hello, agent_metadata=inbox.agent_metadata)
-                )
-            inboxes.append(inbox)
-        return inboxes
-
-    def _schedule(self, session: PushSession, hellos: list[NixlHello]) -> Schedule:
-        key = (
-            session.plan.plan_hash,
-            tuple((h.target.file, h.target.layout_hash, h.memory_address) for h in hellos),
-        )
-        schedule = self._schedules.get(key)
-        if schedule is None:
-            metas = {meta.name: meta for meta in session.plan.metas}
-            ranks = []
-            for hello in hellos:
+                raise ValueError(f"{where}: {hello.refusal}")
+            key = (hello.target.file, hello.target.layout_hash, session.plan.plan_hash)
+            if key not in self._checked:
                 try:
-                    # a tensor of the slice map the session lacks is not written (a delta
-                    # push carries some parameters only); one the slice map lacks goes whole
-                    copies = checked_copies(hello.target, metas, partial=True)
-                    ranks.append((hello.memory_address, copies))
+                    checked_copies(hello.target, metas, partial=True)
                 except ValueError as exc:
-                    raise ValueError(f"engine {hello.group} rank {hello.rank}: {exc}") from None
-            schedule = Schedule(session.plan, ranks)
-            if len(self._schedules) >= MAX_CACHED_SCHEDULES:
-                self._schedules.pop(next(iter(self._schedules)))
-            self._schedules[key] = schedule
-        return schedule
+                    raise ValueError(f"{where}: {exc}") from None
+                if len(self._checked) >= _CHECKED_KEPT:
+                    self._checked.clear()
+                self._checked.add(key)
+            self._load_agent(hello)
+
+    def _order(
+        self, session: PushSession, ranks: SessionRanks, joined: list[tuple[bytes, NixlHello]]
+    ) -> NixlOrder:
+        """Every trainer rank's order: the engine ranks (with their inboxes, sent before
+        their `DirectReady`, so here by now; registering one changed the agent's metadata)."""
+        targets = []
+        for _, hello in joined:
+            assert hello.target is not None  # checked
+            inbox = ranks.inboxes.get((hello.group, hello.rank))
+            targets.append(
+                NixlTarget(
+                    group=hello.group,
+                    rank=hello.rank,
+                    agent_name=hello.agent_name,
+                    agent_metadata=hello.agent_metadata if inbox is None else inbox.agent_metadata,
+                    memory_address=hello.memory_address,
+                    target=hello.target,
+                    inbox=None if inbox is None else (inbox.address, inbox.slot_bytes, inbox.slots),
+                )
+            )
+        return NixlOrder(
+            targets=targets,
+            bucket_bytes=session.plan.bucket_bytes,
+            plan_hash=session.plan.plan_hash,
+            verify=session.verify,
+            inflight_buckets=self.inflight_buckets,
+            host=self._host,
+            ucx_devices=self._ucx_devices,
+            ucx_tls=self._ucx_tls,
+        )
+
+    def _hooks(
+        self,
+        session: PushSession,
+        ranks: SessionRanks,
+        identities: list[bytes],
+        deadline: float,
+        progress: Progress,
+    ) -> WriteHooks:
+        """What the leader's own sender, alone in its group, calls as its WRITEs complete."""
+
+        def written(index: int, bucket: int, digests: dict, slices: dict) -> None:
+            message = TensorsWritten(
+                session_id=session.session_id,
+                bucket_index=bucket,
+                digests=digests,
+                slice_digests=slices,
+            )
+            self._socket.send_multipart([identities[index], message.encode()])
+
+        return WriteHooks(
+            written=written,
+            progress=progress,
+            acks=ranks.acks,
+            listen=lambda: self._listen(ranks),
+            abandoned=lambda: session.abandoned,
+            deadline=deadline,
+        )
+
+    def _account(
+        self,
+        session: PushSession,
+        *,
+        sending: Sending,
+        order: NixlOrder,
+        reports: list[NixlReport],
+        identities: list[bytes],
+        progress: Progress,
+    ) -> None:
+        """Record what every trainer rank wrote (digests, bytes); in a group of several, tell
+        each engine rank every bucket now.
+
+        Raises:
+            ValueError: a trainer rank followed another schedule of cells than the leader.
+        """
+        compiled = sending.senders(self.key, self.name).compiled(sending.layout, order)
+        outcome = write_outcome(sending.layout, compiled.cells, reports, len(order.targets))
+        session.digests.update(outcome.digests)
+        sending.count_sent(outcome.sent_bytes)
+        session.count_sent(sum(outcome.sent_bytes))
+        self.rank_bytes = {
+            (target.group, target.rank): sum(report.target_bytes[index] for report in reports)
+            for index, target in enumerate(order.targets)
+        }
+        if sending.single:
+            return
+        for bucket in session.plan.buckets:
+            names = bucket.finished_names()
+            digests = {name: outcome.digests[name] for name in names}
+            for identity, slices in zip(identities, outcome.slice_digests, strict=True):
+                message = TensorsWritten(
+                    session_id=session.session_id,
+                    bucket_index=bucket.index,
+                    digests=digests,
+                    slice_digests={name: slices[name] for name in names if name in slices},
+                )
+                self._socket.send_multipart([identity, message.encode()])
+            progress(bucket.payload_bytes)
 
     def _load_agent(self, hello: NixlHello) -> None:
         try:
             self._agent.load_remote(hello.agent_name, hello.agent_metadata)
         except (RuntimeError, ValueError) as exc:
             raise type(exc)(f"engine {hello.group} rank {hello.rank}: {exc}") from None
-
-    def _send_buffers(self, slot_bytes: int) -> list[torch.Tensor]:
-        if len(self._buffers) == self.inflight_buckets and self._buffers[0].numel() >= slot_bytes:
-            return self._buffers
-        self._free_buffers()
-        for index in range(self.inflight_buckets):
-            buffer = torch.zeros(slot_bytes, dtype=torch.uint8)  # pages faulted in once, here
-            self._agent.register(f"{self._key}-send-{index}", buffer)
-            self._buffers.append(buffer)
-        return self._buffers
 
     def raw_write_seconds(self, timeout_s: float = 60.0) -> float:
         """The floor of the last push (benchmarks): the seconds plain WRITEs of each rank's
@@ -290,43 +341,20 @@ class NixlSink(BucketSink):
             raise ValueError("nixl: no push completed yet")
         # a share written into an inbox too (a delta push) is written into the memory alone
         shares = [
-            min(nbytes, memory)
-            for nbytes, (_, _, memory) in zip(
+            (agent, address, min(nbytes, memory))
+            for nbytes, (agent, address, memory) in zip(
                 self.rank_bytes.values(), self._last_targets, strict=True
             )
         ]
-        source = torch.ones(max(shares), dtype=torch.uint8)
-        self._agent.register(f"{self._key}-floor", source)
-        nixl = self._agent.nixl
-        try:
-            handles = [
-                nixl.initialize_xfer(
-                    "WRITE",
-                    nixl.get_xfer_descs([(source.data_ptr(), nbytes, 0)], "DRAM"),
-                    nixl.get_xfer_descs([(address, nbytes, 0)], "DRAM"),
-                    agent,
-                )
-                for (agent, address, _), nbytes in zip(self._last_targets, shares, strict=True)
-            ]
-            start = time.perf_counter()
-            for handle in handles:
-                nixl.transfer(handle)
-            _wait_all(nixl, handles, start + timeout_s)
-            return time.perf_counter() - start
-        finally:
-            self._agent.forget(f"{self._key}-floor")
+        return plain_writes_seconds(self._agent, f"{self._key}-floor", shares, timeout_s)
 
     def _forget(self, hellos: list[NixlHello]) -> None:
         """After a failed session: disconnect its ranks' agents, cancelling what is in flight,
-        so nothing of it can land later; the next push reconnects. The send buffers stay
-        registered: a cancelled transfer NIXL could not release yet still refers to them."""
+        so nothing of it can land later; the next push reconnects. (Every trainer rank's
+        sender disconnects its own agent when its part fails; the send buffers stay
+        registered: a cancelled transfer NIXL could not release yet still refers to them.)"""
         for hello in hellos:
             self._agent.forget_remote(hello.agent_name)
-
-    def _free_buffers(self) -> None:
-        for index in range(len(self._buffers)):
-            self._agent.forget(f"{self._key}-send-{index}")
-        self._buffers = []
 
     def _receive(
         self, ranks: SessionRanks, deadline: float, what: str, anyway: bool = False
@@ -352,12 +380,6 @@ class NixlSink(BucketSink):
         for identity in identities:
             self._socket.send_multipart([identity, frame])
 
-    def _send_to(self, rank: Rank, message: Message) -> None:
-        self._socket.send_multipart([rank.identity, message.encode()])
-
     def close(self) -> None:
-        if hasattr(self, "_pool"):
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        self._free_buffers()
         self._socket.close(linger=0)
         self._context.term()

@@ -1,23 +1,24 @@
-"""One push's WRITEs: per bucket, pack every rank's slices into a send buffer (digesting them
-as they pass), post one NIXL WRITE per rank, and tell each rank, in bucket order, once its
-WRITE of a bucket is complete.
+"""A trainer rank's WRITEs of the tensors it sends whole: per bucket, pack every engine rank's
+slices into a send buffer (digesting them as they pass), post one NIXL WRITE per engine rank,
+and follow each WRITE to its end, in bucket order.
 
-Entries a rank receives whole (tensors its slice map does not name: a delta's payload) are
-packed once per bucket and travel in the same WRITE into the rank's inbox slot
-`bucket % slots`; before a slot is written again the rank must have acknowledged (`SlotAck`)
-the bucket it held."""
+In a group of one the leader's sink lends its sender `WriteHooks`: each engine rank is told
+(`TensorsWritten`) as soon as its WRITE of a bucket is complete. Entries an engine rank
+receives whole (tensors its slice map does not name: a delta's payload) are packed once per
+bucket and travel in the same WRITE into the rank's inbox slot `bucket % slots`; before a slot
+is written again the rank must have acknowledged (`SlotAck`, heard through the hooks) the
+bucket it held."""
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from weightbus.core.digest import TensorHasher
-from weightbus.core.plan import BucketPlan
+from weightbus.core.plan import BucketPlan, Plan
 from weightbus.core.plan.bucket import (
     BucketEntry,
     byte_view,
@@ -26,29 +27,14 @@ from weightbus.core.plan.bucket import (
     pack_entry,
     pack_rows,
 )
-from weightbus.core.transport.base import Progress, PushSession
-from weightbus.core.transport.nixl.messages import NixlInbox
+from weightbus.core.transport.base import Progress
+from weightbus.core.transport.nixl.hooks import InboxSlots, Rank, WriteHooks
 from weightbus.core.transport.nixl.schedule import Schedule, SliceJob, entry_rows
-from weightbus.core.wire import Message, TensorsWritten
 
 logger = logging.getLogger(__name__)
 
 # Between two looks at the transfers' state, when none finished (NIXL has no blocking wait).
 POLL_PAUSE_S = 0.0002
-
-
-@dataclass(frozen=True, slots=True)
-class Rank:
-    """One rank of the session: `index` in the schedule, `identity` on the ZMQ socket."""
-
-    index: int
-    group: int
-    rank: int
-    agent_name: str
-    identity: bytes
-
-    def describe(self) -> str:
-        return f"engine {self.group} rank {self.rank}"
 
 
 def _slice_part(full: torch.Tensor, job: SliceJob, destination: torch.Tensor, hasher: Any):
@@ -80,6 +66,14 @@ def _pack_slices(
     pack_rows(*rows, parts)
 
 
+def _slice_shape(shape: tuple[int, ...], job: SliceJob) -> tuple[int, ...]:
+    """The shape of the slice `job` packs rows of (the whole tensor's, narrowed)."""
+    if not shape:
+        return shape
+    copy = job.copy.copy
+    return (*shape[: copy.src_dim], copy.length, *shape[copy.src_dim + 1 :])
+
+
 def _digest_entry(full: torch.Tensor, entry: BucketEntry, hasher: Any) -> None:
     """Digest `entry`'s bytes of `full` (contiguous) in place: nothing to copy."""
     hasher.update(byte_view(full)[entry.tensor_offset : entry.tensor_offset + entry.nbytes].numpy())
@@ -94,50 +88,65 @@ def _release(handle: Any) -> None:
 
 
 class BucketWrites:
-    """The WRITEs of one session (see the module docstring).
+    """A rank's WRITEs of the tensors it sends whole in one session (see the module docstring).
 
     Args:
-        agent: the publisher's `nixl_agent`, every rank's agent loaded.
-        ranks: the session's ranks, in schedule order.
+        agent: the rank's `nixl_agent`, every engine rank's agent loaded.
+        plan: the session's plan.
+        tensors: the tensors `schedule` writes (`Schedule.sends`), by name.
+        ranks: the session's engine ranks, in schedule order.
         buffers: registered send buffers of `schedule.slot_bytes` at least (bucket b packs
             into `buffers[b % len(buffers)]`).
-        notify: sends a message to one rank.
-        inboxes: per rank (schedule order), its inbox, or None: every rank that receives
-            entries whole needs one.
-        acks: `(group, rank, bucket)` of the inbox slots the ranks released, filled by
-            `listen`.
-        listen: takes the messages the ranks sent since (never waits); True when any came.
+        verify: digest each engine rank's slices too (the ranks verify them).
+        inboxes: per engine rank (schedule order), its inbox, or None: every rank that
+            receives entries whole needs one.
+        hooks: the leader's sink's, in a group of one (else the defaults).
+
+    Raises:
+        ValueError: an engine rank receives tensors whole and offered no inbox large enough,
+            or no inbox can be used (`hooks.acks` is None).
+
+    Attributes:
+        digests: the digest of every tensor written so far, by name.
+        slice_digests: per engine rank, the digests of its slices written so far.
+        rank_bytes: per engine rank, the bytes written into it.
+        sent_bytes: the tensor bytes posted in WRITEs (summed over engine ranks).
     """
 
     def __init__(
         self,
         agent: Any,
-        session: PushSession,
+        plan: Plan,
         *,
         tensors: Mapping[str, torch.Tensor],
         ranks: list[Rank],
         schedule: Schedule,
         buffers: list[torch.Tensor],
-        notify: Callable[[Rank, Message], None],
-        inboxes: Sequence[NixlInbox | None] = (),
-        acks: set[tuple[int, int, int]] | None = None,
-        listen: Callable[[], bool] = lambda: False,
+        verify: bool,
+        inboxes: Sequence[InboxSlots | None] = (),
+        hooks: WriteHooks | None = None,
     ) -> None:
-        self._agent, self._session, self._tensors = agent, session, tensors
+        self._agent, self._plan, self._tensors = agent, plan, tensors
         self._ranks, self._schedule, self._buffers = ranks, schedule, buffers
-        self._notify = notify
+        self._verify = verify
+        self._hooks = WriteHooks() if hooks is None else hooks
         self._inboxes = list(inboxes) or [None] * len(ranks)
-        self._acks = set() if acks is None else acks
-        self._listen = listen
+        self._acks = self._hooks.acks if self._hooks.acks is not None else set()
+        self._listen = self._hooks.listen
         for rank, need in zip(ranks, schedule.inbox_bytes, strict=True):
             inbox = self._inboxes[rank.index]
+            if need and self._hooks.acks is None:
+                raise ValueError(
+                    f"{rank.describe()} receives tensors whole (not its parameters): only a "
+                    "trainer group of one sends such tensors over nixl"
+                )
             if need and (inbox is None or inbox.slot_bytes < need):
                 raise ValueError(
                     f"{rank.describe()} receives tensors whole and offered no inbox of {need} bytes"
                 )
         # per rank: inbox slot -> the last bucket written into it
         self._inbox_use: list[dict[int, int]] = [{} for _ in ranks]
-        self._metas = {meta.name: meta for meta in session.plan.metas}
+        self._metas = {meta.name: meta for meta in plan.metas}
         # a non-contiguous tensor split across buckets is made contiguous once, not per bucket
         self._contiguous: dict[str, torch.Tensor] = {}
         self._full_hashers: dict[str, Any] = {}
@@ -147,17 +156,22 @@ class BucketWrites:
         self._notices: list[tuple[dict[str, str], list[dict[str, str]]]] = []
         self._next_notice = [0] * len(ranks)
         self._reported = 0  # buckets reported to `progress`
-        self.rank_bytes = {(rank.group, rank.rank): 0 for rank in ranks}
+        self.digests: dict[str, str] = {}
+        self.slice_digests: list[dict[str, str]] = [{} for _ in ranks]
+        self.rank_bytes = [0] * len(ranks)
+        self.sent_bytes = 0
 
-    def run(self, pool: ThreadPoolExecutor, deadline: float, progress: Progress) -> None:
-        """Write every bucket; return once every rank was told of every bucket.
+    def run(self, pool: ThreadPoolExecutor, deadline: float) -> None:
+        """Write every bucket; return once every WRITE completed (and, with hooks, every rank
+        was told of every bucket).
 
         Raises:
             TimeoutError: a WRITE did not complete by `deadline` (it names the rank).
             RuntimeError: NIXL failed a WRITE (it names the rank).
             ValueError: a tensor does not match the plan, or the push was abandoned.
         """
-        buckets = self._session.plan.buckets
+        buckets = self._plan.buckets
+        progress = self._hooks.progress
         depth = len(self._buffers)
         # bucket k+1 packs while bucket k is posted: on one host a WRITE is a CMA copy made
         # inside `transfer`, so packing after it would leave the copies in series
@@ -202,21 +216,23 @@ class BucketWrites:
             area = self._schedule.area_offsets[bucket.index][rank.index]
             for job in writes.jobs:
                 by_name.setdefault(job.name, []).append(self._destination(rank, job, buffer, area))
-            self.rank_bytes[(rank.group, rank.rank)] += writes.whole_nbytes
+            self.rank_bytes[rank.index] += writes.whole_nbytes
         whole = self._schedule.whole_offsets[bucket.index]
+        sent = self._schedule.sent
         futures = [
             pool.submit(
                 self._pack_one, entry, by_name.get(entry.name, []), buffer, whole.get(entry.name)
             )
             for entry in sorted(bucket.entries, key=lambda entry: -entry.nbytes)
+            if sent(entry.name)
         ]
         for future in futures:
             future.result(max(0.0, deadline - time.monotonic()))
-        finished = bucket.finished_names()
+        finished = [name for name in bucket.finished_names() if sent(name)]
         for name in finished:
             self._contiguous.pop(name, None)
         digests = {name: self._full_hashers.pop(name).hexdigest() for name in finished}
-        self._session.digests.update(digests)
+        self.digests.update(digests)
         slices = [
             {
                 name: self._slice_hashers.pop((name, rank.index)).hexdigest()
@@ -225,6 +241,8 @@ class BucketWrites:
             }
             for rank in self._ranks
         ]
+        for found, rank in zip(slices, self._ranks, strict=True):
+            self.slice_digests[rank.index].update(found)
         self._notices.append((digests, slices))
 
     def _destination(self, rank: Rank, job: SliceJob, buffer: torch.Tensor, area: int):
@@ -233,9 +251,14 @@ class BucketWrites:
         shape = job.source(full).shape
         destination = buffer[start : start + job.nbytes].view(full.dtype).view(shape)
         hasher = None
-        if self._session.verify:
-            hasher = self._slice_hashers.setdefault((job.name, rank.index), TensorHasher())
-        self.rank_bytes[(rank.group, rank.rank)] += job.nbytes
+        if self._verify:
+            key = (job.name, rank.index)
+            hasher = self._slice_hashers.get(key)
+            if hasher is None:  # the digest of the region the rank re-reads: its slice's shape
+                hasher = self._slice_hashers[key] = TensorHasher.of_shape(
+                    _slice_shape(self._metas[job.name].shape, job), full.element_size()
+                )
+        self.rank_bytes[rank.index] += job.nbytes
         return job, destination, hasher
 
     def _pack_one(
@@ -248,9 +271,11 @@ class BucketWrites:
         full = tensor if tensor.is_contiguous() else self._contiguous.get(entry.name)
         if full is None:
             full = self._contiguous[entry.name] = tensor.contiguous()
-        hasher = self._full_hashers.setdefault(entry.name, TensorHasher())
+        hasher = self._full_hashers.get(entry.name)
+        if hasher is None:
+            hasher = self._full_hashers[entry.name] = TensorHasher.of(full)
         if jobs:  # digests the full rows too
-            rows = entry_rows(self._metas[entry.name], entry, self._session.plan.bucket_bytes)
+            rows = entry_rows(self._metas[entry.name], entry, self._plan.bucket_bytes)
             _pack_slices(full, rows, jobs, hasher)
         if whole_offset is not None:  # packed once, for every rank that receives it whole
             destination = buffer[whole_offset : whole_offset + entry.nbytes]
@@ -280,7 +305,7 @@ class BucketWrites:
                     f"NIXL refused the write of bucket {bucket.index} to {rank.describe()}"
                 )
             # no padding
-            self._session.count_sent(sum(job.nbytes for job in writes.jobs) + writes.whole_nbytes)
+            self.sent_bytes += sum(job.nbytes for job in writes.jobs) + writes.whole_nbytes
 
     def _inbox_slot(self, rank: Rank, bucket: BucketPlan) -> int:
         """Where bucket `bucket`'s slot of `rank`'s inbox starts (0: the rank has none)."""
@@ -304,8 +329,8 @@ class BucketWrites:
 
     def _wait_ack(self, rank: Rank, bucket_index: int, deadline: float, progress: Progress) -> None:
         while (rank.group, rank.rank, bucket_index) not in self._acks:
-            if self._session.abandoned is not None:
-                raise ValueError(f"stopped writing: {self._session.abandoned}")
+            if (abandoned := self._hooks.abandoned()) is not None:
+                raise ValueError(f"stopped writing: {abandoned}")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{rank.describe()} did not release bucket {bucket_index} of its inbox in time"
@@ -337,32 +362,24 @@ class BucketWrites:
     def _advance(self, progress: Progress) -> None:
         """Tell each rank, in bucket order, of the buckets whose WRITE to it completed."""
         self._poll()
-        session_id = self._session.session_id
+        written = self._hooks.written
         for rank in self._ranks:
             index = self._next_notice[rank.index]
             while index < len(self._done) and rank.index in self._done[index]:
                 digests, slices = self._notices[index]
-                self._notify(
-                    rank,
-                    TensorsWritten(
-                        session_id=session_id,
-                        bucket_index=index,
-                        digests=digests,
-                        slice_digests=slices[rank.index],
-                    ),
-                )
+                written(rank.index, index, digests, slices[rank.index])
                 index += 1
             self._next_notice[rank.index] = index
-        buckets = self._session.plan.buckets
+        buckets = self._plan.buckets
         while self._reported < min(self._next_notice):
             progress(buckets[self._reported].payload_bytes)
             self._reported += 1
 
     def _wait_for(self, bucket_index: int, deadline: float, progress: Progress) -> None:
         """Until every rank was told of bucket `bucket_index` (and those before it)."""
-        while min(self._next_notice) <= bucket_index:
-            if self._session.abandoned is not None:
-                raise ValueError(f"stopped writing: {self._session.abandoned}")
+        while min(self._next_notice, default=bucket_index + 1) <= bucket_index:
+            if (abandoned := self._hooks.abandoned()) is not None:
+                raise ValueError(f"stopped writing: {abandoned}")
             if time.monotonic() > deadline:
                 late = sorted({rank.describe() for _, rank, _ in self._pending})
                 raise TimeoutError(f"NIXL writes not complete in time: {', '.join(late)}")
