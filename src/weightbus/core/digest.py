@@ -3,16 +3,16 @@
 A tensor is seen as its matrix `(rows, row_bytes)` (`(d0, d1 * ... * dn)`; a vector as one
 element a row). Its digest is a tree over its rows: a range of rows is cut in two halves (the
 first `ceil(n / 2)` rows, then the rest) until it fits in `LEAF_BYTES` (128 KiB) and was cut at
-least `MIN_DEPTH` (8) times, or fits in `MIN_LEAF_BYTES` (4 KiB), or is a single row; such a leaf
+least `MIN_DEPTH` (8) times, or fits in `MIN_LEAF_BYTES` (16 KiB), or is a single row; such a leaf
 is hashed whole (xxh3-128), and each node is xxh3-128 of its two children's digests. The root is
 the digest.
 
 The tree depends only on the tensor's bytes and shape, never on who holds them, and its cuts
-fall where FSDP's (`torch.chunk`'s) shards split a tensor's rows into 2, 4, ..., 256 even parts:
-ranks of a sharded trainer that each hold whole subtrees hash them in place and exchange 16-byte
-digests; only a leaf cut by an uneven boundary travels, as bytes, to one of them
-(`weightbus.core.trainer.digests`). It costs ~7% against one xxh3 over each whole tensor (~21
-GB/s on a 1 GiB model here; MD5 is ~30x slower).
+fall where FSDP's (`torch.chunk`'s) shards split its rows into 2, 4, ..., 256 even parts (as
+far as 16 KiB leaves go): ranks of a sharded trainer that each hold whole subtrees hash them in
+place and exchange 16-byte digests; only a leaf cut by an uneven boundary travels, as bytes, to
+one of them (`weightbus.core.trainer.digests`). Its leaves cost 5-15% against one xxh3 over
+each whole tensor (~20 GB/s here on 0.25-1 GiB models; MD5 is ~30x slower).
 
 A fingerprint is xxh3-128 over the name-sorted `(name, dtype, shape, digest)` list, so trainer
 and engine agree on it whatever order the tensors travelled in.
@@ -40,7 +40,7 @@ LEAF_BYTES = 128 << 10
 # every tensor is halved at least this many times (rows and MIN_LEAF_BYTES allowing): the shards
 # of up to 2**MIN_DEPTH FSDP ranks are whole subtrees of a tensor of any size
 MIN_DEPTH = 8
-MIN_LEAF_BYTES = 4 << 10  # below this a leaf is not halved: small tensors stay one xxh3 call
+MIN_LEAF_BYTES = 16 << 10  # not halved below this: small tensors stay few xxh3 calls
 
 
 def _is_leaf(rows: int, row_bytes: int, depth: int) -> bool:
@@ -67,8 +67,9 @@ def leaf_rows(rows: int, row_bytes: int) -> tuple[tuple[int, int], ...]:
 def combine_leaves(rows: int, row_bytes: int, leaves: Iterable[bytes]) -> str:
     """The digest of `rows` rows from their leaves' digests, in order (`leaf_rows`)."""
     nodes = list(leaves)
+    append, digest = nodes.append, xxhash.xxh3_128_digest
     for left, right in _joins(rows, row_bytes):  # each node once its two children are known
-        nodes.append(xxhash.xxh3_128_digest(nodes[left] + nodes[right]))
+        append(digest(nodes[left] + nodes[right]))
     return nodes[-1].hex()
 
 
@@ -135,10 +136,10 @@ class TensorHasher:
             partial.clear()
         first = len(leaves)
         last = bisect.bisect_right(ends, stop, lo=first)  # the leaves this part ends
-        leaves += [
-            xxhash.xxh3_128_digest(view[(ends[i - 1] if i else 0) - start : ends[i] - start])
-            for i in range(first, last)
-        ]
+        if last > first:
+            digest, low = xxhash.xxh3_128_digest, (ends[first - 1] if first else 0) - start
+            cuts = [low, *(end - start for end in ends[first:last])]
+            leaves += [digest(view[a:b]) for a, b in pairwise(cuts)]
         begun = ends[last - 1] if last else 0  # where the next leaf begins
         if begun < stop:
             partial += view[begun - start :]
@@ -172,9 +173,11 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    hasher = TensorHasher.of(tensor)
-    hasher.update(byte_view(tensor.contiguous()).numpy())
-    return hasher.hexdigest()
+    view = memoryview(byte_view(tensor.contiguous()).numpy()).cast("B")
+    rows, row_bytes = matrix_of(tuple(tensor.shape), tensor.element_size())
+    digest = xxhash.xxh3_128_digest
+    leaves = [digest(view[a:b]) for a, b in pairwise((0, *_leaf_ends(rows, row_bytes)))]
+    return combine_leaves(rows, row_bytes, leaves)
 
 
 def fingerprint_of_digests(items: Iterable[tuple[str, str, Iterable[int], str]]) -> str:

@@ -150,7 +150,7 @@ class PushSession:
     parameters (`shm` direct: summed over every engine and rank), packed into slots (`shm`
     slots: each bucket once), posted in WRITEs (`nixl`: summed over ranks), broadcast (`dist`
     broadcast: each entry once, whatever the number of receivers) or sent to each rank (`dist`
-    scatter: summed over ranks), written to files (`disk`, `hf_dir`).
+    parts: summed over ranks), written to files (`disk`, `hf_dir`).
     """
 
     session_id: str
@@ -243,7 +243,7 @@ class ReceivedBatch:
 
     `nbytes` are the tensor bytes that reached this rank through the transport for this batch:
     the slices written into its parameters (direct writes: `shm` direct, `nixl`), the regions
-    sent to it (`dist` scatter), else the tensor bytes it was handed (a bucket's payload, the
+    sent to it (`dist` parts), else the tensor bytes it was handed (a bucket's payload, the
     tensors read from files).
     """
 

@@ -148,7 +148,7 @@ class WeightbusWeightTransferEngine(
 
     def _setup_transport(self, setup: VllmTransportSetup) -> None:
         """Run a transport's rank set-up (`dist`: join the weights group, reporting the part of
-        each tensor this rank loads, so a scatter sends it only that)."""
+        each tensor this rank loads, so `dist` parts send it only that)."""
         tp = get_tp_group()
         try:
             request = decode_setup_request(setup.transport, setup.request)

@@ -14,7 +14,7 @@ in a process) and writes:
   then its blocks of their digests (`trainer.digests`).
 
 It reports its digests and bytes; in a group of several ranks, the leader combines the
-reports (`outcome.write_outcome`) and tells the engine ranks every bucket.
+reports (`trainer.writes.write_outcome`) and tells the engine ranks every bucket.
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +26,7 @@ import torch
 from weightbus.core.plan import Plan
 from weightbus.core.trainer.digests import BlockDigests, compute
 from weightbus.core.trainer.layout import TrainerLayout
+from weightbus.core.trainer.writes import Cells, WriteReport
 from weightbus.core.transport.nixl.agent import (
     DEFAULT_UCX_TLS,
     Agent,
@@ -34,7 +35,6 @@ from weightbus.core.transport.nixl.agent import (
 )
 from weightbus.core.transport.nixl.cells import CellWrites
 from weightbus.core.transport.nixl.hooks import InboxSlots, Rank, WriteHooks
-from weightbus.core.transport.nixl.outcome import Cells
 from weightbus.core.transport.nixl.schedule import Schedule
 from weightbus.core.transport.nixl.writes import BucketWrites
 from weightbus.core.transport.parts.layout import RegionCopy, checked_copies
@@ -76,17 +76,11 @@ class NixlOrder(msgspec.Struct, frozen=True, kw_only=True):
     ucx_tls: str = DEFAULT_UCX_TLS
 
 
-class NixlReport(msgspec.Struct, frozen=True, kw_only=True):
-    """A rank's part written: the schedule of cells it followed, the tensor bytes it posted
-    (`target_bytes`: into each engine rank), the digests of what it sent whole (and of each
-    engine rank's slice of it: target index -> name -> digest) and its blocks of the rest."""
+class NixlReport(WriteReport, frozen=True, kw_only=True):
+    """A rank's part written (`WriteReport`), and the tensor bytes it posted into each engine
+    rank (`target_bytes`)."""
 
-    schedule_hash: str
-    sent_bytes: int
     target_bytes: list[int]
-    whole: dict[str, str]
-    whole_slices: dict[int, dict[str, str]]
-    blocks: BlockDigests
 
 
 @dataclass(frozen=True)

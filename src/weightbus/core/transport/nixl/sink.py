@@ -28,12 +28,12 @@ from typing import Any
 import msgspec
 import zmq
 
+from weightbus.core.trainer.writes import write_outcome
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
 from weightbus.core.transport.nixl.agent import DEFAULT_UCX_TLS, interface_towards, publisher_agent
 from weightbus.core.transport.nixl.floor import plain_writes_seconds
 from weightbus.core.transport.nixl.hooks import WriteHooks
 from weightbus.core.transport.nixl.messages import NixlDescription, NixlHello, NixlInbox
-from weightbus.core.transport.nixl.outcome import write_outcome
 from weightbus.core.transport.nixl.sender import NixlOrder, NixlReport, NixlTarget
 from weightbus.core.transport.parts.direct_channel import receive_one
 from weightbus.core.transport.parts.layout import checked_copies

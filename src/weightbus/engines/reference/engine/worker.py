@@ -157,7 +157,7 @@ class Worker:
             config.tp_size,
             shm_weights=config.shm_weights,
         )
-        # what this rank loads of each tensor, for `dist` scatter (taken while weights exist)
+        # what this rank loads of each tensor, for `dist` parts (taken while weights exist)
         self.slices = slice_specs(self.runner.served)
         self.rank_slices = gather_slice_maps(self.slices)
 
