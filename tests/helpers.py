@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from sessions import SessionFactory
 from weightbus.core.meta import DTYPES_BY_NAME, TensorMeta
 from weightbus.core.plan.bucket import byte_view
 from weightbus.core.publisher import (
@@ -12,7 +13,6 @@ from weightbus.core.publisher import (
     EngineResult,
     EngineTarget,
     EngineWeights,
-    SessionFactory,
     UpdateOrder,
     normalize_weights,
 )

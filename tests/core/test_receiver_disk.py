@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from helpers import TensorDictTarget, assert_bit_identical, random_tensor, receive_order, sending_of
+from sessions import SessionFactory
 from weightbus.core.digest import fingerprint
-from weightbus.core.publisher import SessionFactory, normalize_weights
 from weightbus.core.receiver import Receiver
 from weightbus.core.transport import make_sink, open_source
 from weightbus.core.transport.disk import MANIFEST_NAME
+from weightbus.core.weights import normalize_weights
 
 KiB = 1024
 

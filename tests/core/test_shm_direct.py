@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from helpers import all_dtype_tensors, assert_bit_identical, random_tensor, receive_order
+from sessions import SessionFactory
 from weightbus.core.digest import tensor_digest
 from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.meta import TensorMeta, metas_of
 from weightbus.core.plan import plan_buckets
 from weightbus.core.plan.shard import ShardCopy
-from weightbus.core.publisher import SessionFactory, normalize_weights
 from weightbus.core.receiver import RankResult, Receiver
 from weightbus.core.transport import make_sink, open_source
 from weightbus.core.transport.parts.arena import ParamArena, direct_placement
@@ -33,6 +33,7 @@ from weightbus.core.transport.shm import direct as shm_direct
 from weightbus.core.transport.shm.description import ShmDescription
 from weightbus.core.transport.shm.direct import DirectWriter, MappedTarget
 from weightbus.core.transport.shm.source import ShmSource
+from weightbus.core.weights import normalize_weights
 from weightbus.engines.reference.layers.parallel import TPContext, tp_context
 from weightbus.engines.reference.models.config import tiny_config
 from weightbus.engines.reference.models.llama import LlamaForCausalLM, hf_weight_shapes

@@ -1,5 +1,6 @@
 """The shm transport with real shared memory and real ZMQ sockets; receivers are threads."""
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -18,10 +19,11 @@ from helpers import (
     receive_order,
     sending_of,
 )
-from weightbus.core.publisher import SessionFactory, normalize_weights
+from sessions import SessionFactory
 from weightbus.core.receiver import RankResult, Receiver
 from weightbus.core.transport import encode_description, make_sink, open_source
 from weightbus.core.transport.parts.shared_memory import SHM_DIR, SLOT_PREFIX, Slot
+from weightbus.core.weights import normalize_weights
 
 KiB = 1024
 
@@ -188,7 +190,8 @@ def test_slots_are_mapped_at_begin_and_a_gone_slot_is_named():
 _DIE_HOLDING_SLOTS = textwrap.dedent(
     """
     import os, torch
-    from weightbus.core.publisher import SessionFactory, normalize_weights
+    from sessions import SessionFactory
+    from weightbus.core.weights import normalize_weights
     from weightbus.core.transport import make_sink
     weights = [("w", torch.ones(10))]
     sink = make_sink("shm", direct=False)  # slots only: made at prepare
@@ -203,12 +206,17 @@ _DIE_HOLDING_SLOTS = textwrap.dedent(
 
 @pytest.mark.e2e  # a Python child process (tiers: tests/conftest.py)
 def test_slots_of_a_killed_publisher_are_removed_by_the_next_one():
+    tests_dir = str(Path(__file__).parents[1])  # the child imports the tests' `sessions`
     out = subprocess.run(
         [sys.executable, "-c", _DIE_HOLDING_SLOTS],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+        },
     )
     assert out.returncode == -9
     names = out.stdout.split()

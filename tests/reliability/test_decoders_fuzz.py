@@ -24,9 +24,9 @@ from msgspec_strategies import chaos, msgpack_frames, values_for
 from safetensors.torch import save_file
 
 from helpers import sending_of
+from sessions import SessionFactory
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan import plan_buckets
-from weightbus.core.publisher import SessionFactory, normalize_weights
 from weightbus.core.transport import make_sink, open_source
 from weightbus.core.transport.disk import (
     MANIFEST_NAME,
@@ -39,6 +39,7 @@ from weightbus.core.transport.distributed.slices import check_slices, rank_regio
 from weightbus.core.transport.parts.arena import ParamArena
 from weightbus.core.transport.parts.shared_memory import SHM_DIR, Slot
 from weightbus.core.transport.shm.direct import MappedTarget
+from weightbus.core.weights import normalize_weights
 from weightbus.core.wire import PROTOCOL_VERSION, DirectTarget, Message, ProtocolError, decode
 from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.reference.engine import messages as engine_messages

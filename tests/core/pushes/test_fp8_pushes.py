@@ -25,9 +25,9 @@ from weightbus import Publisher, PushError
 from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.fp8 import Fp8Block, dequantized_state, quantize, quantize_weights
 from weightbus.core.publisher.probe import LogprobProbe
-from weightbus.core.publisher.session import normalize_weights
 from weightbus.core.publisher.targets import HttpEngineTarget
 from weightbus.core.sharded import DeclaredShard
+from weightbus.core.weights import normalize_weights
 
 # float32 engine vs transformers on the same (dequantized) weights, as test_update_e2e.py
 LOGPROB_ATOL = 1e-4

@@ -12,6 +12,7 @@ from engine_harness import PROMPT, ServedEngine
 from update_harness import KiB, engine_greedy, hf_greedy, trained_copy, weights_state
 
 from helpers import sending_of
+from sessions import SessionFactory
 from weightbus import Publisher, PushError
 from weightbus.core.finite import (
     NOTHING_SENT,
@@ -19,9 +20,9 @@ from weightbus.core.finite import (
     NonFiniteWeightsError,
     nonfinite_counts,
 )
-from weightbus.core.publisher import SessionFactory, normalize_weights
 from weightbus.core.transport import encode_description, make_sink
 from weightbus.core.transport.disk import MANIFEST_NAME
+from weightbus.core.weights import normalize_weights
 
 # `hf_model` and `engine` (tests/conftest.py): this checkpoint, served at TP 2
 HF_CASE = "qwen2_untied"

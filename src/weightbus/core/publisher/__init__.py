@@ -3,7 +3,6 @@ and the engine targets it pushes to."""
 
 from weightbus.core.publisher.publisher import Publisher
 from weightbus.core.publisher.results import FleetVersion, PushError, PushResult
-from weightbus.core.publisher.session import SessionFactory
 from weightbus.core.publisher.targets import (
     EngineRequestError,
     EngineResult,
@@ -31,7 +30,6 @@ __all__ = [
     "PushOrder",
     "PushResult",
     "RollbackOrder",
-    "SessionFactory",
     "TrainerRankError",
     "UpdateOrder",
     "WeightsGroupError",

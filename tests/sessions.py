@@ -1,9 +1,5 @@
-"""One process driving a sink by hand (tests, tools): its sessions and what it sends, as a
-group of one. A Publisher builds both itself (`push_session.PushRun`).
-
-`normalize_weights`, `NameMap` and `Weights` live in `weightbus.core.weights`; they are
-re-exported here for the callers of the old path.
-"""
+"""One process driving a sink by hand: its sessions and what it sends, as a group of one (a
+Publisher builds both itself: `push_session.PushRun`)."""
 
 import secrets
 import time
@@ -17,9 +13,6 @@ from weightbus.core.trainer.group import TrainerGroup
 from weightbus.core.trainer.holdings import whole_holding
 from weightbus.core.trainer.layout import TrainerLayout, held_metas
 from weightbus.core.transport import PushSession, RankSender, Sending, make_rank_sender
-from weightbus.core.weights import NameMap, Weights, normalize_weights
-
-__all__ = ["NameMap", "SessionFactory", "Weights", "normalize_weights"]
 
 
 class SessionFactory:
@@ -84,12 +77,6 @@ class SessionFactory:
         if sink not in self._senders:
             self._senders[sink] = make_rank_sender(transport, self._group)
         return self._senders[sink]
-
-    def fingerprint(self, weights: Sequence[tuple[str, torch.Tensor]]) -> str:
-        """The fingerprint engines report after a push of `weights` (computed here)."""
-        from weightbus.core.digest import fingerprint_of_tensors
-
-        return fingerprint_of_tensors(weights)
 
     def close(self) -> None:
         """Free the senders (mapped files, agents)."""
