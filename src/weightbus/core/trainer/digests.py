@@ -3,13 +3,13 @@
 A tensor some rank holds whole is digested by its sender (`TrainerLayout.sender`), in the pass
 that copies it where the transport copies; the others here. A region (a whole tensor for the
 fingerprint, or an engine rank's slice it verifies) is digested as every digest is
-(`weightbus.core.digest`): over fixed blocks of its row-major bytes. `DigestPlan` decides,
-once per layout and the same on every rank, who hashes each block:
-a rank holding all of it hashes it in place (the least loaded, when several do); a block no
-rank holds whole (cut by a shard boundary, or across column shards) is hashed by the rank
-holding most of it, which receives the other parts over the control store — in rounds of at
-most `ROUND_BYTES`, so no rank ever holds more than one round of bytes it does not own. Rank 0
-combines the block digests in order (`combine`).
+(`weightbus.core.digest`): a tree over its rows, whose leaves are hashed whole. `DigestPlan`
+decides, once per layout and the same on every rank, who hashes each leaf ("block" here): a rank
+holding all of it hashes it in place (the least loaded, when several do); a leaf no rank holds
+whole (cut by an uneven shard boundary, or across column shards) is hashed by the rank holding
+most of it, which receives the other parts over the control store — in rounds of at most
+`ROUND_BYTES`, so no rank ever holds more than one round of bytes it does not own. Rank 0
+combines the leaves' digests into each region's (`combine`).
 """
 
 import functools
