@@ -13,9 +13,13 @@ from weightbus.core.plan.bucket import BucketEntry, pack_entries
 from weightbus.core.trainer.boxes import Box
 from weightbus.core.trainer.cells import cell_view
 from weightbus.core.trainer.layout import TrainerLayout, held_metas
-from weightbus.core.transport.distributed.parts import entry_box, region_matrix
 from weightbus.core.transport.distributed.schedule import bucket_parts
-from weightbus.core.transport.distributed.slices import rank_regions, slice_targets
+from weightbus.core.transport.distributed.slices import (
+    entry_box,
+    rank_regions,
+    region_matrix,
+    slice_targets,
+)
 from weightbus.core.wire.messages import RankLayout, SentPart, SliceSpec
 
 # smaller than every matrix: tensors split at row boundaries; and smaller than a row of

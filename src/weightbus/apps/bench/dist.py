@@ -32,14 +32,8 @@ from weightbus.apps.bench.timing import Measurement, measure_interleaved, write_
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.apps.tables import print_table
 from weightbus.core.publisher import Publisher
-from weightbus.core.transport.distributed.group import (
-    WeightsGroup,
-    create_publisher_group,
-    destroy_group,
-    join_group,
-    serve_group,
-    wait,
-)
+from weightbus.core.store import serve_store
+from weightbus.core.transport.distributed.group import WeightsGroup, destroy_group, join_group, wait
 from weightbus.core.units import byte_size_arg, format_bytes
 from weightbus.core.wire.messages import RankLayout
 
@@ -104,13 +98,7 @@ class Baseline:
     """The publisher's end of the baseline group and its peer processes."""
 
     def __init__(self, num_peers: int, tensors: list[torch.Tensor]) -> None:
-        store = serve_group(
-            name=_BASELINE_GROUP,
-            master_addr="127.0.0.1",
-            master_port=0,
-            world_size=num_peers + 1,
-            timeout_s=_GROUP_TIMEOUT_S,
-        )
+        store = serve_store("127.0.0.1", 0, world_size=num_peers + 1, timeout_s=_GROUP_TIMEOUT_S)
         numels = [t.numel() * t.element_size() for t in tensors]
         self.peers = [
             subprocess.Popen(  # noqa: S603 - this interpreter and our own module
@@ -123,12 +111,14 @@ class Baseline:
             )
             for rank in range(1, num_peers + 1)
         ]
-        self.group = create_publisher_group(
+        self.group = join_group(
             name=_BASELINE_GROUP,
-            store=store,
             master_addr="127.0.0.1",
+            master_port=store.port,
+            group_rank=0,
             world_size=num_peers + 1,
             timeout_s=_GROUP_TIMEOUT_S,
+            store=store,
         )
         self.tensors = [t.reshape(-1).view(torch.uint8) for t in tensors]
         self.whole = torch.cat(self.tensors)

@@ -2,11 +2,10 @@
 rank said it is ready; a push that cannot start is cancelled before then, and the group stays
 usable (no collective started, so every member is at the same step).
 
-A gloo wait cannot be interrupted, and one that times out closes the group's connections: a
-publisher waiting on the group for ranks of an engine that refused would wait out the push's
-timeout and break the group. So the ranks answer through the group's store, which the publisher
-polls (checking between polls whether an engine answered the push already), and the publisher's
-word goes point-to-point on the group to exactly the ranks that said ready:
+A gloo wait cannot be interrupted, and one that times out closes the group's connections. So the
+ranks answer through the group's store, which the publisher polls (checking between polls
+whether an engine answered the push already), and the publisher's word goes point-to-point to
+exactly the ranks that said ready:
 
     engine rank r: claim  <session>/rank/<r> := RankReady      (compare-and-set: first wins)
                    recv   StreamStart or UpdateAbort from rank 0 (bounded by the deadline)
@@ -46,11 +45,8 @@ MAX_REASON_CHARS = 1900
 
 
 class PushCancelledError(ValueError):
-    """The push was cancelled in its hand-shake: nothing of it moved, the group stays usable.
-
-    Attributes:
-        reason: why.
-    """
+    """The push was cancelled in its hand-shake (`reason`: why): nothing of it moved, the group
+    stays usable."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -158,9 +154,7 @@ def start_stream(
     _forget_old_sessions(group, session_id)
     ranks = group.receiving_ranks
     try:
-        _await_ranks(
-            group, session_id, ranks, deadline, abandoned=abandoned, describe_rank=describe_rank
-        )
+        _await_ranks(group, session_id, deadline, abandoned, describe_rank)
     except BaseException as exc:
         reason = exc.reason if isinstance(exc, PushCancelledError) else str(exc) or repr(exc)
         _cancel(group, session_id, ranks, reason, deadline)
@@ -180,58 +174,44 @@ def _forget_old_sessions(group: WeightsGroup, session_id: str) -> None:
 def _await_ranks(
     group: WeightsGroup,
     session_id: str,
-    ranks: Sequence[int],
     deadline: float,
-    *,
     abandoned: Callable[[], str | None],
     describe_rank: Callable[[int], str],
 ) -> None:
-    keys = [_rank_key(session_id, rank) for rank in ranks]
+    """Poll the store until every rank claimed its key (then check each said ready), a rank
+    refused, the push was abandoned or `deadline` passed."""
+    keys = {rank: _rank_key(session_id, rank) for rank in group.receiving_ranks}
     refused = _key(session_id, "refused")
     pause = POLL_FIRST_S
+
+    def check(*wanted: str) -> bool:
+        return _store_call(group, group.store.check, list(wanted))
+
+    def refusal(held: bytes) -> str:
+        refusal = _decode(held)
+        if not isinstance(refusal, RankRefusal):
+            raise ProtocolError(f"a refusal in the hand-shake is a {type(refusal).__name__}")
+        return f"{describe_rank(refusal.group_rank)} refused it: {refusal.reason}"
+
     while True:
         reason = abandoned()
-        if reason is None and _store_call(group, group.store.check, [refused]):
-            reason = _refusal(_store_call(group, group.store.get, refused), describe_rank)
+        if reason is None and check(refused):
+            reason = refusal(_store_call(group, group.store.get, refused))
         if reason is not None:
             raise PushCancelledError(reason)
-        if _store_call(group, group.store.check, keys):
-            _check_all_ready(group, session_id, ranks, describe_rank)
-            return
+        if check(*keys.values()):
+            break
         if time.monotonic() >= deadline:
-            missing = [describe_rank(rank) for rank in _unanswered(group, session_id, ranks)]
+            missing = [describe_rank(rank) for rank, key in keys.items() if not check(key)]
             raise TimeoutError(f"timed out waiting for {', '.join(missing)} to join the push")
         time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
         pause = min(2 * pause, POLL_LONGEST_S)
-
-
-def _refusal(held: bytes, describe_rank: Callable[[int], str]) -> str:
-    refusal = _decode(held)
-    if not isinstance(refusal, RankRefusal):
-        raise ProtocolError(f"a refusal in the hand-shake is a {type(refusal).__name__}")
-    return f"{describe_rank(refusal.group_rank)} refused it: {refusal.reason}"
-
-
-def _check_all_ready(
-    group: WeightsGroup,
-    session_id: str,
-    ranks: Sequence[int],
-    describe_rank: Callable[[int], str],
-) -> None:
-    keys = [_rank_key(session_id, rank) for rank in ranks]
-    for rank, held in zip(ranks, _store_call(group, group.store.multi_get, keys), strict=True):
+    held_keys = _store_call(group, group.store.multi_get, list(keys.values()))
+    for rank, held in zip(keys, held_keys, strict=True):
         if isinstance(_decode(held), RankRefusal):
-            raise PushCancelledError(_refusal(held, describe_rank))
+            raise PushCancelledError(refusal(held))
         if _decode(held) != RankReady(session_id=session_id, group_rank=rank):
             raise ProtocolError(f"{describe_rank(rank)} answered the hand-shake wrongly")
-
-
-def _unanswered(group: WeightsGroup, session_id: str, ranks: Sequence[int]) -> list[int]:
-    return [
-        rank
-        for rank in ranks
-        if not _store_call(group, group.store.check, [_rank_key(session_id, rank)])
-    ]
 
 
 def _cancel(

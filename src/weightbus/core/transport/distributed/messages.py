@@ -22,8 +22,7 @@ class DistDescription(SourceDescription, frozen=True):
     """One `dist` session on the live weights group `group_name`.
 
     Attributes:
-        mode: `broadcast` (every rank gets every byte) or `parts` (each rank its slices, in
-            parts from the trainer ranks that send them).
+        mode: `broadcast` or `parts` (`sink.py` tells them).
         prefetch_depth: buckets a rank receives ahead of the one it loads.
     """
 
@@ -33,11 +32,19 @@ class DistDescription(SourceDescription, frozen=True):
     prefetch_depth: Annotated[int, msgspec.Meta(ge=1, le=MAX_PREFETCH_DEPTH)] = 1
 
 
-class _SetupRequest(RankSetupRequest, frozen=True, tag_field="action"):
-    """Base of the weights group's set-up requests (the `action` field tells which)."""
+class _SetupRequest(RankSetupRequest, frozen=True, kw_only=True, tag_field="action"):
+    """Base of the set-up requests of weights group `group_name` (`action` tells which)."""
 
     change: ClassVar[str] = "weights-group change"
     busy: ClassVar[str] = "a weights group is being initialised or destroyed"
+
+    group_name: GroupName = DEFAULT_GROUP_NAME
+
+    def stalled_message(self, waited_s: float) -> str:
+        return (
+            f"weights group {self.group_name!r}: the {self.__struct_config__.tag} did not "
+            f"return within {waited_s:g} s (a store that never answers?)"
+        )
 
 
 class WeightsGroupInit(_SetupRequest, frozen=True, tag="init"):
@@ -49,7 +56,6 @@ class WeightsGroupInit(_SetupRequest, frozen=True, tag="init"):
     rank_offset: Annotated[int, msgspec.Meta(ge=1)]
     world_size: Annotated[int, msgspec.Meta(ge=2, le=65536)]
     backend: Backend = "gloo"
-    group_name: GroupName = DEFAULT_GROUP_NAME
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
     def wait_s(self) -> float:
@@ -70,30 +76,15 @@ class WeightsGroupInit(_SetupRequest, frozen=True, tag="init"):
             f"{self.rank_offset}..{last} of {self.world_size}"
         )
 
-    def stalled_message(self, waited_s: float) -> str:
-        return _stalled(self.group_name, "init", waited_s)
-
 
 class WeightsGroupDestroy(_SetupRequest, frozen=True, tag="destroy"):
     """Leave the weights group `group_name`."""
 
     teardown: ClassVar[bool] = True
 
-    group_name: GroupName = DEFAULT_GROUP_NAME
-
     def done_message(self, tp_size: int) -> str:
         del tp_size
         return f"left weights group {self.group_name!r}"
-
-    def stalled_message(self, waited_s: float) -> str:
-        return _stalled(self.group_name, "destroy", waited_s)
-
-
-def _stalled(group_name: str, action: str, waited_s: float) -> str:
-    return (
-        f"weights group {group_name!r}: the {action} did not return within {waited_s:g} s "
-        "(a store that never answers?)"
-    )
 
 
 # what an engine rank's `dist` set-up takes

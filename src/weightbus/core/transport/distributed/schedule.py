@@ -1,14 +1,11 @@
-"""Who sends what over `dist` in parts mode: per bucket, each engine rank's regions (its TP
-slices, `slices.rank_regions`) cut into parts, each part sent by one trainer rank.
+"""Who sends what over `dist` in parts mode: per bucket, each engine rank's regions
+(`slices.entry_box`) cut into parts, each part sent by one trainer rank.
 
-A tensor some trainer rank holds whole goes from its sender (`TrainerLayout.sender`): one part
-per region, read straight from the trainer's tensor (a group of one sends every tensor so). A
-tensor no rank holds whole is cut along the holders' boxes into cells, each sent by one rank
-that holds it (a replicated cell: the least loaded holder); a region needed as raw bytes (a
-chunk of a tensor split inside a row) is cut into element ranges (`trainer.parts.range_parts`).
-
-The schedule depends only on the trainer layout, the plan and the engine ranks' slice maps, so
-every trainer rank computes the same one; `parts_hash` lets the leader check that they did.
+A tensor some trainer rank holds whole goes from its sender (`TrainerLayout.sender`) in one part
+per region. A tensor no rank holds whole is cut along the holders' boxes into cells, each sent
+by one rank that holds it (a replicated cell: the least loaded holder); a region needed as raw
+bytes is cut into element ranges (`trainer.parts.range_parts`). Every trainer rank computes the
+same schedule; `parts_hash` lets the leader check that they did.
 """
 
 from collections import defaultdict
@@ -25,8 +22,7 @@ from weightbus.core.trainer.boxes import Box
 from weightbus.core.trainer.cells import cells
 from weightbus.core.trainer.layout import TrainerLayout
 from weightbus.core.trainer.parts import range_parts
-from weightbus.core.transport.distributed.parts import entry_box
-from weightbus.core.transport.distributed.slices import SliceTarget
+from weightbus.core.transport.distributed.slices import SliceTarget, entry_box
 from weightbus.core.wire.messages import SentPart, SliceSpec
 
 

@@ -1,19 +1,14 @@
-"""The weights group's life across processes: formed and left by the publisher (`form_group`,
-`leave_group`, through each engine's `EngineLink`), joined and left by every engine rank
-(`apply_rank_setup`, the registry's `rank_setup` of `dist`)."""
+"""The weights group's life across processes: formed and left by the leader (`form_group`,
+`leave_group`), joined and left by every engine rank (`apply_rank_setup`, the registry's
+`rank_setup` of `dist`)."""
 
-import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import accumulate
 
+from weightbus.core.store import serve_store
 from weightbus.core.transport.base import EngineLink, EngineRequestError
-from weightbus.core.transport.distributed.group import (
-    create_publisher_group,
-    destroy_group,
-    join_group,
-    serve_group,
-)
+from weightbus.core.transport.distributed.group import destroy_group, join_group
 from weightbus.core.transport.distributed.messages import (
     Backend,
     WeightsGroupDestroy,
@@ -21,9 +16,9 @@ from weightbus.core.transport.distributed.messages import (
     WeightsGroupInfo,
     WeightsGroupInit,
 )
+from weightbus.core.transport.distributed.sender import JoinOrder, failed_ranks
+from weightbus.core.transport.sending import RankWork
 from weightbus.core.wire.messages import RankLayout, SliceSpec
-
-logger = logging.getLogger(__name__)
 
 # Margin on top of a set-up's own timeout for an engine's answer to travel back.
 ANSWER_MARGIN_S = 10.0
@@ -50,20 +45,6 @@ def _failures(futures: dict[str, Future]) -> dict[str, str]:
     return failures
 
 
-def _tp_sizes(engines: Sequence[EngineLink], name: str, timeout_s: float) -> list[int]:
-    futures = _run_all(engines, lambda engine: engine.tp_size(timeout_s))
-    failures = _failures(futures)
-    if failures:
-        raise WeightsGroupError(name, "initialisation", failures)
-    return [futures[engine.url].result() for engine in engines]
-
-
-# Called with the group's store port, its size and the leader's own part of forming it (the
-# engines and this process join; True when every member did): runs that part while the other
-# trainer ranks join, and raises `WeightsGroupError` naming those that did not.
-JoinSenders = Callable[[int, int, Callable[[], bool]], None]
-
-
 def form_group(
     engines: Sequence[EngineLink],
     *,
@@ -73,74 +54,86 @@ def form_group(
     backend: Backend = "gloo",
     timeout_s: float = 60.0,
     senders: int = 1,
-    join_senders: JoinSenders | None = None,
+    everyone: Callable[[JoinOrder, Callable[[RankWork], None]], object] | None = None,
 ) -> WeightsGroupInfo:
-    """Publisher: form weights group `name` with every rank of `engines`; this process is rank 0.
-
-    Serves the group's store on `master_addr:master_port` (0: a free port from the OS), asks
-    every engine in parallel to join (rank r of engine i is group rank `offset_i + r`) and
-    joins itself. A trainer group of `senders` ranks has them before the engines' ranks: the
-    others join through `join_senders`.
+    """Leader: form weights group `name`, served on `master_addr:master_port` (0: a port from
+    the OS), with `senders` trainer ranks (this process is rank 0; the others join as the sink's
+    `everyone` tells them) and every rank of `engines` after them (asked in parallel).
 
     Raises:
         WeightsGroupError: an engine, a trainer rank or this process could not join (each
             named); the group is left on this process.
     """
-    tp_sizes = _tp_sizes(engines, name, timeout_s)
-    offsets = list(accumulate([senders, *tp_sizes[:-1]]))
-    world_size = senders + sum(tp_sizes)
-    store = serve_group(
-        name=name,
-        master_addr=master_addr,
-        master_port=master_port,
-        world_size=world_size,
-        timeout_s=timeout_s,
+    futures = _run_all(engines, lambda engine: engine.tp_size(timeout_s))
+    failures = _failures(futures)
+    if failures:
+        raise WeightsGroupError(name, "initialisation", failures)
+    tp_sizes = [futures[engine.url].result() for engine in engines]
+    offsets = dict(
+        zip([e.url for e in engines], accumulate([senders, *tp_sizes[:-1]]), strict=True)
     )
-    requests = {
-        engine.url: WeightsGroupInit(
-            master_addr=master_addr,
-            master_port=store.port,
-            rank_offset=offset,
-            world_size=world_size,
-            backend=backend,
-            group_name=name,
-            timeout_s=timeout_s,
-        )
-        for engine, offset in zip(engines, offsets, strict=True)
-    }
-    failures: dict[str, str] = {}
+    world_size = senders + sum(tp_sizes)
+    store = serve_store(master_addr, master_port, world_size=world_size, timeout_s=timeout_s)
 
     def lead() -> bool:
-        """Ask every engine to join, join too; whether every member did (what failed goes to
-        `failures`)."""
-        futures = _run_all(
+        """Every engine joins, and this process: whether every member did (else `failures`
+        says why)."""
+        joins = _run_all(
             engines,
             lambda engine: engine.setup_transport(
-                "dist", requests[engine.url], timeout_s + ANSWER_MARGIN_S
+                "dist",
+                WeightsGroupInit(
+                    master_addr=master_addr,
+                    master_port=store.port,
+                    rank_offset=offsets[engine.url],
+                    world_size=world_size,
+                    backend=backend,
+                    group_name=name,
+                    timeout_s=timeout_s,
+                ),
+                timeout_s + ANSWER_MARGIN_S,
             ),
         )
         publisher = None
         try:
-            create_publisher_group(
+            join_group(
                 name=name,
-                store=store,
                 master_addr=master_addr,
+                master_port=store.port,
+                group_rank=0,
                 world_size=world_size,
                 timeout_s=timeout_s,
                 senders=senders,
+                store=store,
             )
         except (TimeoutError, OSError) as exc:
             publisher = str(exc)
-        failures.update(_failures(futures))
+        failures.update(_failures(joins))
         if publisher is not None:
             failures["publisher"] = publisher
         return not failures
 
+    def leader_part(work: RankWork) -> None:
+        if not lead():  # the trainer ranks that did not join, named, end the step at once
+            missing = {
+                f"trainer rank {rank}": error or "did not join (dead?)"
+                for rank, error in failed_ranks(work.group, work.key).items()
+            }
+            if missing:
+                raise WeightsGroupError(name, "initialisation", missing)
+
     try:
-        if join_senders is None:
+        if everyone is None:
             lead()
         else:
-            join_senders(store.port, world_size, lead)
+            order = JoinOrder(
+                group_name=name,
+                master_addr=master_addr,
+                master_port=store.port,
+                world_size=world_size,
+                timeout_s=timeout_s,
+            )
+            everyone(order, leader_part)
     except WeightsGroupError as exc:  # trainer ranks that did not join, named
         failures.update(exc.failures)
     except (TimeoutError, OSError) as exc:  # the trainer group's own store failed
@@ -148,12 +141,11 @@ def form_group(
     if failures:
         destroy_group(name)
         raise WeightsGroupError(name, "initialisation", failures)
-    rank_offsets = {engine.url: offset for engine, offset in zip(engines, offsets, strict=True)}
-    return WeightsGroupInfo(name, world_size, rank_offsets)
+    return WeightsGroupInfo(name, world_size, offsets)
 
 
 def leave_group(engines: Sequence[EngineLink], *, name: str, timeout_s: float) -> None:
-    """Publisher: leave group `name` here and on every engine.
+    """Leader: leave group `name` here and on every engine.
 
     Raises:
         WeightsGroupError: an engine did not confirm (this process has left regardless).

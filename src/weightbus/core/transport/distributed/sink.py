@@ -1,48 +1,42 @@
-"""`dist`, the trainer group's leader: buckets travel on a torch.distributed gloo group spanning
-hosts.
+"""`dist`, the leader's side: buckets travel on a torch.distributed gloo group spanning hosts.
 
-The weights group (`group.py`) is formed once and reused: the trainer ranks are its first ranks
-(senders; one process holding every tensor is rank 0 alone), every engine rank a member after
-them. Per push, `prepare` has every trainer rank digest its share (`sender.DigestOrder`), and
-`stream`, once every engine rank said it is ready (the hand-shake, `handshake.py`: a push an
-engine refuses is cancelled before anything moves, and the group stays usable), has every
-trainer rank send its part (`sender.SessionOrder`, `session.py`):
+The weights group (`group.py`, `setup.py`) is formed once and reused: the trainer ranks are its
+first ranks, every engine rank (`source.py`) a member after them. Per push, `prepare` has every
+trainer rank digest its share, and `stream`, once every engine rank said it is ready
+(`handshake.py`), has every trainer rank send its part (`sender.py`):
 
     UpdateBegin -> (BucketSent, bucket data) x buckets -> UpdateEnd
 
-Two modes:
-
 - `broadcast`: every engine rank receives every byte, one broadcast per bucket entry straight
-  from the trainer's tensors. Only a group of one can: the other trainer ranks would receive
-  every byte too.
+  from the trainer's tensors. Only a group of one can: other trainer ranks would receive too.
 - `parts`: each engine rank receives only the regions of each bucket it loads (its TP slices,
-  from the `RankLayout` it reported when it joined), in parts from the trainer ranks that send
-  them (`schedule.py`), point to point, each payload with its xxh3-128. No engine rank holds
-  whole tensors, so engines run with `verify: none` and the transport checks the bytes.
+  from the `RankLayout` it reported when it joined), in parts from the trainer ranks that hold
+  them (`schedule.py`), point to point, each payload with its xxh3-128 (`slices.py`). No engine
+  rank holds whole tensors, so engines run with `verify: none` and the transport checks bytes.
+- `auto`: parts when the trainer group has several ranks or every engine rank has tp > 1.
 
-`auto` sends in parts when the trainer group has several ranks or every engine rank is part of
-a TP group (tp > 1), else broadcasts.
-
-`Publisher.init_weights_group` (`setup_transport`) forms the group; a push with none formed forms
-it first (`setup_on_push`; the store on the sink's `master_addr`), as one after a failed push of
-a group of N does (`setup_broken`): the other trainer ranks join when told (`sender.JoinOrder`).
+A push with no group formed forms it first (`setup_on_push`), as one after a failed push of a
+group of N does (`setup_broken`): the other trainer ranks join when told (`sender.JoinOrder`).
 """
 
 import contextlib
+import functools
 import secrets
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from weightbus.core.trainer.digests import combine_shares
+from weightbus.core.trainer.group import TrainerGroup, TrainerRankError
 from weightbus.core.transport.base import BucketSink, EngineLink, Progress, PushSession, no_progress
 from weightbus.core.transport.distributed.group import (
     WeightsGroup,
     abort,
+    find_group,
     get_group,
-    group_names,
 )
 from weightbus.core.transport.distributed.handshake import start_stream
 from weightbus.core.transport.distributed.messages import (
@@ -54,11 +48,15 @@ from weightbus.core.transport.distributed.messages import (
     WeightsGroupError,
     WeightsGroupInfo,
 )
-from weightbus.core.transport.distributed.sender import DigestOrder, SessionOrder, SessionReport
-from weightbus.core.transport.distributed.session import LeaderPart
-from weightbus.core.transport.distributed.setup import JoinSenders, form_group, leave_group
+from weightbus.core.transport.distributed.sender import (
+    DigestOrder,
+    LeaderPart,
+    SessionOrder,
+    SessionReport,
+    failed_ranks,
+)
+from weightbus.core.transport.distributed.setup import form_group, leave_group
 from weightbus.core.transport.distributed.slices import check_slices, layout_slices
-from weightbus.core.transport.distributed.trainer_ranks import failure_cause, joining
 from weightbus.core.transport.sending import Sending
 
 Mode = Literal["auto", "broadcast", "parts"]
@@ -68,18 +66,16 @@ CLOSE_TIMEOUT_S = 10.0
 
 
 class DistSink(BucketSink):
-    """The leader's side of `dist`. `setup` forms the weights group (`Publisher.setup_transport`
-    or `init_weights_group`; a trainer group of several ranks forms it on its first push);
-    every push reuses it.
+    """The leader's side of `dist`: `setup` (`Publisher.init_weights_group`) forms the weights
+    group, every push reuses it.
 
     Args:
         group_name: the weights group to push on.
         mode: `broadcast`, `parts` or `auto`.
         prefetch_depth: buckets each engine rank receives ahead of the one it loads.
-        master_addr: the leader's address as every engine rank and trainer rank reaches it,
-            for a group formed without one (a group of N's first push).
-        master_port: the group store's port then (0: a free port from the OS).
-        group_timeout_s: bound of forming the group then.
+        master_addr, master_port, group_timeout_s: the defaults of `setup` (a group formed on
+            a push): the leader's address as every rank reaches it, the store's port (0: one
+            from the OS), the bound of forming it.
 
     Attributes:
         rank_sent_bytes: bytes each engine group rank got in the last push, alignment padding
@@ -128,54 +124,39 @@ class DistSink(BucketSink):
         timeout_s: float | None = None,
     ) -> WeightsGroupInfo:
         """Form the weights group with every trainer rank (through `steps`) and every rank of
-        `engines`; again: re-form it (e.g. after a failed push left it broken). See
-        `setup.form_group`; options left out are the sink's own.
+        `engines`, anew if it was formed (`setup.form_group`; options left out: the sink's).
 
         Raises:
-            WeightsGroupError: an engine, a trainer rank or the leader could not join (each
-                named).
+            WeightsGroupError: an engine, a trainer rank or the leader could not join (named).
         """
         self._members = ()
         timeout_s = self.group_timeout_s if timeout_s is None else timeout_s
         trainers = steps if steps is not None and not steps.single else None
         if trainers is not None:  # within the call's bound: the ranks wait for it no longer
             timeout_s = max(0.001, min(timeout_s, trainers.deadline - time.monotonic()))
-        master_addr = master_addr or self.master_addr
         info = form_group(
             engines,
             name=self.group_name,
-            master_addr=master_addr,
+            master_addr=master_addr or self.master_addr,
             master_port=self.master_port if master_port is None else master_port,
             backend=backend,
             timeout_s=timeout_s,
             senders=1 if trainers is None else trainers.group.world_size,
-            join_senders=None
-            if trainers is None
-            else self._joining(trainers, master_addr, timeout_s),
+            everyone=None if trainers is None else functools.partial(self.everyone, trainers),
         )
         self._members = tuple(engines)
         self._engine_at_offset = {offset: url for url, offset in info.rank_offsets.items()}
         self._reform = False
         return info
 
-    def _joining(self, steps: Sending, master_addr: str, timeout_s: float) -> JoinSenders:
-        return joining(
-            lambda order, hooks: self.everyone(steps, order, hooks=hooks),
-            group_name=self.group_name,
-            master_addr=master_addr,
-            timeout_s=timeout_s,
-        )
-
     def setup_on_push(self, steps: Sending | None) -> dict[str, Any] | None:
-        """The set-up options a push runs first, or None: a push with no weights group formed
-        (never, or destroyed) forms it, on the sink's `master_addr`, whatever the group's size."""
+        """A push with no weights group formed forms it with the sink's options."""
         if steps is None or self._members:
             return None
         return {}
 
     def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:
-        """The engine's ranks leave the group (the group must then be formed again); it is
-        no longer a member, whether it confirmed or not."""
+        """The engine's ranks leave the group; it is no longer a member, confirmed or not."""
         self._members = tuple(m for m in self._members if m.url != engine.url)
         request = WeightsGroupDestroy(group_name=self.group_name)
         engine.teardown_transport("dist", request, timeout_s)
@@ -190,8 +171,8 @@ class DistSink(BucketSink):
         return {**sink_options, "group_name": name, "master_port": 0}, setup
 
     def teardown(self, timeout_s: float) -> None:
-        """Leave the weights group here and on every engine (the other trainer ranks leave
-        theirs when their senders close, or when the group forms again).
+        """Leave the weights group here and on every engine (the other trainer ranks: when
+        their senders close, or the group forms again).
 
         Raises:
             WeightsGroupError: an engine did not confirm (this process has left regardless).
@@ -202,9 +183,8 @@ class DistSink(BucketSink):
     def setup_broken(self) -> str | None:
         if self._reform:
             return "the last push failed: the trainer ranks form the group anew"
-        if not self._members or self.group_name not in group_names():
-            return None
-        return get_group(self.group_name).broken
+        group = find_group(self.group_name) if self._members else None
+        return None if group is None else group.broken
 
     def _group(self, sending: Sending) -> WeightsGroup:
         group = get_group(self.group_name)
@@ -257,7 +237,6 @@ class DistSink(BucketSink):
         return f"dist {self._session_mode[1]}"
 
     def receiver_verify(self, verify: str) -> str:
-        # parts: no engine rank holds whole tensors; the transport checks each payload's bytes
         return verify if self._session_mode[1] == "broadcast" else "none"
 
     def stream(
@@ -270,85 +249,60 @@ class DistSink(BucketSink):
         session_id, mode = self._session_mode
         assert session_id == session.session_id, "prepare() the session first"
         try:
-            self._stream(session, sending, mode, timeout_s, progress)
+            group = self._group(sending)
+            deadline = time.monotonic() + timeout_s
+            # raises when the push cannot start: nothing moved, the group stays usable
+            start_stream(
+                group,
+                session.session_id,
+                deadline,
+                abandoned=lambda: session.abandoned,
+                describe_rank=lambda group_rank: self._describe_rank(group, group_rank),
+            )
+            leader = LeaderPart(session, progress)
+            order = SessionOrder(
+                group_name=self.group_name,
+                session_id=session.session_id,
+                mode=mode,
+                bucket_bytes=session.plan.bucket_bytes,
+                plan_hash=session.plan.plan_hash,
+                timeout_s=max(0.0, deadline - time.monotonic()),
+                layouts=[group.layouts[rank] for rank in sorted(group.layouts)],
+            )
+            if mode == "parts":  # every rank checks it computed the leader's parts first
+                _, hashed = sending.senders(self.key, self.name).parts_plan(sending.layout, order)
+                order = msgspec.structs.replace(order, parts_hash=hashed)
+            self._live_session = session.session_id
+            try:
+                reports: list[SessionReport] = self.everyone(sending, order, hooks=leader)
+            except BaseException as exc:
+                # the engine ranks are at some step of the stream: the group must be formed again
+                group.broken = group.broken or f"a push failed midway: {exc}"
+                cause = _failure_cause(sending.group, leader.key) if leader.key else None
+                if cause is None:
+                    raise
+                raise cause from exc
+            finally:
+                self._live_session = None
         except BaseException:
             # whatever failed (an engine that lost its group, a rank that died), a group of N
             # forms its group anew before the next push rather than find out midway
             self._reform = not sending.single
             raise
-
-    def _stream(
-        self,
-        session: PushSession,
-        sending: Sending,
-        mode: str,
-        timeout_s: float,
-        progress: Progress,
-    ) -> None:
-        group = self._group(sending)
-        deadline = time.monotonic() + timeout_s
-        # raises when the push cannot start: nothing moved, the group stays usable
-        start_stream(
-            group,
-            session.session_id,
-            deadline,
-            abandoned=lambda: session.abandoned,
-            describe_rank=lambda group_rank: self._describe_rank(group, group_rank),
-        )
-        leader = LeaderPart(session, progress)
-        order = self._session_order(session, sending, group, mode, deadline)
-        self._live_session = session.session_id
-        try:
-            reports = self.everyone(sending, order, hooks=leader)
-        except BaseException as exc:
-            # the engine ranks are at some step of the stream: the group must be formed again
-            group.broken = group.broken or f"a push failed midway: {exc}"
-            known = not sending.single and leader.key
-            cause = failure_cause(sending.group, leader.key) if known else None
-            if cause is None:
-                raise
-            raise cause from exc
-        finally:
-            self._live_session = None
-        self._count(session, sending, reports)
-
-    def _session_order(
-        self,
-        session: PushSession,
-        sending: Sending,
-        group: WeightsGroup,
-        mode: str,
-        deadline: float,
-    ) -> SessionOrder:
-        order = SessionOrder(
-            group_name=self.group_name,
-            session_id=session.session_id,
-            mode=mode,
-            bucket_bytes=session.plan.bucket_bytes,
-            plan_hash=session.plan.plan_hash,
-            timeout_s=max(0.0, deadline - time.monotonic()),
-            layouts=[group.layouts[rank] for rank in sorted(group.layouts)],
-        )
-        if mode != "parts" or sending.single:
-            return order
-        # every rank checks it computed the leader's parts before anything moves
-        _, hashed = sending.senders(self.key, self.name).parts_plan(sending.layout, order)
-        return msgspec.structs.replace(order, parts_hash=hashed)
-
-    def _count(self, session: PushSession, sending: Sending, reports: list[SessionReport]) -> None:
-        sending.count_sent([report.sent_bytes for report in reports])
-        session.count_sent(sum(report.sent_bytes for report in reports))
-        self.rank_sent_bytes = {}
+        sent = [report.sent_bytes for report in reports]
+        sending.count_sent(sent)
+        session.count_sent(sum(sent))
+        rank_bytes: Counter[int] = Counter()
         for report in reports:
-            for group_rank, nbytes in report.rank_bytes.items():
-                self.rank_sent_bytes[group_rank] = self.rank_sent_bytes.get(group_rank, 0) + nbytes
+            rank_bytes.update(report.rank_bytes)
+        self.rank_sent_bytes = dict(rank_bytes)
 
     def engine_answered(self, session: PushSession, url: str, reason: str) -> None:
         """An engine that failed mid-stream (its ranks lost a sender: a trainer rank died)
         ends every member's pending operation at once, instead of at the push's deadline."""
         super().engine_answered(session, url, reason)
-        live = session.session_id == self._live_session and self.group_name in group_names()
-        group = get_group(self.group_name) if live else None
+        live = session.session_id == self._live_session
+        group = find_group(self.group_name) if live else None
         if group is not None and group.senders > 1 and session.at_fault:
             abort(group, f"engine {url} failed mid-stream: {reason}")
 
@@ -370,3 +324,16 @@ class DistSink(BucketSink):
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def _failure_cause(group: TrainerGroup, key: str) -> TrainerRankError | None:
+    """After a failed step `key`: the trainer ranks that died or failed on their own (not
+    because the group broke under them), named, or None."""
+    reasons = [
+        f"trainer rank {rank} sent no report (dead?)"
+        if error is None
+        else f"trainer rank {rank} failed: {error}"
+        for rank, error in sorted(failed_ranks(group, key).items())
+        if error is None or not error.startswith(("GroupBrokenError", "TimeoutError"))
+    ]
+    return TrainerRankError("; ".join(reasons)) if reasons else None

@@ -1,12 +1,6 @@
-"""`dist`, engine-rank side: receive a push's buckets from the weights group.
-
-`begin` first tells the publisher this rank is ready and waits for its word (the hand-shake,
-`handshake.py`): a push cancelled then moved nothing, and the group stays usable. A background
-thread receives up to `prefetch_depth` buckets ahead of the Receiver, into a pool of reused
-bucket buffers: in broadcast mode every byte of each bucket; in parts mode only this rank's
-regions, in parts from the trainer ranks that send them, each sender's bytes checked against
-the xxh3-128 it computed (`parts.py`).
-"""
+"""`dist`, engine-rank side: after the hand-shake (`handshake.py`), a background thread
+receives up to `prefetch_depth` buckets ahead of the Receiver, into reused bucket buffers (in
+parts mode, only this rank's regions: `slices.receive_parts`)."""
 
 import queue
 import time
@@ -14,46 +8,26 @@ from collections.abc import Iterator
 
 import torch
 
-from weightbus.core.plan import BucketPlan, Plan, plan_buckets
+from weightbus.core.plan import Plan, plan_buckets
 from weightbus.core.plan.assemble import ChunkAssembler, unpack_bucket
 from weightbus.core.transport.base import BucketSource, ReceivedBatch
 from weightbus.core.transport.distributed.group import (
-    WeightsGroup,
+    expect_message,
     get_group,
     op_timeout,
-    receive_broadcast_message,
     wait,
 )
 from weightbus.core.transport.distributed.handshake import join_stream, refuse_stream
 from weightbus.core.transport.distributed.messages import DistDescription
-from weightbus.core.transport.distributed.parts import receive_parts
+from weightbus.core.transport.distributed.slices import receive_parts
 from weightbus.core.transport.parts.deadlines import remaining_s
 from weightbus.core.transport.parts.prefetch import Prefetcher
-from weightbus.core.wire import Message, ProtocolError, UpdateBegin, UpdateEnd
+from weightbus.core.wire import ProtocolError, UpdateBegin, UpdateEnd
 from weightbus.core.wire.messages import BucketSent
 
 # Receive buffers besides the prefetch queue's: the one being received, the one the Receiver
 # queued and the one it loads (when its prefetch thread holds one more, receiving waits).
 _BUFFERS_BESIDES_PREFETCH = 3
-
-
-class _BufferPool:
-    """Receive buffers handed out to batches and returned by their `release()`."""
-
-    def __init__(self, group: WeightsGroup, count: int, nbytes: int) -> None:
-        self.buffers = [group.buffer(("recv", index), nbytes) for index in range(count)]
-        self._free: queue.Queue[int] = queue.Queue()
-        for index in range(count):
-            self._free.put(index)
-
-    def acquire(self, deadline: float) -> int:
-        try:
-            return self._free.get(timeout=remaining_s(deadline, "a free receive buffer"))
-        except queue.Empty:
-            raise TimeoutError("no receive buffer was released in time") from None
-
-    def release(self, index: int) -> None:
-        self._free.put(index)
 
 
 class DistSource(BucketSource):
@@ -69,25 +43,14 @@ class DistSource(BucketSource):
             refuse_stream(self.group, self.session_id, str(exc))
             raise
         self._plan: Plan | None = None
-        self._streaming = False  # the publisher said the session starts
+        self._streaming = False  # the leader said the session starts
         self._ended = False
-
-    def _recv(self, expected: type[Message], deadline: float) -> Message:
-        message = receive_broadcast_message(self.group, deadline, f"a {expected.__name__}")
-        if getattr(message, "session_id", None) != self.session_id:
-            raise ProtocolError(
-                f"{type(message).__name__} of session {getattr(message, 'session_id', None)} "
-                f"arrived, expected session {self.session_id}"
-            )
-        if not isinstance(message, expected):
-            raise ProtocolError(f"expected {expected.__name__}, got {type(message).__name__}")
-        return message
 
     def begin(self, timeout_s: float) -> UpdateBegin:
         deadline = time.monotonic() + timeout_s
         join_stream(self.group, self.session_id, deadline)
         self._streaming = True
-        header = self._recv(UpdateBegin, deadline)
+        header = expect_message(self.group, UpdateBegin, self.session_id, deadline)
         self._plan = plan_buckets((m.to_meta() for m in header.tensors), header.bucket_bytes)
         return header
 
@@ -106,44 +69,44 @@ class DistSource(BucketSource):
             prefetcher.close()
 
     def _receive(self, plan: Plan, deadline: float) -> Iterator[ReceivedBatch]:
-        count = self.prefetch_depth + _BUFFERS_BESIDES_PREFETCH
-        pool = _BufferPool(self.group, count, plan.bucket_bytes)
-        assembler = ChunkAssembler(buffers=self.group.assembly_buffers)
+        group = self.group
+        free: queue.Queue[torch.Tensor] = queue.Queue()  # handed back by each batch's release
+        for index in range(self.prefetch_depth + _BUFFERS_BESIDES_PREFETCH):
+            free.put(group.buffer(("recv", index), plan.bucket_bytes))
+        assembler = ChunkAssembler(buffers=group.assembly_buffers)
         for bucket in plan.buckets:
-            message = self._recv(BucketSent, deadline)
+            message = expect_message(group, BucketSent, self.session_id, deadline)
             if message.bucket_index != bucket.index:
                 raise ProtocolError(
                     f"bucket {message.bucket_index} arrived, expected {bucket.index}"
                 )
-            index = pool.acquire(deadline)
-            buffer = pool.buffers[index]
+            try:
+                buffer = free.get(timeout=remaining_s(deadline, "a free receive buffer"))
+            except queue.Empty:
+                raise TimeoutError("no receive buffer was released in time") from None
             if self.mode == "parts":
-                parts = message.parts.get(self.group.group_rank, [])
-                nbytes = receive_parts(self.group, bucket, buffer, parts, deadline)
-            else:
-                nbytes = self._receive_whole(bucket, buffer, deadline)
+                parts = message.parts.get(group.group_rank, [])
+                nbytes = receive_parts(group, bucket, buffer, parts, deadline)
+            else:  # every entry into its place in the buffer
+                what = f"bucket {bucket.index}"
+                timeout = op_timeout(deadline, what)
+                ops = [
+                    group.pg.broadcast(buffer[entry.offset : entry.end], 0, timeout)
+                    for entry in bucket.entries
+                    if entry.nbytes
+                ]
+                for work in ops:
+                    wait(group, work, deadline, what)
+                nbytes = bucket.payload_bytes
             yield ReceivedBatch(
                 tensors=list(unpack_bucket(bucket, buffer, assembler)),
                 digests=dict(message.digests),
                 nbytes=nbytes,
-                release=lambda index=index: pool.release(index),
+                release=lambda buffer=buffer: free.put(buffer),
             )
 
-    def _receive_whole(self, bucket: BucketPlan, buffer: torch.Tensor, deadline: float) -> int:
-        """Receive every entry of the bucket into `buffer`; returns their bytes."""
-        what = f"bucket {bucket.index}"
-        timeout = op_timeout(deadline, what)
-        ops = [
-            self.group.pg.broadcast(buffer[entry.offset : entry.end], 0, timeout)
-            for entry in bucket.entries
-            if entry.nbytes
-        ]
-        for work in ops:
-            wait(self.group, work, deadline, what)
-        return bucket.payload_bytes
-
     def end(self, timeout_s: float) -> UpdateEnd:
-        end = self._recv(UpdateEnd, time.monotonic() + timeout_s)
+        end = expect_message(self.group, UpdateEnd, self.session_id, time.monotonic() + timeout_s)
         self._ended = True
         return end
 
