@@ -119,11 +119,6 @@ class TrainerLayout:
         """The rank that sends tensor `name` whole, or None: it goes in cells."""
         return self.senders.get(name)
 
-    @property
-    def single(self) -> bool:
-        """One rank holds and sends every tensor whole (a group of one)."""
-        return self.world_size == 1
-
 
 def _check_covered(name: str, whole: Box, boxes: list[tuple[int, Box]]) -> None:
     """Every element of `whole` is in some rank's box (cells between the boxes' edges)."""

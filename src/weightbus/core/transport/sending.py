@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
-import torch
 
 from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.trainer.group import ControlMessage, TrainerGroup, TrainerRankError
@@ -115,10 +114,6 @@ class Sending:
     def single(self) -> bool:
         """A group of one: the leader sends everything."""
         return self.group.world_size == 1
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """The whole tensor `name` (held by the leader: in a group of one, every tensor)."""
-        return self.holdings[name].tensor
 
     def everyone(self, sink: str, transport: str, order: Any, hooks: Any = None) -> list[Any]:
         """Every rank runs `order` with its sender of `sink`; their reports, by rank.
