@@ -54,7 +54,7 @@ def _schedule(bucket_bytes: int, sends: set[str] | None = None) -> Schedule:
     plan = plan_buckets(metas, bucket_bytes)
     by_name = {meta.name: meta for meta in metas}
     ranks = [(BASE, checked_copies(_rank(rank), by_name)) for rank in range(2)]
-    return Schedule(plan, ranks, sends=sends)
+    return Schedule(plan, ranks, sends=set(FULL) if sends is None else sends)
 
 
 def _written(schedule: Schedule) -> tuple[list[np.ndarray], list[int]]:
@@ -121,7 +121,7 @@ def test_entries_a_rank_receives_whole_keep_their_inbox_offsets_in_a_part_schedu
     regions = [ParamRegion("w_param", "float32", (12, 8), 0)]
     copies = [WireShardCopy("w", "w_param", 0, 0, 0, 12)]
     held = checked_copies(_target(regions, copies, 1024), by_name, partial=True)
-    whole = Schedule(plan, [(BASE, held)])
+    whole = Schedule(plan, [(BASE, held)], sends=set(FULL))
     part = Schedule(plan, [(BASE, held)], sends={"n"})
     inbox = {job.entry.name: job.entry.offset for job in whole.buckets[0][0].whole}
     assert set(inbox) == {"o", "n", "s"}
@@ -138,4 +138,4 @@ def test_a_row_larger_than_a_bucket_is_refused_naming_the_tensor():
     region = ParamRegion("wide_param", "float32", (2, 1024), 0)
     target = _target([region], [WireShardCopy("wide", "wide_param", 0, 0, 0, 2)], 8192)
     with pytest.raises(ValueError, match=r"tensor 'wide' has rows of 4096 bytes, more than a "):
-        Schedule(plan, [(BASE, checked_copies(target, {"wide": wide}))])
+        Schedule(plan, [(BASE, checked_copies(target, {"wide": wide}))], sends={"wide"})

@@ -86,9 +86,9 @@ def _count_ack_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     awaited: list[tuple[str, int]] = []
     wait = BucketWrites._wait_ack
 
-    def counted(self, rank, bucket_index, deadline, progress):
+    def counted(self, rank, bucket_index):
         awaited.append((rank.describe(), bucket_index))
-        wait(self, rank, bucket_index, deadline, progress)
+        wait(self, rank, bucket_index)
 
     monkeypatch.setattr(BucketWrites, "_wait_ack", counted)
     return awaited

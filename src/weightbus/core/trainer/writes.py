@@ -10,7 +10,16 @@ import msgspec
 
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.trainer.cells import Piece, make_schedule, schedule_hash
-from weightbus.core.trainer.digests import BlockDigests, DigestPlan, Region, combine, whole_regions
+from weightbus.core.trainer.digests import (
+    BlockDigests,
+    DigestPlan,
+    Region,
+    combine,
+    compute,
+    whole_regions,
+)
+from weightbus.core.trainer.group import TrainerGroup
+from weightbus.core.trainer.holdings import Holding
 from weightbus.core.trainer.layout import TrainerLayout
 
 
@@ -58,6 +67,19 @@ class Cells:
         return cls(
             pieces, schedule_hash(layout, pieces), DigestPlan(layout, regions), slice_regions
         )
+
+    def blocks(
+        self, holdings: dict[str, Holding], group: TrainerGroup, key: str, deadline: float
+    ) -> BlockDigests:
+        """This rank's blocks of the digests of what goes in cells (exchanged on the group
+        under `<key>/digests`; none when nothing does).
+
+        Raises:
+            TrainerRankError: a rank did not send its parts in time, or failed (named).
+        """
+        if not self.digest_plan.regions:
+            return BlockDigests([])
+        return compute(self.digest_plan, holdings, group, f"{key}/digests", deadline)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Agents live as long as the process: each engine rank keeps one (`rank_agent`), its parameter
 arenas registered once and kept registered while they exist; publishers share one per UCX
-setting (`publisher_agent`), each sink registering its own send buffers. (Destroying an agent
+setting (`publisher_agent`), each sender registering its own send buffers. (Destroying an agent
 while the interpreter collects garbage can crash it, and a UCX context is costly to make.)
 Importing NIXL happens here, on first use.
 """
@@ -17,6 +17,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,9 @@ import torch
 from weightbus.core.transport.parts.arena import on_arena_close
 
 logger = logging.getLogger(__name__)
+
+# Between two looks at the transfers' state, when none finished (NIXL has no blocking wait).
+POLL_PAUSE_S = 0.0002
 
 
 def _nixl_api() -> Any:
@@ -123,11 +127,6 @@ def interface_towards(host: str) -> str:
     return ""
 
 
-def agent_name(role: str) -> str:
-    host = re.sub(r"[^0-9A-Za-z_.-]", "_", socket.gethostname())[:40]
-    return f"weightbus-{role}-{host}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
 class Agent:
     """One NIXL agent with a UCX backend, and the memory it registered (by key).
 
@@ -142,8 +141,9 @@ class Agent:
 
     def __init__(self, role: str, *, ucx_devices: str = "", ucx_tls: str = DEFAULT_UCX_TLS) -> None:
         api = _nixl_api()
-        self.name = agent_name(role)
-        # several sinks (and their threads) may share one agent: NIXL serialises the calls
+        host = re.sub(r"[^0-9A-Za-z_.-]", "_", socket.gethostname())[:40]
+        self.name = f"weightbus-{role}-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+        # several senders (and their threads) may share one agent: NIXL serialises the calls
         config = api.nixl_agent_config(
             backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
@@ -185,8 +185,9 @@ class Agent:
         if entry is not None:
             self._agent.deregister_memory(entry[0])
 
-    def load_remote(self, name: str, metadata: bytes) -> None:
-        """Know peer `name` by its metadata (again when it changed: it registered more memory).
+    def load_remote(self, name: str, metadata: bytes, peer: str) -> None:
+        """Know agent `name` by its metadata (again when it changed: it registered more
+        memory); `peer` names its owner (e.g. "engine 0 rank 1") in errors.
 
         Raises:
             RuntimeError: NIXL cannot load it (e.g. no UCX transport reaches the peer).
@@ -199,12 +200,67 @@ class Agent:
             try:
                 loaded = self._agent.add_remote_agent(metadata)
             except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
-                raise RuntimeError(f"cannot reach its NIXL agent: {exc}") from None
+                raise RuntimeError(f"{peer}: cannot reach its NIXL agent: {exc}") from None
             loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
             if loaded != name:
                 self._agent.remove_remote_agent(loaded)
-                raise ValueError(f"it sent the metadata of agent {loaded!r}, not of {name!r}")
+                raise ValueError(f"{peer}: it sent the metadata of agent {loaded!r}, not {name!r}")
             self._remotes[name] = metadata
+
+    def write(self, local: Any, remote: Any, peer: str, what: str) -> Any:
+        """Post one WRITE of `local` onto `remote` in agent `peer`'s memory (descriptor rows:
+        address, bytes, device 0); its transfer handle.
+
+        Raises:
+            RuntimeError: NIXL refused it (it names `what`; the handle released).
+        """
+        nixl = self._agent
+        handle = nixl.initialize_xfer(
+            "WRITE", nixl.get_xfer_descs(local, "DRAM"), nixl.get_xfer_descs(remote, "DRAM"), peer
+        )
+        state = "ERR"
+        try:
+            state = nixl.transfer(handle)
+        finally:
+            if state == "ERR":  # refused, or the call raised
+                release(handle)
+        if state == "ERR":
+            raise RuntimeError(f"NIXL refused the write of {what}")
+        return handle
+
+    def reap(self, pending: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The transfers of `pending` (handle, what it writes, ...) that ended, released and
+        taken out of it.
+
+        Raises:
+            RuntimeError: NIXL failed one (named; released and taken out).
+        """
+        ended = []
+        for item in list(pending):
+            state = self._agent.check_xfer_state(item[0])
+            if state != "PROC":
+                pending.remove(item)
+                item[0].release()
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL write of {item[1]} failed ({state})")
+                ended.append(item)
+        return ended
+
+    def wait(self, pending: list[tuple[Any, str]], deadline: float) -> float:
+        """Until every transfer of `pending` (`reap`) ended; the `time.perf_counter()` when
+        the last one had, before they are released (`pending` is then empty).
+
+        Raises:
+            TimeoutError: one did not complete by `deadline` (`time.monotonic()`; named).
+            RuntimeError: NIXL failed one (named).
+        """
+        while late := [w for h, w in pending if self._agent.check_xfer_state(h) == "PROC"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NIXL write of {late[0]} not complete in time")
+            time.sleep(POLL_PAUSE_S)
+        ended = time.perf_counter()
+        self.reap(pending)
+        return ended
 
     def forget_remote(self, name: str) -> None:
         """Disconnect from peer `name` (cancelling what is in flight to it)."""
@@ -228,6 +284,39 @@ class Agent:
             logger.warning("nixl: cannot disconnect from %s: %s", name, exc)
 
 
+def release(handle: Any) -> None:
+    """Release a transfer handle, cancelling the transfer if it is still in flight."""
+    try:
+        handle.release()
+    except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
+        logger.warning("nixl: a transfer could not be released: %s", exc)
+
+
+class SendBuffers:
+    """Registered send buffers of an agent (`key` names their registrations), kept across
+    pushes and made anew when a push needs other ones."""
+
+    def __init__(self, agent: Agent, key: str) -> None:
+        self._agent, self._key = agent, key
+        self._buffers: list[torch.Tensor] = []
+
+    def ready(self, count: int, nbytes: int) -> list[torch.Tensor]:
+        """`count` registered buffers of `nbytes` at least."""
+        if len(self._buffers) != count or self._buffers[0].numel() < nbytes:
+            self.close()
+            for index in range(count):
+                buffer = torch.zeros(nbytes, dtype=torch.uint8)  # pages faulted in once, here
+                self._agent.register(f"{self._key}-{index}", buffer)
+                self._buffers.append(buffer)
+        return self._buffers
+
+    def close(self) -> None:
+        """Deregister and free the buffers."""
+        for index in range(len(self._buffers)):
+            self._agent.forget(f"{self._key}-{index}")
+        self._buffers = []
+
+
 _rank_agents: dict[str, Agent] = {}
 _publisher_agents: dict[tuple[str, str], Agent] = {}
 _agents_lock = threading.Lock()
@@ -244,8 +333,10 @@ def _close_agents() -> None:
         agent.close()
 
 
-def publisher_agent(*, ucx_devices: str = "", ucx_tls: str = DEFAULT_UCX_TLS) -> Agent:
-    """This process's publisher agent for these UCX settings (made on first use)."""
+def publisher_agent(host: str, *, ucx_devices: str = "", ucx_tls: str = DEFAULT_UCX_TLS) -> Agent:
+    """This process's publisher agent for these UCX settings, made on first use (`ucx_devices`
+    "": UCX kept to the interface that reaches `host`, the address engines reach it at)."""
+    ucx_devices = ucx_devices or interface_towards(host)
     with _agents_lock:
         key = (ucx_devices, ucx_tls)
         if key not in _publisher_agents:

@@ -1,18 +1,11 @@
-"""The write schedule of a session: per plan bucket, what the publisher packs for each rank and
-where every packed byte lands in that rank's memory.
+"""The write schedule of a trainer rank's tensors sent whole (`sends`; in a group of one, every
+tensor): per plan bucket, what the rank packs for each engine rank and where every packed byte
+lands in that engine rank's memory. It depends only on the plan and the engine ranks' layouts,
+so it is computed once per layout; each engine rank receives exactly its share.
 
-It depends only on the plan and the ranks' layouts (`DirectTarget` + where their memory
-starts), so the publisher computes it once per layout and reuses it for every push. Each rank
-receives exactly its share: a TP-2 rank gets half of a split tensor, never all of it.
-
-A tensor of the plan that a rank's slice map does not name (a delta's payload) reaches that
-rank whole, in its *inbox*: per bucket, such entries lie back to back at aligned offsets
-(`inbox_entries`, computed the same way by the rank from the plan and its own slice map) in
-one of the inbox's slots. The publisher packs each such entry once per bucket, in a shared
-area after the ranks' areas of the send buffer, and every rank's WRITE reads it from there.
-
-A trainer rank's schedule covers the tensors it sends whole (`sends`; in a group of one,
-every tensor): the other entries of each bucket are other ranks' (or go in cells).
+A tensor an engine rank's slice map does not name goes whole into its inbox (`NixlInbox`), at
+the offsets `inbox_entries` gives; it is packed once per bucket, after the engine ranks' areas
+of the send buffer.
 """
 
 import math
@@ -24,12 +17,23 @@ import torch
 
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan import BucketPlan, Plan
-from weightbus.core.plan.bucket import ALIGN_BYTES, BucketEntry
+from weightbus.core.plan.bucket import ALIGN_BYTES, BucketEntry, align_up
 from weightbus.core.transport.parts.layout import RegionCopy
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+def run_starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each run of `lengths` bytes starts when the runs are packed back to back."""
+    return np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+
+
+def descriptor_rows(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The NIXL descriptors (N x 3: address, bytes, device 0) of a WRITE of the runs starting
+    at `local` addresses onto `remote` runs (`[address, bytes]` rows)."""
+    zeros = np.zeros(len(remote), dtype=np.uint64)
+    return (
+        np.ascontiguousarray(np.stack([local, remote[:, 1], zeros], axis=1)),
+        np.ascontiguousarray(np.stack([remote[:, 0], remote[:, 1], zeros], axis=1)),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,25 +70,27 @@ class WholeJob:
 
 @dataclass(slots=True)
 class RankWrites:
-    """One rank's part of one bucket: the jobs to pack, then one WRITE of `local` (offsets in
-    the rank's area) onto `remote` (`[address, length, 0]` rows in the rank's memory), plus
-    the entries it receives whole (`whole`: into its inbox slot)."""
+    """One rank's part of one bucket: the jobs to pack into its area (from `area` of the send
+    buffer), then one WRITE of `local` (offsets in the area) onto `remote` (`[address, length]`
+    rows in the rank's memory), plus the entries it receives whole (`whole`: into its inbox)."""
 
+    area: int = 0
     jobs: list[SliceJob] = field(default_factory=list)
     local: list[np.ndarray] = field(default_factory=list)
     remote: list[np.ndarray] = field(default_factory=list)
     nbytes: int = 0
     whole: list[WholeJob] = field(default_factory=list)
 
-    @property
-    def whole_nbytes(self) -> int:
-        return sum(job.entry.nbytes for job in self.whole)
-
-    def add(self, job: SliceJob, pieces: np.ndarray) -> None:
+    def add(self, name: str, base: int, each: RegionCopy, rows: tuple[int, int, int]) -> None:
+        """The job of the rows of tensor `name` that `rows` (start, end, row bytes) covers and
+        slice `each` takes, if any (the rank's memory starts at `base`)."""
+        taken = _rows_of_copy(each, rows)
+        if taken is None:
+            return
+        pieces = _pieces(base, each, *taken)
+        job = SliceJob(name, each, *taken, align_up(self.nbytes), int(pieces[:, 1].sum()))
         self.jobs.append(job)
-        lengths = pieces[:, 1]
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
-        self.local.append(np.uint64(job.packed_offset) + starts)
+        self.local.append(np.uint64(job.packed_offset) + run_starts(pieces[:, 1]))
         self.remote.append(pieces)
         self.nbytes = job.packed_offset + job.nbytes
 
@@ -107,12 +113,7 @@ class RankWrites:
         if not remote_parts:
             empty = np.zeros((0, 3), dtype=np.uint64)
             return empty, empty.copy()
-        remote = np.concatenate(remote_parts)
-        local = np.concatenate(local_parts)
-        zeros = np.zeros(len(remote), dtype=np.uint64)
-        local_rows = np.stack([local, remote[:, 1], zeros], axis=1)
-        remote_rows = np.stack([remote[:, 0], remote[:, 1], zeros], axis=1)
-        return np.ascontiguousarray(local_rows), np.ascontiguousarray(remote_rows)
+        return descriptor_rows(np.concatenate(local_parts), np.concatenate(remote_parts))
 
 
 def entry_rows(meta: TensorMeta, entry: BucketEntry, bucket_bytes: int) -> tuple[int, int, int]:
@@ -169,13 +170,13 @@ def inbox_entries(bucket: BucketPlan, held: Container[str]) -> list[BucketEntry]
         if entry.name in held:
             continue
         entries.append(replace(entry, offset=offset))
-        offset = _aligned(offset + entry.nbytes)
+        offset = align_up(offset + entry.nbytes)
     return entries
 
 
 def inbox_slot_bytes(per_bucket: Sequence[Sequence[BucketEntry]]) -> int:
     """The inbox slot that holds any bucket's whole entries (0: none needed)."""
-    return max((_aligned(entries[-1].end) for entries in per_bucket if entries), default=0)
+    return max((align_up(entries[-1].end) for entries in per_bucket if entries), default=0)
 
 
 class Schedule:
@@ -185,16 +186,14 @@ class Schedule:
         plan: the session's plan.
         ranks: per rank, `(address of its memory, its checked slice map)`; a tensor of the
             plan that the slice map lacks goes to the rank whole, into its inbox.
-        sends: the tensors this schedule writes (None: every tensor of the plan); the other
-            entries are left out (an inbox entry keeps its offset in the slot all the same).
+        sends: the tensors this schedule writes; the other entries are left out (an inbox
+            entry keeps its offset in the slot all the same).
 
     Attributes:
+        plan: the session's plan.
         buckets: `buckets[b][i]` is rank i's part of bucket b.
         slot_bytes: the send buffer one bucket needs (every rank's area, then the entries
             some rank receives whole, aligned).
-        area_offsets: `area_offsets[b][i]`: where rank i's area starts in the send buffer.
-        whole_offsets: `whole_offsets[b]`: name -> where bucket b's entry of that tensor is
-            packed whole in the send buffer (entries no rank receives whole are absent).
         inbox_bytes: `inbox_bytes[i]`: the inbox slot rank i needs (0: none).
     """
 
@@ -202,53 +201,34 @@ class Schedule:
         self,
         plan: Plan,
         ranks: list[tuple[int, dict[str, list[RegionCopy]]]],
-        sends: Container[str] | None = None,
+        sends: set[str],
     ) -> None:
         metas = {meta.name: meta for meta in plan.metas}
-        self.sends = sends
+        self.plan, self.sends = plan, sends
         self.buckets: list[list[RankWrites]] = []
-        self.area_offsets: list[list[int]] = []
-        self.whole_offsets: list[dict[str, int]] = []
         self.slot_bytes = ALIGN_BYTES
         inboxes: list[list[list[BucketEntry]]] = [[] for _ in ranks]
         for bucket in plan.buckets:
             writes = [RankWrites() for _ in ranks]
             for entry in bucket.entries:
-                if not self.sent(entry.name) or not any(entry.name in c for _, c in ranks):
+                if entry.name not in sends or not any(entry.name in c for _, c in ranks):
                     continue  # another rank's, or whole to every rank: no rows to split
                 rows = entry_rows(metas[entry.name], entry, plan.bucket_bytes)
                 for (base, copies), rank_writes in zip(ranks, writes, strict=True):
                     for each in copies.get(entry.name, []):
-                        self._add(rank_writes, entry.name, base, each, rows)
-            offsets = [0]
+                        rank_writes.add(entry.name, base, each, rows)
+            end = 0
             for rank_writes in writes:
-                offsets.append(offsets[-1] + _aligned(rank_writes.nbytes))
+                rank_writes.area, end = end, end + align_up(rank_writes.nbytes)
             whole: dict[str, int] = {}
-            end = offsets[-1]
             for (_, copies), rank_writes, inbox in zip(ranks, writes, inboxes, strict=True):
-                entries = [e for e in inbox_entries(bucket, copies) if self.sent(e.name)]
+                entries = [e for e in inbox_entries(bucket, copies) if e.name in sends]
                 inbox.append(entries)
                 for entry in entries:
                     if entry.name not in whole:
                         whole[entry.name] = end
-                        end = _aligned(end + entry.nbytes)
+                        end = align_up(end + entry.nbytes)
                     rank_writes.whole.append(WholeJob(entry, whole[entry.name]))
             self.buckets.append(writes)
-            self.area_offsets.append(offsets[:-1])
-            self.whole_offsets.append(whole)
             self.slot_bytes = max(self.slot_bytes, end)
         self.inbox_bytes = [inbox_slot_bytes(inbox) for inbox in inboxes]
-
-    def sent(self, name: str) -> bool:
-        """Whether this schedule writes tensor `name`."""
-        return self.sends is None or name in self.sends
-
-    @staticmethod
-    def _add(writes: RankWrites, name: str, base: int, each: RegionCopy, rows) -> None:
-        taken = _rows_of_copy(each, rows)
-        if taken is None:
-            return
-        pieces = _pieces(base, each, *taken)
-        offset = _aligned(writes.nbytes)
-        job = SliceJob(name, each, *taken, offset, int(pieces[:, 1].sum()))
-        writes.add(job, pieces)

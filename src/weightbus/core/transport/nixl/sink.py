@@ -8,50 +8,36 @@ socket (`tcp://`) and says hello with its NIXL agent's metadata and its paramete
 (`NixlOrder`). Once an engine rank's WRITE of a bucket is complete, a `TensorsWritten` tells it
 which tensors are done, with the digests of the bytes now in its regions, which the rank
 re-reads to verify: in a group of one as each WRITE completes (the leader's own sender calls
-back, `hooks.WriteHooks`), in a group of several once every trainer rank reported. An engine
+back, `writes.WriteHooks`), in a group of several once every trainer rank reported. An engine
 can join or leave between pushes: nothing else is re-formed.
 
-A session sent by a group of one may carry tensors that are not parameters (a delta push's
-payload): a tensor of the plan that a rank's slice map does not name reaches that rank whole,
-in its inbox. Such a rank answers the `UpdateBegin` with a `NixlInbox` (where its inbox slots
-are, registered with its agent) before its `DirectReady`; the entries travel in the same WRITE
-as the bucket's slices, into slot `bucket % slots`, and the `TensorsWritten` carries their
-digests. The rank hands them to the Receiver as whole tensors and sends a `SlotAck` once the
-Receiver released the batch; a slot is written again only after that ack.
+A group of one may also send tensors that are not parameters (a delta push's payload): they
+are written whole into the ranks' inboxes (`NixlInbox`).
 """
 
-import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from weightbus.core.trainer.writes import write_outcome
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
-from weightbus.core.transport.nixl.agent import DEFAULT_UCX_TLS, interface_towards, publisher_agent
-from weightbus.core.transport.nixl.floor import plain_writes_seconds
-from weightbus.core.transport.nixl.hooks import WriteHooks
+from weightbus.core.transport.nixl.agent import DEFAULT_UCX_TLS, publisher_agent, release
 from weightbus.core.transport.nixl.messages import NixlDescription, NixlHello, NixlInbox
-from weightbus.core.transport.nixl.sender import NixlOrder, NixlReport, NixlTarget
-from weightbus.core.transport.parts.direct_channel import receive_one
-from weightbus.core.transport.parts.layout import checked_copies
+from weightbus.core.transport.nixl.sender import NixlOrder, NixlReport
+from weightbus.core.transport.nixl.writes import NixlTarget, WriteHooks
+from weightbus.core.transport.parts.direct_channel import (
+    receive_one,
+    receive_waiting,
+    tell_outcome,
+    tell_written,
+)
 from weightbus.core.transport.parts.rank_session import JoiningRanks
 from weightbus.core.transport.sending import Sending
-from weightbus.core.wire import (
-    DirectReady,
-    Message,
-    ProtocolError,
-    SlotAck,
-    TensorsWritten,
-    UpdateAbort,
-    decode,
-)
-
-logger = logging.getLogger(__name__)
-
-_CHECKED_KEPT = 16  # engine layouts known to fit a plan (engines alternate between arenas)
+from weightbus.core.wire import DirectReady, Message, SlotAck, UpdateAbort
 
 
 class SessionRanks(JoiningRanks):
@@ -116,10 +102,7 @@ class NixlSink(BucketSink):
         self.inflight_buckets = inflight_buckets
         self._host, self._ucx_devices, self._ucx_tls = host, ucx_devices, ucx_tls
         # the leader's own sender writes with the same agent (`NixlOrder`'s settings)
-        self._agent = publisher_agent(
-            ucx_devices=ucx_devices or interface_towards(host), ucx_tls=ucx_tls
-        )
-        self._key = f"sink-{id(self):x}"  # this sink's registrations in the shared agent
+        self._agent = publisher_agent(host, ucx_devices=ucx_devices, ucx_tls=ucx_tls)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         try:
@@ -131,11 +114,9 @@ class NixlSink(BucketSink):
             self.close()
             raise ValueError(f"nixl: cannot listen on {host}:{port}: {exc}") from None
         self.endpoint = f"tcp://{host}:{port}"
-        self._checked: set[tuple] = set()  # engine layouts checked against a plan
         # bytes written into each (engine, rank) by the last push: each rank's share
         self.rank_bytes: dict[tuple[int, int], int] = {}
-        # (agent, memory address, memory bytes) per rank
-        self._last_targets: list[tuple[str, int, int]] = []
+        self._last_targets: list[NixlTarget] = []  # the engine ranks of the last push
 
     def sibling_options(
         self, sink_options: dict[str, Any], setup_options: dict[str, Any] | None
@@ -143,8 +124,7 @@ class NixlSink(BucketSink):
         return {**sink_options, "port": 0}, setup_options  # its own socket
 
     def carries_any_tensors_from(self, ranks: int) -> bool:
-        """Tensors that are not parameters go whole into inboxes, whose slots the engine ranks
-        release to the leader: only a group of one writes them."""
+        # tensors that are not parameters go whole into inboxes, released to the leader
         return ranks == 1
 
     def prepare(
@@ -175,7 +155,12 @@ class NixlSink(BucketSink):
         joined = ranks.ordered()
         identities = [identity for identity, _ in joined]
         try:
-            self._check_targets(session, [hello for _, hello in joined])
+            # before any byte is written: every rank offered memory, its agent loads, and its
+            # memory is laid out to fit the plan (the leader's own sender compiles its writes)
+            order = self._order(session, ranks, joined)
+            for target in order.targets:
+                self._agent.load_remote(target.agent_name, target.agent_metadata, target.describe())
+            sending.senders(self.key, self.name).compiled(sending.layout, order)
             self._send(identities, msgspec.structs.replace(session.begin_message(), direct=True))
             # no byte lands in a rank's parameters before the rank knows they are being written
             while len(ranks.ready) < len(joined):
@@ -183,53 +168,40 @@ class NixlSink(BucketSink):
             order = self._order(session, ranks, joined)
             hooks = None
             if sending.single:  # each bucket told as soon as its WRITE completed
-                hooks = self._hooks(session, ranks, identities, deadline, progress)
+                hooks = WriteHooks(
+                    written=lambda index, bucket, digests, slices: tell_written(
+                        self._socket, session, identities[index], bucket, digests, slices=slices
+                    ),
+                    progress=progress,
+                    acks=ranks.acks,
+                    listen=lambda: self._listen(ranks),
+                    abandoned=lambda: session.abandoned,
+                    deadline=deadline,
+                )
             reports = self.everyone(sending, order, hooks)
             self._account(
-                session,
-                sending=sending,
-                order=order,
-                reports=reports,
-                identities=identities,
-                progress=progress,
+                session, sending, order, reports, identities=identities, progress=progress
             )
         except Exception as exc:
             reason = f"publisher failed: {type(exc).__name__}: {exc}"
             self._send(identities, UpdateAbort(session_id=session.session_id, reason=reason))
-            self._forget([hello for _, hello in joined])
             raise
-        self._last_targets = [
-            (hello.agent_name, hello.memory_address, hello.target.nbytes) for _, hello in joined
-        ]
+        self._last_targets = order.targets
         self._send(identities, session.end_message())
-
-    def _check_targets(self, session: PushSession, hellos: list[NixlHello]) -> None:
-        """Before any byte is written: every rank offered memory laid out to fit the plan, and
-        its agent can be loaded (each failure names the rank)."""
-        metas = {meta.name: meta for meta in session.plan.metas}
-        for hello in hellos:
-            where = f"engine {hello.group} rank {hello.rank}"
-            if hello.target is None:
-                raise ValueError(f"{where}: {hello.refusal}")
-            key = (hello.target.file, hello.target.layout_hash, session.plan.plan_hash)
-            if key not in self._checked:
-                try:
-                    checked_copies(hello.target, metas, partial=True)
-                except ValueError as exc:
-                    raise ValueError(f"{where}: {exc}") from None
-                if len(self._checked) >= _CHECKED_KEPT:
-                    self._checked.clear()
-                self._checked.add(key)
-            self._load_agent(hello)
 
     def _order(
         self, session: PushSession, ranks: SessionRanks, joined: list[tuple[bytes, NixlHello]]
     ) -> NixlOrder:
-        """Every trainer rank's order: the engine ranks (with their inboxes, sent before
-        their `DirectReady`, so here by now; registering one changed the agent's metadata)."""
+        """Every trainer rank's order: the engine ranks (with the inboxes offered so far: all of
+        them once every rank sent its `DirectReady`; registering one changed the metadata).
+
+        Raises:
+            ValueError: a rank offered no memory (named, with its reason).
+        """
         targets = []
         for _, hello in joined:
-            assert hello.target is not None  # checked
+            if hello.target is None:
+                raise ValueError(f"engine {hello.group} rank {hello.rank}: {hello.refusal}")
             inbox = ranks.inboxes.get((hello.group, hello.rank))
             targets.append(
                 NixlTarget(
@@ -253,41 +225,13 @@ class NixlSink(BucketSink):
             ucx_tls=self._ucx_tls,
         )
 
-    def _hooks(
-        self,
-        session: PushSession,
-        ranks: SessionRanks,
-        identities: list[bytes],
-        deadline: float,
-        progress: Progress,
-    ) -> WriteHooks:
-        """What the leader's own sender, alone in its group, calls as its WRITEs complete."""
-
-        def written(index: int, bucket: int, digests: dict, slices: dict) -> None:
-            message = TensorsWritten(
-                session_id=session.session_id,
-                bucket_index=bucket,
-                digests=digests,
-                slice_digests=slices,
-            )
-            self._socket.send_multipart([identities[index], message.encode()])
-
-        return WriteHooks(
-            written=written,
-            progress=progress,
-            acks=ranks.acks,
-            listen=lambda: self._listen(ranks),
-            abandoned=lambda: session.abandoned,
-            deadline=deadline,
-        )
-
     def _account(
         self,
         session: PushSession,
-        *,
         sending: Sending,
         order: NixlOrder,
         reports: list[NixlReport],
+        *,
         identities: list[bytes],
         progress: Progress,
     ) -> None:
@@ -306,26 +250,8 @@ class NixlSink(BucketSink):
             (target.group, target.rank): sum(report.target_bytes[index] for report in reports)
             for index, target in enumerate(order.targets)
         }
-        if sending.single:
-            return
-        for bucket in session.plan.buckets:
-            names = bucket.finished_names()
-            digests = {name: outcome.digests[name] for name in names}
-            for identity, slices in zip(identities, outcome.slice_digests, strict=True):
-                message = TensorsWritten(
-                    session_id=session.session_id,
-                    bucket_index=bucket.index,
-                    digests=digests,
-                    slice_digests={name: slices[name] for name in names if name in slices},
-                )
-                self._socket.send_multipart([identity, message.encode()])
-            progress(bucket.payload_bytes)
-
-    def _load_agent(self, hello: NixlHello) -> None:
-        try:
-            self._agent.load_remote(hello.agent_name, hello.agent_metadata)
-        except (RuntimeError, ValueError) as exc:
-            raise type(exc)(f"engine {hello.group} rank {hello.rank}: {exc}") from None
+        if not sending.single:
+            tell_outcome(self._socket, session, identities, outcome, progress)
 
     def raw_write_seconds(self, timeout_s: float = 60.0) -> float:
         """The floor of the last push (benchmarks): the seconds plain WRITEs of each rank's
@@ -341,20 +267,27 @@ class NixlSink(BucketSink):
             raise ValueError("nixl: no push completed yet")
         # a share written into an inbox too (a delta push) is written into the memory alone
         shares = [
-            (agent, address, min(nbytes, memory))
-            for nbytes, (agent, address, memory) in zip(
-                self.rank_bytes.values(), self._last_targets, strict=True
-            )
+            (t.agent_name, t.memory_address, min(nbytes, t.target.nbytes))
+            for nbytes, t in zip(self.rank_bytes.values(), self._last_targets, strict=True)
         ]
-        return plain_writes_seconds(self._agent, f"{self._key}-floor", shares, timeout_s)
-
-    def _forget(self, hellos: list[NixlHello]) -> None:
-        """After a failed session: disconnect its ranks' agents, cancelling what is in flight,
-        so nothing of it can land later; the next push reconnects. (Every trainer rank's
-        sender disconnects its own agent when its part fails; the send buffers stay
-        registered: a cancelled transfer NIXL could not release yet still refers to them.)"""
-        for hello in hellos:
-            self._agent.forget_remote(hello.agent_name)
+        source = torch.ones(max(nbytes for _, _, nbytes in shares), dtype=torch.uint8)
+        key, nixl = f"sink-{id(self):x}-floor", self._agent.nixl
+        self._agent.register(key, source)
+        pending: list[tuple[Any, str]] = []
+        try:
+            for agent, address, nbytes in shares:
+                local = nixl.get_xfer_descs([(source.data_ptr(), nbytes, 0)], "DRAM")
+                remote = nixl.get_xfer_descs([(address, nbytes, 0)], "DRAM")
+                handle = nixl.initialize_xfer("WRITE", local, remote, agent)
+                pending.append((handle, f"the floor's bytes to {agent}"))
+            start = time.perf_counter()
+            for handle, _ in pending:
+                nixl.transfer(handle)
+            return self._agent.wait(pending, time.monotonic() + timeout_s) - start
+        finally:
+            for handle, _ in pending:
+                release(handle)
+            self._agent.forget(key)
 
     def _receive(
         self, ranks: SessionRanks, deadline: float, what: str, anyway: bool = False
@@ -365,15 +298,7 @@ class NixlSink(BucketSink):
 
     def _listen(self, ranks: SessionRanks) -> bool:
         """Take every rank message already here (never waits); True when any came."""
-        came = False
-        while self._socket.poll(0):
-            identity, data = self._socket.recv_multipart()
-            came = True
-            try:
-                ranks.on_message(identity, decode(data))
-            except ProtocolError as exc:
-                logger.warning("dropping a malformed message from a receiver: %s", exc)
-        return came
+        return receive_waiting(self._socket, ranks.on_message)
 
     def _send(self, identities: list[bytes], message: Message) -> None:
         frame = message.encode()

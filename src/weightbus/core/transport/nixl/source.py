@@ -1,19 +1,15 @@
 """`nixl`, engine-rank side: offer this rank's registered parameters, then follow the
-publisher's notices of what it wrote there. The rank's CPU is not on the data path: the bytes
-arrive as one-sided NIXL WRITEs, and the rank only re-reads its own regions to verify them.
+publisher's notices of what it wrote there (the bytes arrive as one-sided NIXL WRITEs; the rank
+only re-reads its own regions to verify them).
 
-Tensors of the session that the rank's slice map does not name (a delta push's payload) are
-written whole into the rank's *inbox*: `INBOX_SLOTS` slots in one buffer registered with the
-rank's agent, made when a session first needs one (sized to its largest bucket of such
-tensors), grown when a later session needs more, and reused otherwise. The rank offers it
-with a `NixlInbox` after the `UpdateBegin`, hands the Receiver typed views into the slot (a
-tensor split across buckets is reassembled), and acknowledges each slot with a `SlotAck` once
-the Receiver released its batch.
+Tensors written whole (`NixlInbox`) land in the rank's inbox: one buffer of `INBOX_SLOTS`
+slots registered with its agent, made when a session first needs one, grown when one needs
+more; the Receiver gets typed views into the slot (a split tensor reassembled).
 """
 
 import threading
-import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -25,13 +21,9 @@ from weightbus.core.transport.nixl.agent import Agent, rank_agent
 from weightbus.core.transport.nixl.messages import NixlDescription, NixlHello, NixlInbox
 from weightbus.core.transport.nixl.schedule import inbox_entries, inbox_slot_bytes
 from weightbus.core.transport.parts.arena import DirectPlacement
+from weightbus.core.transport.parts.direct_channel import written_batches
 from weightbus.core.transport.parts.rank_session import RankSessionSource
-from weightbus.core.wire import (
-    DirectReady,
-    ProtocolError,
-    TensorsWritten,
-    UpdateBegin,
-)
+from weightbus.core.wire import DirectReady, ProtocolError, UpdateBegin
 
 NO_MEMORY = (
     "transport nixl writes into the parameters' shared-memory arena, and this rank has none "
@@ -41,13 +33,13 @@ NO_MEMORY = (
 INBOX_SLOTS = 2
 
 
+@dataclass
 class _Inbox:
     """One registered inbox buffer of an agent; `busy` while a session uses it."""
 
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.memory: torch.Tensor | None = None
-        self.busy = False
+    key: str
+    memory: torch.Tensor | None = None
+    busy: bool = False
 
 
 # Inboxes by agent name, kept across sessions (registering memory changes the agent's
@@ -78,10 +70,6 @@ def _acquire_inbox(agent: Agent, nbytes: int) -> _Inbox:
         _release_inbox(inbox)
         raise
     return inbox
-
-
-def _no_ack() -> None:
-    """The release of a batch with nothing in the inbox: no slot to hand back."""
 
 
 def _release_inbox(inbox: _Inbox) -> None:
@@ -118,21 +106,18 @@ class NixlSource(RankSessionSource):
     def _hello(self) -> NixlHello:
         agent = self._agent = rank_agent(self.rank, self._publisher_host)
         placement = self._placement
-        fields = {
-            "session_id": self.session_id,
-            "group": self.group,
-            "rank": self.rank,
-            "tp_size": self.tp_size,
-            "agent_name": agent.name,
-        }
-        if placement is None or placement.memory is None:
-            return NixlHello(**fields, agent_metadata=agent.metadata(), refusal=NO_MEMORY)
-        agent.register(placement.target.file, placement.memory)
+        offer: dict = {"refusal": NO_MEMORY}
+        if placement is not None and placement.memory is not None:
+            agent.register(placement.target.file, placement.memory)
+            offer = {"memory_address": placement.memory.data_ptr(), "target": placement.target}
         return NixlHello(
-            **fields,
+            session_id=self.session_id,
+            group=self.group,
+            rank=self.rank,
+            tp_size=self.tp_size,
+            agent_name=agent.name,
             agent_metadata=agent.metadata(),
-            memory_address=placement.memory.data_ptr(),
-            target=placement.target,
+            **offer,
         )
 
     def begin(self, timeout_s: float) -> UpdateBegin:
@@ -176,44 +161,29 @@ class NixlSource(RankSessionSource):
     def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
         """One batch per plan bucket: the tensors written into this rank's parameters
         (`placed`, with the digests of its slices) and those written whole into its inbox
-        (`tensors`: views valid until the batch's `release`).
-
-        A batch's `nbytes` are the bytes of this rank's slices of the tensors it completes (a
-        tensor split across buckets counts once, in the bucket of its last byte) and the bytes
-        of the bucket written into its inbox."""
+        (`tensors`: views valid until the batch's `release`; their bytes count in `nbytes`)."""
         assert self._plan is not None, "begin() first"
         assert self._placement is not None
-        regions = self._placement.regions
-        deadline = time.monotonic() + timeout_s
         assembler = ChunkAssembler(buffers=_assembly_buffers)
-        for bucket in self._plan.buckets:
-            written = self._recv(TensorsWritten, deadline - time.monotonic())
-            names = bucket.finished_names()
-            if written.bucket_index != bucket.index or set(written.digests) != set(names):
-                raise ValueError(f"written tensors of bucket {bucket.index} do not match the plan")
+
+        def inbox(bucket: BucketPlan) -> ReceivedBatch | None:
             whole = self._whole[bucket.index]
-            tensors = []
-            if whole:
-                slot = self._slot(bucket.index)
-                tensors = list(
+            if not whole:
+                return None
+            assert self._inbox_memory is not None
+            start = (bucket.index % INBOX_SLOTS) * self._slot_bytes
+            slot = self._inbox_memory[start : start + self._slot_bytes]
+            return ReceivedBatch(
+                tensors=list(
                     unpack_bucket(BucketPlan(bucket.index, tuple(whole)), slot, assembler)
-                )
-            received = {entry.name for entry in whole}
-            placed = [(name, regions.get(name)) for name in names if name not in received]
-            yield ReceivedBatch(
-                tensors=tensors,
-                digests=dict(written.digests),
-                nbytes=sum(region.nbytes for _, region in placed if region is not None)
-                + sum(entry.nbytes for entry in whole),
-                placed=placed,
-                placed_digests=dict(written.slice_digests),
-                release=self._acker(bucket.index, bucket.index % INBOX_SLOTS) if whole else _no_ack,
+                ),
+                digests={},
+                nbytes=sum(entry.nbytes for entry in whole),
+                release=self._acker(bucket.index, bucket.index % INBOX_SLOTS),
             )
 
-    def _slot(self, bucket_index: int) -> torch.Tensor:
-        assert self._inbox_memory is not None
-        start = (bucket_index % INBOX_SLOTS) * self._slot_bytes
-        return self._inbox_memory[start : start + self._slot_bytes]
+        regions = self._placement.regions
+        yield from written_batches(self._recv, self._plan, regions, timeout_s, inbox)
 
     def close(self) -> None:
         super().close()

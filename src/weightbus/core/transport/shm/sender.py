@@ -130,10 +130,7 @@ class ShmRankSender(RankSender):
                 whole_slices[target].update(found)
         sent = sum(target.slice_bytes.get(name, 0) for target in targets for name in mine)
         sent += self._copy(cells.pieces, targets, work)
-        blocks = BlockDigests([])
-        if cells.digest_plan.regions:
-            key = f"{work.key}/digests"
-            blocks = compute(cells.digest_plan, work.holdings, work.group, key, work.deadline)
+        blocks = cells.blocks(work.holdings, work.group, work.key, work.deadline)
         return WriteReport(
             schedule_hash=cells.schedule_hash,
             sent_bytes=sent,

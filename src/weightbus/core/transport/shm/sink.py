@@ -27,7 +27,7 @@ from weightbus.core.plan import BucketPlan
 from weightbus.core.trainer.digests import combine, digest_plan
 from weightbus.core.trainer.writes import write_outcome
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
-from weightbus.core.transport.parts.direct_channel import receive_one
+from weightbus.core.transport.parts.direct_channel import receive_one, tell_outcome, tell_written
 from weightbus.core.transport.parts.layout import checked_copies
 from weightbus.core.transport.parts.rank_session import JoiningRanks
 from weightbus.core.transport.parts.shared_memory import Slot, private_ipc_dir, remove_stale_slots
@@ -41,7 +41,6 @@ from weightbus.core.wire import (
     Message,
     ReceiverHello,
     SlotAck,
-    TensorsWritten,
     UpdateAbort,
     WireEntry,
 )
@@ -280,13 +279,8 @@ class ShmSink(BucketSink):
         def tell(bucket_index: int, digests: dict, slices: dict[int, dict[str, str]]) -> None:
             session.digests.update(digests)
             for rank_index, identity in enumerate(identities):
-                message = TensorsWritten(
-                    session_id=session.session_id,
-                    bucket_index=bucket_index,
-                    digests=digests,
-                    slice_digests=slices.get(rank_index, {}),
-                )
-                self._socket.send_multipart([identity, message.encode()])
+                found = slices.get(rank_index, {})
+                tell_written(self._socket, session, identity, bucket_index, digests, slices=found)
             progress(nbytes[bucket_index])
 
         order = WriteOrder(
@@ -304,13 +298,8 @@ class ShmSink(BucketSink):
             return
         cells = sending.senders(self.key, self.name).cells(sending.layout, order)
         outcome = write_outcome(sending.layout, cells, reports, len(offers))
-        for bucket in session.plan.buckets:
-            names = bucket.finished_names()
-            slices = {
-                index: {name: found[name] for name in names if name in found}
-                for index, found in enumerate(outcome.slice_digests)
-            }
-            tell(bucket.index, {name: outcome.digests[name] for name in names}, slices)
+        session.digests.update(outcome.digests)
+        tell_outcome(self._socket, session, identities, outcome, progress)
 
     def _await_direct_ready(self, receivers: SessionReceivers, deadline: float) -> None:
         """No byte lands in a rank's parameters before the rank knows they are being written:
