@@ -141,9 +141,8 @@ class ByteCounter:
 class PushSession:
     """What a sink needs to know about one push (publisher side).
 
-    `digests` fills while the session runs: a sink that reads every byte anyway (direct
-    writes) digests as it copies; others call `ensure_digests` first. `fingerprint` needs them
-    all.
+    `digests` fills while the session runs, from what the trainer ranks report as they send;
+    `fingerprint` needs them all.
 
     `sent_bytes` counts the tensor bytes the sink handed to its transport in this push
     (`count_sent`; never alignment padding or message frames): copied into the ranks'
