@@ -11,8 +11,7 @@ import torch
 from engine_harness import NUM_GREEDY_TOKENS, PROMPT, greedy_generate, hf_reference
 from safetensors.torch import save_file
 
-from weightbus.core.delta import version_digests
-from weightbus.core.digest import fingerprint_of_digests
+from weightbus.core.digest import fingerprint_of_digests, fingerprint_of_tensors
 from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.fp8 import (
     FP8_DTYPE,
@@ -234,7 +233,7 @@ def test_an_engine_quantizing_at_load_reports_what_a_trainer_in_its_dtype_pushes
     as a trainer holding the weights in D does in its push: one fingerprint."""
     records = weights_records("tiny", resolve_config("tiny", "fp8-block"), 0, dtype)
     trainer = [(n, t.to(dtype)) for n, t in random_hf_weights(resolve_config("tiny"), 0)]
-    _, pushed = version_digests(dict(quantize_weights(trainer, BLOCK)))
+    pushed = fingerprint_of_tensors(quantize_weights(trainer, BLOCK))
     assert fingerprint_of_digests(records) == pushed
 
 
