@@ -20,7 +20,6 @@ import msgspec
 from safetensors import SafetensorError, safe_open
 
 from weightbus.core.transport.base import (
-    BucketSink,
     BucketSource,
     Progress,
     PushSession,
@@ -28,8 +27,8 @@ from weightbus.core.transport.base import (
     SourceDescription,
     no_progress,
 )
-from weightbus.core.transport.parts.files import create_file, write_files
-from weightbus.core.transport.parts.session_dir import SessionDirectories
+from weightbus.core.transport.parts.files import create_file
+from weightbus.core.transport.parts.session_dir import SessionDirSink
 from weightbus.core.transport.sending import Sending
 from weightbus.core.wire import UpdateBegin, UpdateEnd
 
@@ -58,15 +57,7 @@ class DiskManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     end: UpdateEnd
 
 
-def shard_names(session: PushSession) -> list[list[str]]:
-    """Whole tensors per shard: a tensor goes to the shard of the bucket where it starts."""
-    return [
-        [entry.name for entry in bucket.entries if entry.tensor_offset == 0]
-        for bucket in session.plan.buckets
-    ]
-
-
-class DiskSink(BucketSink):
+class DiskSink(SessionDirSink):
     """Writes each push as a session directory under `root`; keeps only the newest one.
 
     Args:
@@ -78,53 +69,32 @@ class DiskSink(BucketSink):
     name = "disk"
 
     def __init__(self, root: str | Path | None = None) -> None:
-        self._directories = SessionDirectories(root, DISK_ROOT_PREFIX)
-        self.root = self._directories.root
+        super().__init__(root, DISK_ROOT_PREFIX)
 
     def prepare(
         self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> DiskDescription:
-        tmp = self._directories.start(session.session_id)
+        tmp = self._start(session.session_id)
         metas = {meta.name: meta for meta in session.plan.metas}
         records, files = [], []
-        for index, names in enumerate(shard_names(session)):
+        for bucket in session.plan.buckets:
+            # whole tensors: each in the shard of the bucket where it starts
+            names = [entry.name for entry in bucket.entries if entry.tensor_offset == 0]
             if names:
-                file = f"shard-{index:05d}.safetensors"
+                file = f"shard-{bucket.index:05d}.safetensors"
                 files.append(create_file(tmp / file, [metas[name] for name in names]))
                 records.append(ShardRecord(file, names))
-        session.digests.update(write_files(self.key, self.name, sending, files))
-        session.count_sent(session.plan.total_bytes)
-        progress(session.plan.total_bytes)
-        return self._publish(tmp, session, records)
-
-    def _publish(
-        self, tmp: Path, session: PushSession, shards: list[ShardRecord]
-    ) -> DiskDescription:
-        """Write the manifest of `shards`, written into `tmp` (with the session's digests),
-        and rename the session into place."""
+        self._write_files(session, sending, files, progress)
         manifest = DiskManifest(
             format=MANIFEST_FORMAT,
             begin=session.begin_message(),
-            shards=shards,
+            shards=records,
             digests=dict(session.digests),
             end=session.end_message(),
         )
         (tmp / MANIFEST_NAME).write_bytes(msgspec.json.encode(manifest))
         (tmp / MANIFEST_NAME).chmod(0o600)
-        final = self._directories.publish(session.session_id)
-        return DiskDescription(path=str(final))
-
-    def stream(
-        self,
-        session: PushSession,
-        sending: Sending,
-        timeout_s: float,
-        progress: Progress = no_progress,
-    ) -> None:
-        """Nothing to stream: `prepare` wrote the whole session."""
-
-    def close(self) -> None:
-        self._directories.close()
+        return DiskDescription(path=str(self._publish(session.session_id)))
 
 
 def read_manifest(directory: Path) -> DiskManifest:

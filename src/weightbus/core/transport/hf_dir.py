@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-import torch
 import xxhash
 from safetensors import safe_open
 
@@ -29,7 +28,6 @@ from weightbus.core.digest import fingerprint_of_digests, tensor_digest
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan import DEFAULT_BUCKET_BYTES, plan_buckets
 from weightbus.core.transport.base import (
-    BucketSink,
     BucketSource,
     Progress,
     PushSession,
@@ -37,8 +35,8 @@ from weightbus.core.transport.base import (
     SourceDescription,
     no_progress,
 )
-from weightbus.core.transport.parts.files import create_file, write_files
-from weightbus.core.transport.parts.session_dir import SessionDirectories
+from weightbus.core.transport.parts.files import create_file
+from weightbus.core.transport.parts.session_dir import SessionDirSink
 from weightbus.core.transport.sending import Sending
 from weightbus.core.wire import UpdateBegin, UpdateEnd, WireMeta
 from weightbus.core.wire.messages import Hex128, NonNegative, TensorName, Version
@@ -82,7 +80,7 @@ class HfDirDescription(SourceDescription, frozen=True):
     fingerprint: Hex128 | None = None
 
 
-class HfDirSink(BucketSink):
+class HfDirSink(SessionDirSink):
     """Saves each push as a Hugging Face checkpoint directory `<root>/<session_id>`: one
     `model.safetensors`, or shards of at most `shard_bytes` with `model.safetensors.index.json`
     (every trainer rank writing its part of them: `parts/files.py`); keeps only the newest.
@@ -99,46 +97,29 @@ class HfDirSink(BucketSink):
     def __init__(self, root: str | Path | None = None, shard_bytes: int = SHARD_BYTES) -> None:
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be > 0, got {shard_bytes}")
-        self._directories = SessionDirectories(root, HF_DIR_ROOT_PREFIX)
-        self.root = self._directories.root
+        super().__init__(root, HF_DIR_ROOT_PREFIX)
         self.shard_bytes = shard_bytes
 
     def prepare(
         self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> HfDirDescription:
-        tmp = self._directories.start(session.session_id)
-        names = [meta.name for meta in session.plan.metas]
+        tmp = self._start(session.session_id)
         shards = _shards(session.plan.metas, self.shard_bytes)
         files = [create_file(tmp / file, metas) for file, metas in shards.items()]
         if len(shards) > 1:
             index = {meta.name: file for file, metas in shards.items() for meta in metas}
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": index}))
-        session.digests.update(write_files(self.key, self.name, sending, files))
-        session.count_sent(session.plan.total_bytes)
-        progress(session.plan.total_bytes)
-        final = self._directories.publish(session.session_id)
+        self._write_files(session, sending, files, progress)
         return HfDirDescription(
-            path=str(final),
+            path=str(self._publish(session.session_id)),
             version=session.version,
             step=session.step,
             session_id=session.session_id,
             bucket_bytes=session.plan.bucket_bytes,
-            names=names,
+            names=[meta.name for meta in session.plan.metas],
             digests=dict(session.digests),
             fingerprint=session.fingerprint,
         )
-
-    def stream(
-        self,
-        session: PushSession,
-        sending: Sending,
-        timeout_s: float,
-        progress: Progress = no_progress,
-    ) -> None:
-        """Nothing to stream: `prepare` saved the whole checkpoint."""
-
-    def close(self) -> None:
-        self._directories.close()
 
 
 class HfDirSource(BucketSource):
@@ -157,6 +138,7 @@ class HfDirSource(BucketSource):
         )
         self._files: dict[str, Path] = {}
         self._header: UpdateBegin | None = None
+        self._num_buckets = 0
         self._digests: dict[str, str] = {}
 
     def begin(self, timeout_s: float) -> UpdateBegin:
@@ -170,11 +152,13 @@ class HfDirSource(BucketSource):
             raise ValueError(f"{self.directory}: unexpected tensors {extra}, missing {missing}")
         metas = [found[name][0] for name in order]
         self._files = {name: found[name][1] for name in order}
+        plan = plan_buckets(metas, self.bucket_bytes)
+        self._num_buckets = plan.num_buckets
         self._header = UpdateBegin(
             session_id=self.session_id,
             version=self.version,
             step=self.step,
-            plan_hash=plan_buckets(metas, self.bucket_bytes).plan_hash,
+            plan_hash=plan.plan_hash,
             bucket_bytes=self.bucket_bytes,
             tensors=[WireMeta.of(meta) for meta in metas],
         )
@@ -188,15 +172,15 @@ class HfDirSource(BucketSource):
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt") as reader:
                 for name in names:
-                    yield self._batch(name, reader.get_tensor(name))
-
-    def _batch(self, name: str, tensor: torch.Tensor) -> ReceivedBatch:
-        if self.given_digests is None:
-            digest = tensor_digest(tensor)
-        else:
-            digest = self.given_digests.get(name, "")
-        self._digests[name] = digest
-        return ReceivedBatch(tensors=[(name, tensor)], digests={name: digest}, nbytes=tensor.nbytes)
+                    tensor = reader.get_tensor(name)
+                    if self.given_digests is None:
+                        digest = tensor_digest(tensor)
+                    else:
+                        digest = self.given_digests.get(name, "")
+                    self._digests[name] = digest
+                    yield ReceivedBatch(
+                        tensors=[(name, tensor)], digests={name: digest}, nbytes=tensor.nbytes
+                    )
 
     def end(self, timeout_s: float) -> UpdateEnd:
         header = self._header
@@ -207,8 +191,6 @@ class HfDirSource(BucketSource):
         return UpdateEnd(
             session_id=header.session_id,
             version=header.version,
-            num_buckets=plan_buckets(
-                (m.to_meta() for m in header.tensors), header.bucket_bytes
-            ).num_buckets,
+            num_buckets=self._num_buckets,
             fingerprint=fingerprint,
         )

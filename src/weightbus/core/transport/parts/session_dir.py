@@ -5,11 +5,14 @@ none; only the newest session is kept, and a root this writer made is removed on
 import shutil
 from pathlib import Path
 
+from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
+from weightbus.core.transport.parts.files import FileLayout, write_files
 from weightbus.core.transport.parts.shared_memory import private_shm_dir
+from weightbus.core.transport.sending import Sending
 
 
-class SessionDirectories:
-    """The session directories of one sink under `root`.
+class SessionDirSink(BucketSink):
+    """A sink whose `prepare` writes each push whole, as a session directory under `root`.
 
     Args:
         root: directory shared with the engines; by default a fresh private one under /dev/shm
@@ -23,13 +26,21 @@ class SessionDirectories:
         self.root.mkdir(parents=True, exist_ok=True)
         self._sessions: list[Path] = []
 
-    def start(self, session_id: str) -> Path:
+    def _start(self, session_id: str) -> Path:
         """A new private directory to write session `session_id` into (not yet visible)."""
         tmp = self.root / f".tmp-{session_id}"
         tmp.mkdir(mode=0o700)
         return tmp
 
-    def publish(self, session_id: str) -> Path:
+    def _write_files(
+        self, session: PushSession, sending: Sending, files: list[FileLayout], progress: Progress
+    ) -> None:
+        """Every trainer rank writes its part of `files`; the session counts their digests."""
+        session.digests.update(write_files(self.key, self.name, sending, files))
+        session.count_sent(session.plan.total_bytes)
+        progress(session.plan.total_bytes)
+
+    def _publish(self, session_id: str) -> Path:
         """Make the written session visible at `<root>/<session_id>`, in one rename, and drop
         the sessions before it; returns its path."""
         # Readers only need to see whole sessions; durability across a host crash is not a
@@ -44,8 +55,17 @@ class SessionDirectories:
             shutil.rmtree(path, ignore_errors=True)
         self._sessions = [] if keep is None else [keep]
 
+    def stream(
+        self,
+        session: PushSession,
+        sending: Sending,
+        timeout_s: float,
+        progress: Progress = no_progress,
+    ) -> None:
+        """Nothing to stream: `prepare` wrote the whole session."""
+
     def close(self) -> None:
-        """Remove the kept session, and the root when this writer made it."""
+        """Remove the kept session, and the root when this sink made it."""
         self._drop_old_sessions(keep=None)
         if self._owned_root:
             shutil.rmtree(self.root, ignore_errors=True)
