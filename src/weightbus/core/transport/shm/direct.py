@@ -133,14 +133,11 @@ class _CopyGuard:
 
 
 def _write_tensor(
-    full: torch.Tensor,
-    dests: list[_Dest],
-    slice_digests: bool = True,
-    guard: _CopyGuard | None = None,
+    full: torch.Tensor, dests: list[_Dest], slice_digests: bool, guard: _CopyGuard
 ) -> tuple[str, dict[int, str]]:
     """Copy every rank's slice of `full`; return its digest and (with `slice_digests`) each
-    slice's digest. With a `guard`, each chunk is checked once copied, and a failure sets its
-    `stop` for the write's other copies.
+    slice's digest. `guard` checks each chunk once copied; a failure sets its `stop` for the
+    write's other copies.
 
     Raises:
         NonFiniteWeightsError: the guard refuses NaN/inf and the tensor holds some (the copy
@@ -156,14 +153,12 @@ def _write_tensor(
     parts = [(partial(dest.chunk, full), slices.get(dest.rank_index)) for dest in dests]
     parts.append(digest_part(full, digest))
     row_bytes = full[0].nbytes if full.dim() and full.shape[0] else full.nbytes
-    check = None if guard is None else guard.chunk_check(full)
+    check = guard.chunk_check(full)
     try:
-        if guard is not None:
-            guard.check_running()
+        guard.check_running()
         pack_rows(0, full.shape[0] if full.dim() else 1, row_bytes, parts, check)
     except BaseException:
-        if guard is not None:
-            guard.stop.set()
+        guard.stop.set()
         raise
     return digest.hexdigest(), {rank: hasher.hexdigest() for rank, hasher in slices.items()}
 
@@ -180,8 +175,20 @@ def _one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _first_failure(futures: Mapping[str, Future]) -> BaseException:
-    """The failure that stopped a write's copies, once none of them runs any more."""
+def _written(
+    futures: Mapping[str, Future], name: str, deadline: float
+) -> tuple[str, dict[int, str]]:
+    """Tensor `name`'s digests once written.
+
+    Raises:
+        TimeoutError: not written by `deadline`.
+        Exception: the failure that stopped the write's copies (raised once none of them runs
+            any more), if this one was stopped.
+    """
+    try:
+        return futures[name].result(max(0.0, deadline - time.monotonic()))
+    except _StoppedError:
+        pass
     for future in futures.values():
         future.cancel()
     wait(futures.values())
@@ -192,21 +199,7 @@ def _first_failure(futures: Mapping[str, Future]) -> BaseException:
     ]
     first = next((exc for exc in failures if not isinstance(exc, _StoppedError)), None)
     assert first is not None, "a write's copies stopped without a failure"
-    return first
-
-
-def _written(
-    futures: Mapping[str, Future], name: str, deadline: float
-) -> tuple[str, dict[int, str]]:
-    """Tensor `name`'s digests once written; the write's first failure if it was stopped.
-
-    Raises:
-        TimeoutError: not written by `deadline`.
-    """
-    try:
-        return futures[name].result(max(0.0, deadline - time.monotonic()))
-    except _StoppedError:
-        raise _first_failure(futures) from None
+    raise first from None
 
 
 class DirectWriter:
@@ -214,16 +207,12 @@ class DirectWriter:
     slot (slot mode), digesting the bytes as they pass (and, asked to, refusing NaN/inf)."""
 
     def __init__(self, workers: int | None = None) -> None:
-        self._pool = ThreadPoolExecutor(
+        # the copy threads (one torch thread each): cells of sharded tensors run here too
+        self.pool = ThreadPoolExecutor(
             max_workers=workers or torch.get_num_threads(),
             thread_name_prefix="shm-direct",
             initializer=_one_torch_thread,
         )
-
-    @property
-    def pool(self) -> ThreadPoolExecutor:
-        """The copy threads (one torch thread each): cells of sharded tensors run here too."""
-        return self._pool
 
     def write(
         self,
@@ -257,7 +246,7 @@ class DirectWriter:
                 for copy, param in target.copies.get(meta.name, [])
             ]
             guard = _CopyGuard(meta.name, stop, refuse_nonfinite)
-            futures[meta.name] = self._pool.submit(
+            futures[meta.name] = self.pool.submit(
                 _write_tensor, tensors[meta.name], dests, slice_digests, guard
             )
         try:
@@ -302,7 +291,7 @@ class DirectWriter:
         # biggest first: two workers finish together
         jobs.sort(key=lambda job: -job[0].nbytes)
         packs = [
-            self._pool.submit(
+            self.pool.submit(
                 pack_entry,
                 buffer[entry.offset : entry.end],
                 entry,
@@ -312,7 +301,7 @@ class DirectWriter:
             )
             for entry, tensor, hasher in jobs
         ]
-        packs += [self._pool.submit(copy) for copy in extra]
+        packs += [self.pool.submit(copy) for copy in extra]
         wait(packs)
         for future in packs:
             future.result()
@@ -323,4 +312,4 @@ class DirectWriter:
         }
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)

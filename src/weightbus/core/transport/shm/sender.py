@@ -122,12 +122,10 @@ class ShmRankSender(RankSender):
             slices: dict[int, dict[str, str]] = defaultdict(dict)
             for name, (_, by_target) in written.items():
                 for target, digest in by_target.items():
-                    slices[target][name] = digest
+                    slices[target][name] = whole_slices[target][name] = digest
             if work.hooks is not None:  # the leader's sink tells the engine ranks at once
                 work.hooks(bucket_index, digests, slices)
             whole.update(digests)
-            for target, found in slices.items():
-                whole_slices[target].update(found)
         sent = sum(target.slice_bytes.get(name, 0) for target in targets for name in mine)
         sent += self._copy(cells.pieces, targets, work)
         blocks = cells.blocks(work.holdings, work.group, work.key, work.deadline)
@@ -212,11 +210,10 @@ class ShmRankSender(RankSender):
             self._slot_parts = slot_schedule(layout, plan)
             self._slots_key = key
         self._session, self._hashers = (order, plan), {}
-        plan_of_blocks = digest_plan(layout)
+        split = digest_plan(layout)
         blocks = BlockDigests([])
-        if plan_of_blocks.regions:
-            key_of = f"{work.key}/digests"
-            blocks = compute(plan_of_blocks, work.holdings, work.group, key_of, work.deadline)
+        if split.regions:
+            blocks = compute(split, work.holdings, work.group, f"{work.key}/digests", work.deadline)
         return SlotsReport(blocks=blocks)
 
     def _pack(self, order: PackOrder, work: RankWork) -> PackReport:

@@ -23,7 +23,6 @@ from collections.abc import Iterator
 import msgspec
 import zmq
 
-from weightbus.core.plan import BucketPlan
 from weightbus.core.trainer.digests import combine, digest_plan
 from weightbus.core.trainer.writes import write_outcome
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
@@ -56,8 +55,6 @@ class SessionReceivers(JoiningRanks):
 
     def __init__(self, session: PushSession) -> None:
         super().__init__(session)
-        self.session_id = session.session_id
-        self.num_groups = session.receivers
         self.identities: dict[bytes, tuple[int, int]] = {}  # -> (group, rank)
         self.direct: dict[bytes, DirectTarget | None] = {}  # -> the rank's direct offer
         self.unacked: dict[int, set[tuple[int, int]]] = {}  # slot -> (group, rank) holding it
@@ -74,9 +71,9 @@ class SessionReceivers(JoiningRanks):
         )
 
     def on_message(self, identity: bytes, message: Message) -> None:
-        if getattr(message, "session_id", None) != self.session_id:
+        if getattr(message, "session_id", None) != self.session.session_id:
             return  # a late message of an earlier session
-        if isinstance(message, ReceiverHello) and message.group < self.num_groups:
+        if isinstance(message, ReceiverHello) and message.group < self.session.receivers:
             self.identities[identity] = (message.group, message.rank)
             self.direct[identity] = message.direct
             self.tp_sizes[message.group] = message.tp_size
@@ -189,7 +186,9 @@ class ShmSink(BucketSink):
             else:
                 begin = msgspec.structs.replace(session.begin_message(), direct=True)
                 self._send_all(receivers, begin)
-                self._await_direct_ready(receivers, deadline)
+                # no byte lands in a rank's parameters before the rank knows they are written
+                while not set(receivers.identities.values()) <= receivers.direct_ready:
+                    self._receive(receivers, deadline, "every rank to confirm direct mode")
                 self._stream_direct(session, sending, receivers, offers, progress)
         except Exception as exc:
             # receivers learn at once instead of waiting out their timeout
@@ -228,9 +227,16 @@ class ShmSink(BucketSink):
             for rank, report in enumerate(reports):
                 session.digests.update(report.digests)
                 rank_sent[rank] += report.sent_bytes
-            finished = {name: session.digests[name] for name in bucket.finished_names()}
             receivers.unacked[slot] = set(receivers.identities.values())
-            self._send_all(receivers, bucket_message(session, bucket, slot, finished))
+            ready = BucketReady(
+                session_id=session.session_id,
+                bucket_index=bucket.index,
+                slot=slot,
+                entries=[WireEntry.of(entry) for entry in bucket.entries],
+                # of the tensors whose last byte is in this bucket
+                digests={name: session.digests[name] for name in bucket.finished_names()},
+            )
+            self._send_all(receivers, ready)
             session.count_sent(bucket.payload_bytes)  # once, whatever the number of ranks
             progress(bucket.payload_bytes)
         sending.count_sent(rank_sent)
@@ -247,10 +253,9 @@ class ShmSink(BucketSink):
         offers = [receivers.direct[identity] for identity in receivers.identities]
         if not self.direct or any(offer is None for offer in offers):
             return None
-        planned = {meta.name for meta in session.plan.metas}
-        if any({copy.hf_name for copy in offer.copies} != planned for offer in offers):
-            return None  # not the parameters' tensors (a delta's payload): the slots carry it
         metas = {meta.name: meta for meta in session.plan.metas}
+        if any({copy.hf_name for copy in offer.copies} != metas.keys() for offer in offers):
+            return None  # not the parameters' tensors (a delta's payload): the slots carry it
         for offer in offers:
             key = (offer.file, offer.layout_hash, session.plan.plan_hash)
             if key in self._checked:
@@ -301,12 +306,6 @@ class ShmSink(BucketSink):
         session.digests.update(outcome.digests)
         tell_outcome(self._socket, session, identities, outcome, progress)
 
-    def _await_direct_ready(self, receivers: SessionReceivers, deadline: float) -> None:
-        """No byte lands in a rank's parameters before the rank knows they are being written:
-        wait until every rank confirmed direct mode."""
-        while not set(receivers.identities.values()) <= receivers.direct_ready:
-            self._receive(receivers, deadline, "every rank to confirm direct mode")
-
     def _receive(
         self, receivers: SessionReceivers, deadline: float, what: str, anyway: bool = False
     ) -> None:
@@ -336,16 +335,3 @@ class ShmSink(BucketSink):
         self._socket.close(linger=0)
         self._context.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-def bucket_message(
-    session: PushSession, bucket: BucketPlan, slot: int, digests: dict[str, str]
-) -> BucketReady:
-    """`digests`: of the tensors whose last byte is in this bucket."""
-    return BucketReady(
-        session_id=session.session_id,
-        bucket_index=bucket.index,
-        slot=slot,
-        entries=[WireEntry.of(entry) for entry in bucket.entries],
-        digests=digests,
-    )

@@ -15,13 +15,7 @@ from weightbus.core.transport.parts.direct_channel import written_batches
 from weightbus.core.transport.parts.rank_session import RankSessionSource
 from weightbus.core.transport.parts.shared_memory import Slot
 from weightbus.core.transport.shm.description import ShmDescription
-from weightbus.core.wire import (
-    BucketReady,
-    DirectReady,
-    ProtocolError,
-    ReceiverHello,
-    UpdateBegin,
-)
+from weightbus.core.wire import BucketReady, DirectReady, ProtocolError, ReceiverHello, UpdateBegin
 
 # Slots mapped by this process, by name: each rank maps a publisher's slots once and reuses
 # the mapping while the same file stands under that name.
@@ -33,21 +27,17 @@ _assembly_buffers: dict[tuple, torch.Tensor] = {}
 
 
 def _map_slots(names: list[str], slot_bytes: int) -> list[Slot]:
-    with _mapped_lock:
-        return _map_slots_locked(names, slot_bytes)
-
-
-def _map_slots_locked(names: list[str], slot_bytes: int) -> list[Slot]:
     slots = []
-    for name in names:
-        slot = _mapped.get(name)
-        if slot is not None and slot.current_identity() != slot.identity:
-            raise ValueError(f"stale mapping: shared-memory slot {name} was replaced")
-        if slot is None or slot.nbytes < slot_bytes:
-            slot = _mapped[name] = Slot.open(name, slot_bytes)
-        slots.append(slot)
-    for name in set(_mapped) - set(names):  # a new publisher session: forget the old slots
-        _mapped.pop(name).close()
+    with _mapped_lock:
+        for name in names:
+            slot = _mapped.get(name)
+            if slot is not None and slot.current_identity() != slot.identity:
+                raise ValueError(f"stale mapping: shared-memory slot {name} was replaced")
+            if slot is None or slot.nbytes < slot_bytes:
+                slot = _mapped[name] = Slot.open(name, slot_bytes)
+            slots.append(slot)
+        for name in set(_mapped) - set(names):  # a new publisher session: forget the old slots
+            _mapped.pop(name).close()
     return slots
 
 
