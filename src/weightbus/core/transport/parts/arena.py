@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from weightbus.core.meta import dtype_name
-from weightbus.core.plan.bucket import ALIGN_BYTES
+from weightbus.core.plan.bucket import ALIGN_BYTES, align_up
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX, SHM_DIR
 from weightbus.core.wire import DirectTarget, ParamRegion, WireShardCopy
@@ -37,10 +37,6 @@ def on_arena_close(listener: Callable[[str], None]) -> None:
 
 
 PAGE_BYTES = mmap.PAGESIZE
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 class ParamArena:
@@ -73,19 +69,19 @@ class ParamArena:
         for name, tensor in params:
             shape = tuple(tensor.shape)
             self.regions.append(ParamRegion(name, dtype_name(tensor.dtype), shape, offset))
-            offset += _aligned(tensor.numel() * tensor.element_size())
+            offset += align_up(tensor.numel() * tensor.element_size())
         self.nbytes = max(offset, ALIGN_BYTES)
         self.shared = shared
         self.name = f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         spans = None if written is None else self._spans(params, written)
         # the memory the arena holds once every written byte was written
         self.reserved_bytes = self.nbytes if spans is None else sum(n for _, n in spans)
-        if shared:
+        if shared:  # `memory`: the whole arena as one `uint8` tensor
             self._mmap = self._map_file(spans)
-            self._bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            self.memory = torch.frombuffer(self._mmap, dtype=torch.uint8)
         else:
             self._mmap = None
-            self._bytes = torch.empty(self.nbytes, dtype=torch.uint8)
+            self.memory = torch.empty(self.nbytes, dtype=torch.uint8)
         self.views = {
             region.name: self._view(region, tensor)
             for region, (_, tensor) in zip(self.regions, params, strict=True)
@@ -132,7 +128,7 @@ class ParamArena:
 
     def _view(self, region: ParamRegion, like: torch.Tensor) -> torch.Tensor:
         nbytes = like.numel() * like.element_size()
-        flat = self._bytes[region.offset : region.offset + nbytes]
+        flat = self.memory[region.offset : region.offset + nbytes]
         return flat.view(like.dtype).view(like.shape)
 
     def adopt(self, model: torch.nn.Module, *, copy: bool = True) -> None:
@@ -142,11 +138,6 @@ class ParamArena:
             if copy:
                 view.copy_(param.data)
             param.data = view
-
-    @property
-    def memory(self) -> torch.Tensor:
-        """The whole arena as one `uint8` tensor."""
-        return self._bytes
 
     def unlink(self) -> None:
         """Remove the file's name (the memory lives until every mapping is gone)."""
@@ -158,7 +149,7 @@ class ParamArena:
         no tensor views it any more; parameters still pointing here stay valid until then."""
         self.unlink()
         self.views.clear()
-        self._bytes = None
+        self.memory = None
         self._mmap = None
         for listener in _close_listeners:
             listener(self.name)
