@@ -58,13 +58,8 @@ class DiskManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class DiskSink(SessionDirSink):
-    """Writes each push as a session directory under `root`; keeps only the newest one.
-
-    Args:
-        root: directory shared with the engines; by default a fresh private one under
-            /dev/shm (engines on this host), removed on `close`. Directories that publishers
-            killed before closing left there are removed first.
-    """
+    """Writes each push as a session directory under `root` (`SessionDirSink`: by default a
+    fresh private one under /dev/shm); keeps only the newest one."""
 
     name = "disk"
 

@@ -86,8 +86,7 @@ class HfDirSink(SessionDirSink):
     (every trainer rank writing its part of them: `parts/files.py`); keeps only the newest.
 
     Args:
-        root: directory shared with the engines; a fresh one under /dev/shm (removed on
-            `close`) when not given.
+        root: as `SessionDirSink`'s (by default a fresh private one under /dev/shm).
         shard_bytes: the largest shard (Hugging Face's `max_shard_size`; a larger tensor gets
             a shard of its own).
     """
@@ -126,15 +125,10 @@ class HfDirSource(BucketSource):
     """Reads a Hugging Face checkpoint directory on one rank (description: module docstring)."""
 
     def __init__(self, description: HfDirDescription, *, rank: int = 0, tp_size: int = 1) -> None:
+        self.description = description
         self.directory = Path(description.path)
-        self.version = description.version
-        self.names = description.names
-        self.given_digests = description.digests
-        self.given_fingerprint = description.fingerprint
-        self.bucket_bytes = description.bucket_bytes
-        self.step = description.step
         self.session_id = description.session_id or xxhash.xxh3_128_hexdigest(
-            f"{self.directory}\0{self.version}".encode()
+            f"{self.directory}\0{description.version}".encode()
         )
         self._files: dict[str, Path] = {}
         self._header: UpdateBegin | None = None
@@ -146,20 +140,20 @@ class HfDirSource(BucketSource):
             found = safetensors_metas(safetensors_files(self.directory))
         except FileNotFoundError as exc:
             raise ValueError(str(exc)) from None
-        order = list(found) if self.names is None else self.names
+        order = list(found) if self.description.names is None else self.description.names
         if sorted(order) != sorted(found):
             extra, missing = sorted(set(found) - set(order)), sorted(set(order) - set(found))
             raise ValueError(f"{self.directory}: unexpected tensors {extra}, missing {missing}")
         metas = [found[name][0] for name in order]
         self._files = {name: found[name][1] for name in order}
-        plan = plan_buckets(metas, self.bucket_bytes)
+        plan = plan_buckets(metas, self.description.bucket_bytes)
         self._num_buckets = plan.num_buckets
         self._header = UpdateBegin(
             session_id=self.session_id,
-            version=self.version,
-            step=self.step,
+            version=self.description.version,
+            step=self.description.step,
             plan_hash=plan.plan_hash,
-            bucket_bytes=self.bucket_bytes,
+            bucket_bytes=self.description.bucket_bytes,
             tensors=[WireMeta.of(meta) for meta in metas],
         )
         return self._header
@@ -173,10 +167,10 @@ class HfDirSource(BucketSource):
             with safe_open(str(path), framework="pt") as reader:
                 for name in names:
                     tensor = reader.get_tensor(name)
-                    if self.given_digests is None:
+                    if self.description.digests is None:
                         digest = tensor_digest(tensor)
                     else:
-                        digest = self.given_digests.get(name, "")
+                        digest = self.description.digests.get(name, "")
                     self._digests[name] = digest
                     yield ReceivedBatch(
                         tensors=[(name, tensor)], digests={name: digest}, nbytes=tensor.nbytes
@@ -185,7 +179,7 @@ class HfDirSource(BucketSource):
     def end(self, timeout_s: float) -> UpdateEnd:
         header = self._header
         assert header is not None, "begin() first"
-        fingerprint = self.given_fingerprint or fingerprint_of_digests(
+        fingerprint = self.description.fingerprint or fingerprint_of_digests(
             (m.name, m.dtype, m.shape, self._digests.get(m.name, "")) for m in header.tensors
         )
         return UpdateEnd(

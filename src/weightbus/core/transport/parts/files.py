@@ -21,11 +21,11 @@ from weightbus.core.checkpoint import SAFETENSORS_DTYPES
 from weightbus.core.digest import tensor_digest
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan.bucket import byte_view
-from weightbus.core.trainer.digests import BlockDigests, RankDigests, combine_shares, compute
+from weightbus.core.trainer.digests import BlockDigests, RankDigests, compute
 from weightbus.core.trainer.digests import digest_plan as blocks_plan
 from weightbus.core.trainer.layout import TrainerLayout
 from weightbus.core.trainer.parts import SlotPart, range_parts
-from weightbus.core.transport.sending import RankSender, RankWork, Sending
+from weightbus.core.transport.sending import RankSender, RankWork
 
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -71,20 +71,6 @@ def create_file(path: Path, metas: Sequence[TensorMeta]) -> FileLayout:
         file.truncate(start + position)
     path.chmod(0o600)
     return FileLayout(str(path), {name: start + offset for name, offset in data_offsets.items()})
-
-
-def write_files(
-    sink_key: str, transport: str, sending: Sending, files: list[FileLayout]
-) -> dict[str, str]:
-    """The leader: every rank writes its part of `files`; every tensor's digest.
-
-    Raises:
-        TrainerRankError: a rank failed, died or did not report (named).
-        OSError: this rank could not write.
-    """
-    reports = sending.everyone(sink_key, transport, FilesOrder(files=files))
-    sending.count_sent([report.sent_bytes for report in reports])
-    return combine_shares(sending.layout, [report.digests for report in reports])
 
 
 class FileRankSender(RankSender):

@@ -5,8 +5,9 @@ none; only the newest session is kept, and a root this writer made is removed on
 import shutil
 from pathlib import Path
 
+from weightbus.core.trainer.digests import combine_shares
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
-from weightbus.core.transport.parts.files import FileLayout, write_files
+from weightbus.core.transport.parts.files import FileLayout, FilesOrder
 from weightbus.core.transport.parts.shared_memory import private_shm_dir
 from weightbus.core.transport.sending import Sending
 
@@ -35,8 +36,16 @@ class SessionDirSink(BucketSink):
     def _write_files(
         self, session: PushSession, sending: Sending, files: list[FileLayout], progress: Progress
     ) -> None:
-        """Every trainer rank writes its part of `files`; the session counts their digests."""
-        session.digests.update(write_files(self.key, self.name, sending, files))
+        """Every trainer rank writes its part of `files`; the session counts their digests.
+
+        Raises:
+            TrainerRankError: a rank failed, died or did not report (named).
+            OSError: this rank could not write.
+        """
+        reports = self.everyone(sending, FilesOrder(files=files))
+        sending.count_sent([report.sent_bytes for report in reports])
+        shares = [report.digests for report in reports]
+        session.digests.update(combine_shares(sending.layout, shares))
         session.count_sent(session.plan.total_bytes)
         progress(session.plan.total_bytes)
 
