@@ -127,23 +127,19 @@ class DiskSource(BucketSource):
     def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
         assert self._manifest is not None, "begin() first"
         for shard in self._manifest.shards:
-            yield self._read_shard(shard)
-
-    def _read_shard(self, shard: ShardRecord) -> ReceivedBatch:
-        path = self.directory / Path(shard.file).name  # never leave the session directory
-        try:
-            with safe_open(str(path), framework="pt") as reader:
-                stored = set(reader.keys())
-                missing = [name for name in shard.names if name not in stored]
-                if missing:
-                    raise ValueError(f"shard {path.name} lacks tensors {missing}")
-                tensors = [(name, reader.get_tensor(name)) for name in shard.names]
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"cannot read shard {path.name}: {exc}") from None
-        digests = {name: self._manifest.digests.get(name, "") for name in shard.names}
-        return ReceivedBatch(
-            tensors=tensors, digests=digests, nbytes=sum(t.nbytes for _, t in tensors)
-        )
+            path = self.directory / Path(shard.file).name  # never leave the session directory
+            try:
+                with safe_open(str(path), framework="pt") as reader:
+                    stored = set(reader.keys())
+                    missing = [name for name in shard.names if name not in stored]
+                    if missing:
+                        raise ValueError(f"shard {path.name} lacks tensors {missing}")
+                    tensors = [(name, reader.get_tensor(name)) for name in shard.names]
+            except (SafetensorError, OSError) as exc:
+                raise ValueError(f"cannot read shard {path.name}: {exc}") from None
+            digests = {name: self._manifest.digests.get(name, "") for name in shard.names}
+            nbytes = sum(tensor.nbytes for _, tensor in tensors)
+            yield ReceivedBatch(tensors=tensors, digests=digests, nbytes=nbytes)
 
     def end(self, timeout_s: float) -> UpdateEnd:
         assert self._manifest is not None, "begin() first"

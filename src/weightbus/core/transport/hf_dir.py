@@ -60,9 +60,8 @@ def _shards(metas: Sequence[TensorMeta], shard_bytes: int) -> dict[str, list[Ten
         size += meta.nbytes
     if len(groups) == 1:
         return {CHECKPOINT_NAME: groups[0]}
-    count = len(groups)
     return {
-        f"model-{index + 1:05d}-of-{count:05d}.safetensors": group
+        f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors": group
         for index, group in enumerate(groups)
     }
 

@@ -22,6 +22,7 @@ import xxhash
 from weightbus.core.meta import dtype_name
 from weightbus.core.plan.bucket import ALIGN_BYTES, align_up
 from weightbus.core.plan.shard import ShardCopy
+from weightbus.core.transport.parts.layout import region_view
 from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX, SHM_DIR
 from weightbus.core.wire import DirectTarget, ParamRegion, WireShardCopy
 
@@ -82,10 +83,7 @@ class ParamArena:
         else:
             self._mmap = None
             self.memory = torch.empty(self.nbytes, dtype=torch.uint8)
-        self.views = {
-            region.name: self._view(region, tensor)
-            for region, (_, tensor) in zip(self.regions, params, strict=True)
-        }
+        self.views = {region.name: region_view(self.memory, region) for region in self.regions}
 
     def _map_file(self, spans: list[tuple[int, int]] | None) -> mmap.mmap:
         fd = os.open(SHM_DIR / self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -125,11 +123,6 @@ class ParamArena:
             else:
                 merged.append([start, end])
         return [(start, end - start) for start, end in merged]
-
-    def _view(self, region: ParamRegion, like: torch.Tensor) -> torch.Tensor:
-        nbytes = like.numel() * like.element_size()
-        flat = self.memory[region.offset : region.offset + nbytes]
-        return flat.view(like.dtype).view(like.shape)
 
     def adopt(self, model: torch.nn.Module, *, copy: bool = True) -> None:
         """Point every parameter of `model` at its place in the arena (copying its values)."""

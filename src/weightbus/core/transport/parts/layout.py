@@ -9,6 +9,8 @@ memory; every slice's dtype equal and its ranges inside both shapes.
 from dataclasses import dataclass
 from itertools import pairwise
 
+import torch
+
 from weightbus.core.meta import TensorMeta, dtype_from_name
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.core.wire import DirectTarget, ParamRegion
@@ -29,6 +31,12 @@ class RegionCopy:
 
 def region_meta(region: ParamRegion) -> TensorMeta:
     return TensorMeta(region.name, dtype_from_name(region.dtype), tuple(region.shape))
+
+
+def region_view(memory: torch.Tensor, region: ParamRegion) -> torch.Tensor:
+    """The parameter of `region`, typed, as a view into `memory` (`uint8`)."""
+    meta = region_meta(region)
+    return memory[region.offset : region.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
 
 
 def _check_regions(target: DirectTarget, memory_bytes: int) -> None:

@@ -32,9 +32,9 @@ from weightbus.core.plan.bucket import (
     pack_rows,
 )
 from weightbus.core.plan.shard import ShardCopy
-from weightbus.core.transport.parts.layout import checked_copies, region_meta
+from weightbus.core.transport.parts.layout import checked_copies, region_view
 from weightbus.core.transport.parts.shared_memory import ARENA_PREFIX, Slot
-from weightbus.core.wire import DirectTarget, ParamRegion
+from weightbus.core.wire import DirectTarget
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ class MappedTarget:
         self._file = Slot.open(target.file, target.nbytes, prefix=ARENA_PREFIX)
         checked = checked_copies(target, {meta.name: meta for meta in plan.metas})
         self.copies: dict[str, list[tuple[ShardCopy, torch.Tensor]]] = {
-            name: [(each.copy, self._param(each.region)) for each in copies]
+            name: [(each.copy, region_view(self._file.tensor, each.region)) for each in copies]
             for name, copies in checked.items()
         }
         # bytes of the rank's slices of each tensor: what writing it copies into this file
@@ -82,11 +82,6 @@ class MappedTarget:
             name: sum(copy.destination(param).nbytes for copy, param in copies)
             for name, copies in self.copies.items()
         }
-
-    def _param(self, region: ParamRegion) -> torch.Tensor:
-        meta = region_meta(region)
-        flat = self._file.tensor[region.offset : region.offset + meta.nbytes]
-        return flat.view(meta.dtype).view(meta.shape)
 
     def is_current(self) -> bool:
         """Whether the file under the mapped name is still the one mapped."""

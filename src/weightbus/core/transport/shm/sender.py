@@ -128,13 +128,12 @@ class ShmRankSender(RankSender):
             whole.update(digests)
         sent = sum(target.slice_bytes.get(name, 0) for target in targets for name in mine)
         sent += self._copy(cells.pieces, targets, work)
-        blocks = cells.blocks(work.holdings, work.group, work.key, work.deadline)
         return WriteReport(
             schedule_hash=cells.schedule_hash,
             sent_bytes=sent,
             whole=whole,
             whole_slices=dict(whole_slices),
-            blocks=blocks,
+            blocks=cells.blocks(work.holdings, work.group, work.key, work.deadline),
         )
 
     def cells(self, layout: TrainerLayout, order: WriteOrder) -> Cells:

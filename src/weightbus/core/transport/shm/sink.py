@@ -279,14 +279,13 @@ class ShmSink(BucketSink):
         progress: Progress,
     ) -> None:
         identities = list(receivers.identities)
-        nbytes = {bucket.index: bucket.payload_bytes for bucket in session.plan.buckets}
 
         def tell(bucket_index: int, digests: dict, slices: dict[int, dict[str, str]]) -> None:
             session.digests.update(digests)
             for rank_index, identity in enumerate(identities):
                 found = slices.get(rank_index, {})
                 tell_written(self._socket, session, identity, bucket_index, digests, slices=found)
-            progress(nbytes[bucket_index])
+            progress(session.plan.buckets[bucket_index].payload_bytes)
 
         order = WriteOrder(
             targets=offers,

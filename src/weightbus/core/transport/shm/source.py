@@ -81,8 +81,7 @@ class ShmSource(RankSessionSource):
             self._confirm_direct()
         else:
             self.slots = _map_slots(self._slot_names, self._slot_bytes)
-        metas = [meta.to_meta() for meta in header.tensors]
-        self._plan = plan_buckets(metas, header.bucket_bytes)
+        self._plan = plan_buckets([meta.to_meta() for meta in header.tensors], header.bucket_bytes)
         return header
 
     def _confirm_direct(self) -> None:
