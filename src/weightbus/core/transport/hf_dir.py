@@ -162,14 +162,12 @@ class HfDirSource(BucketSource):
         by_file: dict[Path, list[str]] = {}
         for name, path in self._files.items():
             by_file.setdefault(path, []).append(name)
+        given = self.description.digests  # None: hash what is read
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt") as reader:
                 for name in names:
                     tensor = reader.get_tensor(name)
-                    if self.description.digests is None:
-                        digest = tensor_digest(tensor)
-                    else:
-                        digest = self.description.digests.get(name, "")
+                    digest = tensor_digest(tensor) if given is None else given.get(name, "")
                     self._digests[name] = digest
                     yield ReceivedBatch(
                         tensors=[(name, tensor)], digests={name: digest}, nbytes=tensor.nbytes

@@ -106,8 +106,7 @@ class ParamArena:
         params: list[tuple[str, torch.Tensor]],
         written: Mapping[str, Sequence[tuple[int, int]]],
     ) -> list[tuple[int, int]]:
-        """`(offset, nbytes)` in the file of the pages `written` says will be written,
-        merged."""
+        """`(offset, nbytes)` of the file's pages that `written` says will be written, merged."""
         pages: list[tuple[int, int]] = []
         for region, (name, tensor) in zip(self.regions, params, strict=True):
             ranges = written.get(name, [(0, tensor.numel() * tensor.element_size())])

@@ -51,8 +51,7 @@ class FilesReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def create_file(path: Path, metas: Sequence[TensorMeta]) -> FileLayout:
-    """A safetensors file of `metas`' size holding only its header; where each tensor's bytes
-    go."""
+    """A safetensors file of `metas`' size holding only its header; where each tensor's bytes go."""
     ordered = sorted(metas, key=lambda meta: -meta.element_bytes)
     header, data_offsets, position = {}, {}, 0
     for meta in ordered:

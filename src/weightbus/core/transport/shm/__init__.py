@@ -1,5 +1,3 @@
-"""`shm`: engines on the publisher's host read pushes from shared memory.
-
-`sink.py` (publisher), `source.py` (engine rank), `direct.py` (the publisher's copies straight
-into ranks' parameters). Nothing is imported here: the registry loads the parts it needs.
-"""
+"""`shm`: engines on the publisher's host read pushes from shared memory: `sink.py` (publisher),
+`sender.py` and `direct.py` (every trainer rank's copies), `source.py` (engine rank). Nothing is
+imported here: the registry loads the parts it needs."""

@@ -6,11 +6,8 @@ its slice map). The publisher maps each file once, validates the layout once per
 copied exactly once per engine and never staged in between. While it copies, it digests the
 full tensor (for the fingerprint) and each slice it wrote (for the rank to verify), chunk by
 chunk, so the digests read bytes that are still in cache. Copies go through numpy (one thread
-each, GIL released) on a pool as wide as torch's thread count, largest tensors first.
-
-Asked to (`refuse_nonfinite`), the copies also refuse NaN/inf, chunk by chunk, on the rows they
-just copied (`weightbus.core.finite`): the first bad chunk stops the write, and every other copy
-of it stops at its next chunk.
+each, GIL released) on a pool as wide as torch's thread count, largest tensors first; asked
+to, they refuse NaN/inf chunk by chunk (`_CopyGuard`).
 """
 
 import threading
@@ -46,8 +43,7 @@ class _Dest:
     param: torch.Tensor  # the whole parameter, a view into the rank's mapped file
 
     def chunk(self, full: torch.Tensor, start: int, stop: int):
-        """(destination, source) views for the full tensor's rows [start, stop), or None: a
-        part of `pack_rows`."""
+        """A `pack_rows` part: (destination, source) views of rows [start, stop), or None."""
         copy, dim = self.copy, self.copy.src_dim
         if full.dim() == 0:
             return self.param, full
@@ -140,11 +136,9 @@ def _write_tensor(
     """
     full = full if full.is_contiguous() else full.contiguous()
     digest = TensorHasher.of(full)
-    slices = (
-        {dest.rank_index: TensorHasher.of(dest.copy.source(full)) for dest in dests}
-        if slice_digests
-        else {}
-    )
+    slices: dict[int, TensorHasher] = {}
+    if slice_digests:
+        slices = {dest.rank_index: TensorHasher.of(dest.copy.source(full)) for dest in dests}
     parts = [(partial(dest.chunk, full), slices.get(dest.rank_index)) for dest in dests]
     parts.append(digest_part(full, digest))
     row_bytes = full[0].nbytes if full.dim() and full.shape[0] else full.nbytes

@@ -142,14 +142,12 @@ class ShmRankSender(RankSender):
 
     def _map(self, offer: DirectTarget, plan: Plan) -> MappedTarget:
         mapped = self._mapped.get(offer.file)
-        if (
-            mapped is None
-            or mapped.key != (offer.file, offer.layout_hash, plan.plan_hash)
-            or not mapped.is_current()
-        ):
-            if mapped is not None:
-                mapped.close()
-            mapped = self._mapped[offer.file] = MappedTarget(offer, plan)
+        key = (offer.file, offer.layout_hash, plan.plan_hash)
+        if mapped is not None and mapped.key == key and mapped.is_current():
+            return mapped
+        if mapped is not None:
+            mapped.close()
+        mapped = self._mapped[offer.file] = MappedTarget(offer, plan)
         return mapped
 
     def _forget_stale(self, offered: set[str]) -> None:

@@ -7,8 +7,7 @@ the rank copies its TP slices from the slot into its parameters (through `load_w
 narrows the full-tensor views) and answers `SlotAck`. The publisher packs bucket k+1 into the
 other slot meanwhile, and writes each bucket once whatever the number of engines and ranks.
 
-The bytes are written by every trainer rank (`shm/sender.py`): in a group of one, the leader's
-own sender copies everything, and tells each bucket as soon as it is written.
+The bytes are written by every trainer rank (`shm/sender.py`; in a group of one, the leader's).
 
 Asked to (`Sending.refuse_nonfinite`), the copies refuse NaN/inf as they go: the stream fails
 naming the tensor and every rank is aborted. The Publisher asks only where the bytes written so
@@ -168,8 +167,7 @@ class ShmSink(BucketSink):
         timeout_s: float,
         progress: Progress = no_progress,
     ) -> None:
-        """As `BucketSink.stream`; with `sending.refuse_nonfinite`, the copies check every
-        floating chunk they copy (the ranks are told to abort on the first bad one)."""
+        """As `BucketSink.stream` (`sending.refuse_nonfinite`: the module docstring)."""
         deadline = time.monotonic() + timeout_s
         receivers = SessionReceivers(session)
         try:

@@ -92,8 +92,7 @@ class ShmSource(RankSessionSource):
     def batches(self, timeout_s: float) -> Iterator[ReceivedBatch]:
         assert self._plan is not None, "begin() first"
         if self._direct:
-            regions = self._placement.regions
-            yield from written_batches(self._recv, self._plan, regions, timeout_s)
+            yield from written_batches(self._recv, self._plan, self._placement.regions, timeout_s)
             return
         deadline = time.monotonic() + timeout_s
         assembler = ChunkAssembler(buffers=_assembly_buffers)
