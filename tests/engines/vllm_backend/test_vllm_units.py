@@ -27,6 +27,7 @@ from weightbus.engines.vllm.staging import (
     changed_tensors,
     load_group,
 )
+from weightbus.engines.vllm.trainer import WeightbusTrainerEngine
 from weightbus.engines.vllm.verdicts import REASON_BYTES, _decode, _encode
 from weightbus.engines.vllm.versions import (
     NO_PREVIOUS_ONE_SET,
@@ -411,3 +412,13 @@ def test_a_lora_wrapped_layer_is_mapped_by_its_base_layer():
         {"o_proj.weight": SliceSpec("o_proj.weight", 1, 32, 32)},
         [],
     )
+
+
+def test_the_trainer_engine_without_a_source_refuses_to_send_and_names_the_fix():
+    """TRL's server mode opens the engine without a source and sets it per sync: opening is
+    fine, sending with none set is a clear error (nothing pushed, no round counted)."""
+    engine = WeightbusTrainerEngine(client=None, source=None, is_sender=False)
+    engine.rounds = 0
+    with pytest.raises(ValueError, match="set the engine's source before send_weights"):
+        engine.send_weights()
+    assert engine.rounds == 0

@@ -81,13 +81,12 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
-        """Every rank: build this rank's Publisher (rank 0 opens vLLM's session first).
+        """Every rank: build this rank's Publisher (rank 0 opens vLLM's session first). The
+        `source` may be set later, before `send_weights` (TRL's server mode sets it per sync).
 
         Raises:
-            ValueError: no source, or a world of several ranks without a process group.
+            ValueError: a world of several ranks without a process group.
         """
-        if source is None:
-            raise ValueError("backend weightbus sends a WeightSource: pass source=")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.rounds = 0
         engine.version_prefix = init_info.version_prefix
@@ -112,9 +111,15 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
         `<prefix><round>`).
 
         Raises:
-            ValueError: a name of the source's metadata no rank holds (named).
+            ValueError: no source was given, or a name of the source's metadata no rank holds
+                (named).
             PushError, TrainerRankError: as `Publisher.push`.
         """
+        if self.source is None:
+            raise ValueError(
+                "backend weightbus sends a WeightSource: pass source= to trainer_init or set "
+                "the engine's source before send_weights"
+            )
         self.rounds += 1
         self.last_push = self.publisher.push(
             held_weights(self.source), version=version or f"{self.version_prefix}{self.rounds}"
