@@ -9,6 +9,7 @@ together (`served_fingerprint`). Removing the adapter pushes zeros of its shapes
 whole, never as deltas: an adapter is a small share of the model's bytes.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +36,13 @@ class AdapterState:
             base of its last adapter push).
         shapes: the last adapter pushed, as `(name, shape, dtype)` (None: none pushed).
         spec: its description.
+        previous: the state before the last push landed (what a rollback serves again).
     """
 
     base_fingerprint: str | None = None
     shapes: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
     spec: AdapterSpec | None = None
+    previous: "AdapterState | None" = None
 
     def spec_for(self, config: Any, base_fingerprint: str | None) -> AdapterSpec:
         """The push's description of an adapter with peft config `config`.
@@ -68,6 +71,31 @@ class AdapterState:
     def committed(self, metas: list[TensorMeta], spec: AdapterSpec) -> None:
         """An adapter push committed: its base is the engines' (and the next adapter's by
         default); a removal keeps the shapes for the next one."""
+        self._landed()
         self.base_fingerprint = spec.base_fingerprint
         self.shapes = [(meta.name, tuple(meta.shape), meta.dtype) for meta in metas]
         self.spec = spec
+
+    def whole_pushed(self, fingerprint: str) -> None:
+        """A whole version committed: it is the base of the next adapter."""
+        self._landed()
+        self.base_fingerprint = fingerprint
+
+    def rolled_back(self, fingerprint: str) -> None:
+        """The engines serve the version before the last push again (`fingerprint`); they swap,
+        so a second rollback returns to the last push. With no push of this Publisher's to go
+        back to, the version rolled back to is the next adapter's base."""
+        if self.previous is None:
+            self.whole_pushed(fingerprint)
+            return
+        now = dataclasses.replace(self, previous=None)
+        restored = self.previous
+        self.base_fingerprint, self.shapes, self.spec = (
+            restored.base_fingerprint,
+            restored.shapes,
+            restored.spec,
+        )
+        self.previous = now
+
+    def _landed(self) -> None:
+        self.previous = dataclasses.replace(self, previous=None)

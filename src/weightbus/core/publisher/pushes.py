@@ -182,7 +182,7 @@ class Pushes:
             round_, held, lambda: self._lead_push(round_, held, args, mode), PushResult
         )
         self.deltas.landed(result, held, args.version, mode)
-        self.adapter.base_fingerprint = result.fingerprint
+        self.adapter.whole_pushed(result.fingerprint)
         if self.quantize is None:
             return result
         return dataclasses.replace(result, quantization=describe(self.quantize))
@@ -266,7 +266,7 @@ class Pushes:
         result = self.collective(
             round_, None, lambda: self.leader_fleet.rollback(pause_mode, timeout_s), PushResult
         )
-        self.adapter.base_fingerprint = result.fingerprint  # what the engines serve again
+        self.adapter.rolled_back(result.fingerprint)
         return result
 
     def add_engine(
