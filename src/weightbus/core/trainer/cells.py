@@ -11,7 +11,7 @@ the trainer layout and the engines' slice maps, so every trainer rank computes t
 """
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from math import prod
@@ -61,25 +61,14 @@ def range_box(meta: TensorMeta, dim: int, start: int, length: int) -> Box:
     raise ValueError(f"tensor {meta.name!r}: engine slices along dimension {dim} are not supported")
 
 
+def _cuts(start: int, stop: int, edges: Iterable[tuple[int, int]]) -> list[int]:
+    """`start`, `stop` and every edge strictly between them, sorted."""
+    return sorted({start, stop} | {v for edge in edges for v in edge if start < v < stop})
+
+
 def cells(box: Box, holders: list[tuple[int, Box]]) -> list[Box]:
-    rows = sorted(
-        {box.row_start, box.row_stop}
-        | {
-            v
-            for _, h in holders
-            for v in (h.row_start, h.row_stop)
-            if box.row_start < v < box.row_stop
-        }
-    )
-    cols = sorted(
-        {box.col_start, box.col_stop}
-        | {
-            v
-            for _, h in holders
-            for v in (h.col_start, h.col_stop)
-            if box.col_start < v < box.col_stop
-        }
-    )
+    rows = _cuts(box.row_start, box.row_stop, ((h.row_start, h.row_stop) for _, h in holders))
+    cols = _cuts(box.col_start, box.col_stop, ((h.col_start, h.col_stop) for _, h in holders))
     return [Box(r0, r1, c0, c1) for r0, r1 in pairwise(rows) for c0, c1 in pairwise(cols)]
 
 

@@ -153,14 +153,13 @@ class TrainerGroup:
             key = f"{self._watched}/done/{rank}"
             if rank == self.rank or not self._store.check([key]):
                 continue
-            message = msgspec.msgpack.decode(self._store.get(key), type=ControlMessage)
+            message = self._read(key)
             if not message.ok:
-                return TrainerRankError(
-                    f"trainer rank {rank} failed: {message.error}",
-                    kind=message.kind,
-                    reason=f"{message.error.partition(': ')[2]} on trainer rank {rank}",
-                )
+                return _failure(f"trainer rank {rank}", message)
         return None
+
+    def _read(self, key: str) -> ControlMessage:
+        return msgspec.msgpack.decode(self._store.get(key), type=ControlMessage)
 
     @property
     def is_leader(self) -> bool:
@@ -252,7 +251,7 @@ class TrainerGroup:
             if not self._store.check([k]):
                 found[rank] = None
                 continue
-            message = msgspec.msgpack.decode(self._store.get(k), type=ControlMessage)
+            message = self._read(k)
             if not message.ok:
                 found[rank] = message.error
         return found
@@ -267,16 +266,10 @@ class TrainerGroup:
                 self._poll(keys, what, deadline, who, interrupt)
         except dist.DistNetworkError as exc:  # the store's host is gone
             raise TrainerRankError(f"trainer rank 0 is unreachable ({what}): {exc}") from exc
-        messages = {
-            k: msgspec.msgpack.decode(self._store.get(k), type=ControlMessage) for k in keys
-        }
+        messages = {k: self._read(k) for k in keys}
         for k, message in messages.items():
             if not message.ok:
-                raise TrainerRankError(
-                    f"{who(k)} failed ({what}): {message.error}",
-                    kind=message.kind,
-                    reason=f"{message.error.partition(': ')[2]} on {who(k)}",
-                )
+                raise _failure(who(k), message, f" ({what})")
         return messages
 
     def _wait(self, keys: list[str], what: str, deadline: float, who) -> None:
@@ -328,3 +321,12 @@ def run_all(
         wait(pending)
         raise TimeoutError(f"{what} were not done in time")
     return sum(future.result() for future in done)
+
+
+def _failure(who: str, message: ControlMessage, doing: str = "") -> TrainerRankError:
+    """The error of a rank (`who`) that reported `message`, a failure (`doing`: of what)."""
+    return TrainerRankError(
+        f"{who} failed{doing}: {message.error}",
+        kind=message.kind,
+        reason=f"{message.error.partition(': ')[2]} on {who}",
+    )

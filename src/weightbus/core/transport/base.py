@@ -10,11 +10,8 @@ every tensor is the group of one. A push session runs in three phases on the lea
 2. the leader asks every engine to update from that description;
 3. `sink.stream(session, sending)` sends what is not sent yet.
 
-The sink talks to the engine ranks (hellos, begin, per-bucket words, end); the bytes are written
-by every trainer rank: `sending.everyone(sink, order)` hands each rank's `RankSender` of the
-transport the same order (the leader's own runs in place; in a group of one it is the only
-one), and each writes what it sends (`TrainerLayout.sender`: a tensor held whole by one of its
-ranks goes whole, the others in cells) and reports its bytes and digests.
+The sink talks to the engine ranks; the bytes are written by every trainer rank's `RankSender`
+(`weightbus.core.transport.sending`), each reporting its bytes and digests.
 
 Each engine rank opens the description with `open_source` and reads, in order: `begin()` (the
 `UpdateBegin` header), `batches()` (tensors with their digests; each batch's views stay valid
@@ -141,15 +138,10 @@ class ByteCounter:
 class PushSession:
     """What a sink needs to know about one push (publisher side).
 
-    `digests` fills while the session runs, from what the trainer ranks report as they send;
-    `fingerprint` needs them all.
-
-    `sent_bytes` counts the tensor bytes the sink handed to its transport in this push
-    (`count_sent`; never alignment padding or message frames): copied into the ranks'
-    parameters (`shm` direct: summed over every engine and rank), packed into slots (`shm`
-    slots: each bucket once), posted in WRITEs (`nixl`: summed over ranks), broadcast (`dist`
-    broadcast: each entry once, whatever the number of receivers) or sent to each rank (`dist`
-    parts: summed over ranks), written to files (`disk`, `hf_dir`).
+    `digests` fills while the session runs, from the trainer ranks' reports; `fingerprint`
+    needs them all. `sent_bytes` counts the tensor bytes the sink handed to its transport
+    (`count_sent`; never padding or message frames), summed over every receiver it sent to
+    separately (a `dist` broadcast counts each entry once).
     """
 
     session_id: str
@@ -237,13 +229,9 @@ class ReceivedBatch:
 
     The tensors may alias transport memory: use them before `release()`. `placed` lists
     tensors the publisher already wrote into this rank's parameters (direct mode) with the
-    parameter region each one filled (None where this rank holds no slice of it), and
-    `placed_digests` the digests of the bytes written into those regions.
-
-    `nbytes` are the tensor bytes that reached this rank through the transport for this batch:
-    the slices written into its parameters (direct writes: `shm` direct, `nixl`), the regions
-    sent to it (`dist` parts), else the tensor bytes it was handed (a bucket's payload, the
-    tensors read from files).
+    region each filled (None where this rank holds no slice of it), `placed_digests` the
+    digests of those regions' bytes. `nbytes`: the tensor bytes that reached this rank
+    through the transport for this batch.
     """
 
     tensors: list[tuple[str, torch.Tensor]]
@@ -276,8 +264,7 @@ class BucketSink(ABC):
         return f"{self.name}-{secrets.token_hex(4)}"
 
     def everyone(self, sending: Sending, order: Any, hooks: Any = None) -> list:
-        """Every trainer rank runs `order` with its sender of this sink (`Sending.everyone`;
-        `hooks`: what the leader's own sender may call as it goes)."""
+        """Every trainer rank runs `order` with its sender of this sink (`Sending.everyone`)."""
         return sending.everyone(self.key, self.name, order, hooks)
 
     @property
@@ -290,9 +277,7 @@ class BucketSink(ABC):
         return [self.key]
 
     def carries_any_tensors_from(self, ranks: int) -> bool:
-        """Whether a session sent by a group of `ranks` trainer ranks may carry tensors that
-        are not the engines' parameters (`carries_any_tensors`, unless a transport can do it
-        from one rank only)."""
+        """`carries_any_tensors` for a session sent by a group of `ranks` trainer ranks."""
         del ranks
         return self.carries_any_tensors
 
@@ -345,14 +330,12 @@ class BucketSink(ABC):
         """
 
     def for_engine(self, description: SourceDescription, engine_index: int) -> SourceDescription:
-        """The description engine number `engine_index` of the push opens (by default the same
-        for every engine)."""
+        """The description engine number `engine_index` opens (by default the same for all)."""
         return description
 
     def route(self, description: SourceDescription, engine_index: int, verify: str) -> EngineRoute:
-        """How engine number `engine_index` of the push receives it (asked after `prepare`):
-        this transport, `for_engine`'s description, `receiver_verify`'s level. A sink that
-        sends each engine over another transport answers per engine."""
+        """How engine number `engine_index` receives the push (asked after `prepare`); a sink
+        that sends each engine over another transport answers per engine."""
         return EngineRoute(
             self.name, self.for_engine(description, engine_index), self.receiver_verify(verify)
         )

@@ -1,11 +1,9 @@
 """The trainer group's side of the transport seam: what every trainer rank runs of a push.
 
-A transport's sink runs on the leader and talks to the engine ranks; the bytes are written by
-every trainer rank, each by its `RankSender` of that transport. The sink hands every rank the
-same order with `Sending.everyone`: the leader's own sender runs it in place (in a group of one
-it is the only one: nothing is encoded, nothing crosses a process), the others are told on the
-group (`TransportStep`), run it, and report. Each rank writes what it sends
-(`TrainerLayout.sender`), so no byte is gathered and none leaves twice.
+The sink (on the leader) hands every rank's `RankSender` the same order with
+`Sending.everyone`: the leader's runs it in place (in a group of one nothing is encoded), the
+others are told on the group (`TransportStep`), run it, and report. Each rank writes what it
+sends (`TrainerLayout.sender`), so no byte is gathered and none leaves twice.
 """
 
 import time
@@ -103,8 +101,7 @@ class Sending:
     rank_sent: list[int] = field(default_factory=list)
 
     def count_sent(self, rank_sent: list[int]) -> None:
-        """Add the tensor bytes each rank handed its transport (sinks of a routed push add
-        theirs)."""
+        """Add the tensor bytes each rank handed its transport."""
         if len(self.rank_sent) < len(rank_sent):
             self.rank_sent += [0] * (len(rank_sent) - len(self.rank_sent))
         for rank, nbytes in enumerate(rank_sent):
