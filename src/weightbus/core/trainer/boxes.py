@@ -1,18 +1,14 @@
 """Parts of a tensor as boxes: every tensor seen as a matrix, every shard as a rectangle of it.
 
-A tensor of shape `(d0, d1, ..., dn)` is seen as the matrix `(d0, d1 * ... * dn)` (a vector as
-`(n, 1)`, a scalar as `(1, 1)`), so what sharded trainers hold is always a `Box` of rows and
-columns: `Shard(0)` (FSDP, column-parallel layers, pipeline stages) is a range of rows,
-`Shard(1)` (row-parallel layers) a range of columns, a 2-D mesh a rectangle. A shard of a
-dimension after the second is not a rectangle and is refused.
-
-A *region* is a box read in its own row-major order (a whole tensor, or one engine rank's
-slice); `runs` cuts a range of its elements into runs of consecutive elements of the whole
-tensor, and `held_runs` finds them in a holder's local memory.
+A tensor of shape `(d0, d1, ..., dn)` is the matrix `(d0, d1 * ... * dn)` (a vector `(n, 1)`, a
+scalar `(1, 1)`): `Shard(0)` is a range of rows, `Shard(1)` of columns, a 2-D mesh a rectangle;
+a shard of a later dimension is refused. A *region* is a box read in its own row-major order;
+`runs` cuts its elements into runs of the whole tensor's, `held_runs` finds them in a holder.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from math import prod
 
 import msgspec
@@ -23,6 +19,11 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     if not shape:
         return 1, 1
     return shape[0], prod(shape[1:])
+
+
+def _cuts(start: int, stop: int, edges: Iterable[tuple[int, int]]) -> list[int]:
+    """`start`, `stop` and every edge strictly between them, sorted."""
+    return sorted({start, stop} | {v for edge in edges for v in edge if start < v < stop})
 
 
 class Box(msgspec.Struct, frozen=True, array_like=True):
@@ -97,6 +98,13 @@ class Box(msgspec.Struct, frozen=True, array_like=True):
         if row_start >= row_stop or col_start >= col_stop:
             return None
         return Box(row_start, row_stop, col_start, col_stop)
+
+    def cut_by(self, boxes: Iterable["Box"]) -> list["Box"]:
+        """This box in cells, cut along every edge of `boxes` inside it (row-major order)."""
+        boxes = list(boxes)
+        rows = _cuts(self.row_start, self.row_stop, ((b.row_start, b.row_stop) for b in boxes))
+        cols = _cuts(self.col_start, self.col_stop, ((b.col_start, b.col_stop) for b in boxes))
+        return [Box(r0, r1, c0, c1) for r0, r1 in pairwise(rows) for c0, c1 in pairwise(cols)]
 
     def within(self, outer: "Box") -> "Box":
         """This box in the coordinates of `outer` (which contains it)."""

@@ -1,19 +1,15 @@
 """The resharding schedule of the tensors no trainer rank holds whole: which rank copies which
 rectangle into which engine rank (a tensor some rank holds whole is its `sender`'s, whole).
 
-For every engine rank's slice of such a tensor (its `ShardCopy`, as the rank offered it), the
-slice is cut along the edges of the trainer ranks' boxes into cells; each cell is held whole by
-one or more trainer ranks, and exactly one of them (the least loaded so far, in a fixed order)
-copies it. So each trainer rank sends exactly what it holds of what the engines need, a
-replicated byte leaves once, and no engine byte is written twice. The schedule depends only on
-the trainer layout and the engines' slice maps, so every trainer rank computes the same one;
-`schedule_hash` lets the leader check that they did.
+Each engine rank's slice (`ShardCopy`) is cut along the edges of the trainer ranks' boxes into
+cells, each copied by one of the ranks holding it whole (the least loaded so far): a replicated
+byte leaves once, no engine byte is written twice. Every trainer rank computes the same
+schedule; `schedule_hash` lets the leader check that they did.
 """
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from math import prod
 
 import msgspec
@@ -61,15 +57,9 @@ def range_box(meta: TensorMeta, dim: int, start: int, length: int) -> Box:
     raise ValueError(f"tensor {meta.name!r}: engine slices along dimension {dim} are not supported")
 
 
-def _cuts(start: int, stop: int, edges: Iterable[tuple[int, int]]) -> list[int]:
-    """`start`, `stop` and every edge strictly between them, sorted."""
-    return sorted({start, stop} | {v for edge in edges for v in edge if start < v < stop})
-
-
 def cells(box: Box, holders: list[tuple[int, Box]]) -> list[Box]:
-    rows = _cuts(box.row_start, box.row_stop, ((h.row_start, h.row_stop) for _, h in holders))
-    cols = _cuts(box.col_start, box.col_stop, ((h.col_start, h.col_stop) for _, h in holders))
-    return [Box(r0, r1, c0, c1) for r0, r1 in pairwise(rows) for c0, c1 in pairwise(cols)]
+    """`box` cut along the edges of the holders' boxes."""
+    return box.cut_by(h for _, h in holders)
 
 
 def make_schedule(

@@ -1,15 +1,11 @@
 """Digests of regions of tensors held across trainer ranks, without a gather.
 
-A tensor some rank holds whole is digested by its sender (`TrainerLayout.sender`), in the pass
-that copies it where the transport copies; the others here. A region (a whole tensor for the
-fingerprint, or an engine rank's slice it verifies) is digested as every digest is
-(`weightbus.core.digest`): a tree over its rows, whose leaves are hashed whole. `DigestPlan`
-decides, once per layout and the same on every rank, who hashes each leaf ("block" here): a rank
-holding all of it hashes it in place (the least loaded, when several do); a leaf no rank holds
-whole (cut by an uneven shard boundary, or across column shards) is hashed by the rank holding
-most of it, which receives the other parts over the control store — in rounds of at most
-`ROUND_BYTES`, so no rank ever holds more than one round of bytes it does not own. Rank 0
-combines the leaves' digests into each region's (`combine`).
+A tensor some rank holds whole is digested by its sender (`TrainerLayout.sender`); the others
+here, as every digest is (`weightbus.core.digest`: a tree over a region's rows). `DigestPlan`
+decides, the same on every rank, who hashes each leaf ("block"): a rank holding all of it (the
+least loaded), else the one holding most of it, which receives the other parts over the control
+store in rounds of at most `ROUND_BYTES` (no rank holds more than a round of bytes it does not
+own). Rank 0 combines the leaves' digests into each region's (`combine`).
 """
 
 import functools
@@ -323,13 +319,9 @@ def digest_share(
     return RankDigests(whole=whole, blocks=blocks)
 
 
+@functools.lru_cache(maxsize=8)
 def digest_plan(layout: TrainerLayout) -> DigestPlan:
     """The plan of the blocks of the tensors sent in cells (kept per layout)."""
-    return _plans(layout)
-
-
-@functools.lru_cache(maxsize=8)
-def _plans(layout: TrainerLayout) -> "DigestPlan":
     return DigestPlan(layout, whole_regions(layout))
 
 

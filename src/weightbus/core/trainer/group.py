@@ -2,13 +2,10 @@
 of one (`TrainerGroup.local()`: no torch.distributed group, no server), a sharded trainer a
 group of N (`TrainerGroup.of(process_group, ...)`).
 
-Rank 0, the *leader*, talks to the engines; every rank sends what it holds. The ranks of a
-group of N talk through a key-value store the leader serves (a `torch.distributed.TCPStore` on a
-port from the OS, its address sent once on the trainer's own process group): the leader
-`announce`s (an order, the outcome) and each rank `report`s (done, with its digests and counts,
-or failed, with why). Every wait has a deadline and names who did not answer; a rank that
-failed is named with its reason. Payloads are msgspec structs (`ControlMessage`), never pickle.
-A group of one keeps its words in a dict: the same calls, nothing crosses a process.
+Rank 0, the *leader*, talks to the engines; every rank sends what it holds. The ranks talk
+through a `torch.distributed.TCPStore` the leader serves: it `announce`s, each rank `report`s.
+Every wait has a deadline and names who did not answer (or failed, with why). Payloads are
+msgspec structs (`ControlMessage`), never pickle. A group of one keeps its words in a dict.
 """
 
 import contextlib

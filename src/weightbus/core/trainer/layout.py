@@ -1,16 +1,13 @@
 """The whole model as the trainer group holds it: every rank's holdings, gathered once per
 layout, checked, and the same on every rank (`TrainerLayout`).
 
-The layout also says who sends what, the same on every rank: a tensor some rank holds whole is
-sent whole by one of them (`sender`: copied and digested in one pass, as one process holding
-the model does), a tensor no rank holds whole is sent in cells by the ranks that hold its
-parts (`trainer.cells`) and digested in blocks (`trainer.digests`).
+It also says who sends what: a tensor some rank holds whole is sent whole by one of them
+(`sender`), the others in cells (`trainer.cells`), digested in blocks (`trainer.digests`).
 """
 
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 import msgspec
 import xxhash
@@ -122,17 +119,9 @@ class TrainerLayout:
 
 def _check_covered(name: str, whole: Box, boxes: list[tuple[int, Box]]) -> None:
     """Every element of `whole` is in some rank's box (cells between the boxes' edges)."""
-    rows = sorted(
-        {whole.row_start, whole.row_stop, *(v for _, b in boxes for v in (b.row_start, b.row_stop))}
-    )
-    cols = sorted(
-        {whole.col_start, whole.col_stop, *(v for _, b in boxes for v in (b.col_start, b.col_stop))}
-    )
-    for row_start, row_stop in pairwise(rows):
-        for col_start, col_stop in pairwise(cols):
-            cell = Box(row_start, row_stop, col_start, col_stop)
-            if not any(cell.intersect(box) == cell for _, box in boxes):
-                raise ValueError(
-                    f"tensor {name!r}: no trainer rank holds rows {row_start}:{row_stop}, "
-                    f"columns {col_start}:{col_stop} of its {whole.rows}x{whole.cols} matrix"
-                )
+    for cell in whole.cut_by(box for _, box in boxes):
+        if not any(cell.intersect(box) == cell for _, box in boxes):
+            raise ValueError(
+                f"tensor {name!r}: no trainer rank holds rows {cell.row_start}:{cell.row_stop}, "
+                f"columns {cell.col_start}:{cell.col_stop} of its {whole.rows}x{whole.cols} matrix"
+            )

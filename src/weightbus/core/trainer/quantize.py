@@ -1,10 +1,8 @@
 """Block-FP8 quantization where the tensor lives: each trainer rank quantizes its own shards.
 
-A rank's box of a matrix must cover whole blocks (start on a block edge, stop on one or at the
-matrix's end): its fp8 values and scales are then exactly those of the whole matrix's
-quantization (every block is quantized alone), so the engines and the fingerprint see the same
-tensors as from a `Publisher` holding the whole model. The scales are a tensor of their own,
-sharded like the matrix in block units.
+A rank's box of a matrix must cover whole blocks: its fp8 values and scales are then exactly
+those of the whole matrix's quantization (each block is quantized alone). The scales are a
+tensor of their own, sharded like the matrix in block units.
 """
 
 import math

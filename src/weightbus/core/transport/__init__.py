@@ -1,15 +1,10 @@
 """Transports: a registry of sinks (publisher side), sources (engine side) and the typed
 description that travels between them, by name.
 
-A transport is one module (or subpackage) plus one line in `_REGISTRY`. Its parts are named
-`"module:attribute"` and imported only when used, so heavy dependencies (torch.distributed,
-NIXL) load only for the transports a user picks, and the HTTP edge decodes a description
-without importing the transport's data path.
-
-A transport that lives in another package registers through the `weightbus.transports` entry
-point group (name -> a `TransportEntry`), so every process that looks it up finds it: the
-publisher, the engine's API server and every rank. `register_transport` adds one in this
-process only (tests, notebooks).
+A transport is one module plus one `_REGISTRY` line naming its parts `"module:attribute"`,
+imported only when used (heavy dependencies load only for the transports picked). Another
+package registers one through the `weightbus.transports` entry point group (name -> a
+`TransportEntry`) so every process finds it; `register_transport` adds one in this process.
 """
 
 import importlib

@@ -1,22 +1,15 @@
 """The transport seam: a `BucketSink` on the leader of the trainer group, a `RankSender` on
 every trainer rank, a `BucketSource` on each engine rank.
 
-The trainer side of a push is a group of ranks (`weightbus.core.trainer`): one process holding
-every tensor is the group of one. A push session runs in three phases on the leader:
-
-1. `sink.prepare(session, sending)` makes the session readable (the disk sink lays the shards
-   and the manifest out; streaming sinks set up their buffers) and returns the typed
-   `SourceDescription` the engines need to open it (`sink.for_engine` adapts it to each one);
-2. the leader asks every engine to update from that description;
-3. `sink.stream(session, sending)` sends what is not sent yet.
+A push session runs in three phases on the leader of the trainer group: `sink.prepare` makes
+the session readable and returns the `SourceDescription` engines open (`for_engine` adapts it
+to each); the leader asks every engine to update from it; `sink.stream` sends the rest.
 
 The sink talks to the engine ranks; the bytes are written by every trainer rank's `RankSender`
 (`weightbus.core.transport.sending`), each reporting its bytes and digests.
 
-Each engine rank opens the description with `open_source` and reads, in order: `begin()` (the
-`UpdateBegin` header), `batches()` (tensors with their digests; each batch's views stay valid
-until its `release()`), then `end()` (the publisher's `UpdateEnd` with its fingerprint).
-Transports never parse model names; planning never touches sockets.
+Each engine rank opens the description with `open_source` and reads `begin()`, `batches()`
+(each valid until its `release()`), then `end()`. Transports never parse model names.
 
 A transport that needs set-up across engines before its first push (the `dist` weights group)
 does it in `sink.setup(engines, ...)`, reaching each engine through the narrow `EngineLink`.
