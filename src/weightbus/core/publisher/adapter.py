@@ -1,8 +1,8 @@
 """LoRA adapter pushes: the adapter's matrices travel, the base the engines serve stays.
 
 An adapter push (`Pushes.push_adapter`) is one `PushRun` of the adapter's tensors, each rank
-sending its shards of them, whose order carries an
-`AdapterSpec` (rank, alpha, targets, the base's fingerprint): engines serving another base
+sending its shards of them, whose order carries an `AdapterSpec` (rank, alpha, targets, the
+base's fingerprint): engines serving another base
 refuse it (409) before a byte moves, and each reports the fingerprint of base and adapter
 together (`served_fingerprint`). Removing the adapter pushes zeros of its shapes with
 `active` off: the engines serve the base alone again and report its fingerprint. Adapters go
@@ -90,12 +90,8 @@ class AdapterState:
             return
         now = dataclasses.replace(self, previous=None)
         restored = self.previous
-        self.base_fingerprint, self.shapes, self.spec = (
-            restored.base_fingerprint,
-            restored.shapes,
-            restored.spec,
-        )
-        self.previous = now
+        self.base_fingerprint = restored.base_fingerprint
+        self.shapes, self.spec, self.previous = restored.shapes, restored.spec, now
 
     def _landed(self) -> None:
         self.previous = dataclasses.replace(self, previous=None)

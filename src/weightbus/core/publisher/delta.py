@@ -161,13 +161,6 @@ class DeltaState:
         """Host memory the base holds (a copy of what this rank pushed last)."""
         return 0 if self.base is None else self.base.nbytes
 
-    def forget(self, url: str | None = None) -> None:
-        """Drop what is known of an engine's slice map (all engines': None)."""
-        if url is None:
-            self._slice_maps.clear()
-        else:
-            self._slice_maps.pop(url, None)
-
     def keeps_base(self, mode: DeltaMode) -> bool:
         """A whole push of `mode` becomes the next base (deltas on, or a base already kept)."""
         return mode != "never" or self.base is not None
@@ -215,9 +208,15 @@ class DeltaState:
             meta.name for meta in layout.metas if digests[meta.name] != base.digests[meta.name]
         ]
         step = EncodeStep(changed=changed, compare=self.sparse)
-        key = round_.announce(step)
-        counts = self.on_encode(step, _work(ranks, round_, layout, request.holdings, key))
-        for report in ranks.collect_reports(round_, key, "delta encoding", EncodeReport):
+        work = RankWork(
+            holdings=request.holdings,
+            layout=layout,
+            group=ranks.group,
+            key=round_.announce(step),
+            deadline=round_.deadline,
+        )
+        counts = self.on_encode(step, work)
+        for report in ranks.collect_reports(round_, work.key, "delta encoding", EncodeReport):
             for name, found in report.counts.items():
                 counts.setdefault(name, {}).update(found)
         kinds, figures = delta_kinds(layout, changed, counts, self.sparse)
@@ -237,10 +236,11 @@ class DeltaState:
         }
         fingerprint = fingerprint_of_metas(layout.metas, digests)
         specs = self._specs(
-            layout, request, targets, ranks, kinds=kinds, digests=digests, fingerprint=fingerprint
+            request, targets, ranks, kinds=kinds, digests=digests, fingerprint=fingerprint
         )
         stream = StreamStep(kinds=kinds, counts=totals)
-        self.on_stream(round_.announce(stream), stream)
+        round_.announce(stream)
+        self._pending.kinds = dict(stream.kinds)
         self._pending.digests, self._pending.fingerprint = digests, fingerprint
         stream_layout, holdings = delta_stream(
             layout, request.holdings, stream, self._pending.changes, ranks.rank
@@ -271,7 +271,6 @@ class DeltaState:
 
     def _specs(
         self,
-        layout: TrainerLayout,
         request: "PushRequest",
         targets: Sequence[EngineTarget],
         ranks: "TrainerRanks",
@@ -281,6 +280,7 @@ class DeltaState:
         fingerprint: str,
     ) -> dict[str, DeltaSpec]:
         assert self.base is not None
+        layout = request.layout
         listed = [
             DeltaTensor(meta.name, kinds.get(meta.name, "same"), self.base.digests[meta.name],
                         digests[meta.name])
@@ -311,7 +311,7 @@ class DeltaState:
             return msgspec.msgpack.encode(EncodeReport(counts=counts))
 
         def stream(step: StreamStep, work: RankWork, streams: dict) -> bytes:
-            self.on_stream(work.key, step)
+            self._pending.kinds = dict(step.kinds)
             streams["delta"] = delta_stream(
                 work.layout, work.holdings, step, self._pending.changes, work.group.rank
             )
@@ -331,10 +331,6 @@ class DeltaState:
             name: {found.cell: found.indices.numel() for found in changed}
             for name, changed in self._pending.changes.items()
         }
-
-    def on_stream(self, key: str, step: StreamStep) -> None:
-        del key
-        self._pending.kinds = dict(step.kinds)
 
     def whole_pushed(self, digests: Mapping[str, str], fingerprint: str) -> None:
         """The leader: a whole push's identity, for the base it becomes."""
@@ -367,25 +363,13 @@ class DeltaState:
             self.base = base = None  # free the old copy before making the new one
             base = RankBase(held.holdings, held.layout.layout_hash, version=version)
             self.base = base
-        base.layout_hash, base.version, base.fingerprint = (
-            held.layout.layout_hash,
-            version,
-            fingerprint,
-        )
-        base.digests = dict(digests)
+        base.layout_hash = held.layout.layout_hash
+        base.version, base.fingerprint, base.digests = version, fingerprint, dict(digests)
 
 
 def is_base_refusal(reason: str) -> bool:
     """An engine's answer says it does not serve the delta's base (its 409)."""
     return DELTA_BASE_REFUSAL in reason
-
-
-def _work(
-    ranks: "TrainerRanks", round_: Any, layout: TrainerLayout, holdings: Mapping, key: str
-) -> RankWork:
-    return RankWork(
-        holdings=holdings, layout=layout, group=ranks.group, key=key, deadline=round_.deadline
-    )
 
 
 def delta_kinds(
@@ -413,11 +397,9 @@ def delta_kinds(
             kinds[name] = "full"
             stream_bytes += meta.nbytes
     total_elements = sum(meta.numel for meta in layout.metas)
-    compared = sparse
     figures = {
-        "changed_fraction": changed_elements / total_elements
-        if compared and total_elements
-        else (0.0 if compared else None),
+        # not compared (`sparse` off): unknown
+        "changed_fraction": changed_elements / max(total_elements, 1) if sparse else None,
         "tensors": {
             "same": len(layout.metas) - len(changed),
             "sparse": sum(kind == "sparse" for kind in kinds.values()),

@@ -1,23 +1,13 @@
-"""The fleet a Publisher pushes to: its members, the sink that reaches them, and every decision
-taken over all of them.
+"""The fleet a Publisher pushes to: its members (`EngineTarget`s, in push order), the sink that
+reaches them (one transport's, or a `RoutedSink`), the thread pool their calls run on, the
+transport's set-up (`dist`: one gloo group over every member), and every decision taken over
+all of them: settling and committing a push, rollbacks, engines joining and leaving.
 
-A `Fleet` holds the members (`EngineTarget`s, in push order), their sink (one transport's, or a
-`RoutedSink` routing each engine over its own), the thread pool their calls run on and the
-transport's set-up (`dist`: one gloo group over every member). The `Publisher` holds one and
-delegates to it:
-
-- `collect` waits for every engine's answer to a push or rollback (`two_phase.settle`; a failure
-  makes the engines that staged discard), and `commit` runs phase two: an engine that fails its
-  commit is past the commit point and leaves the fleet.
-- `rollback` swaps every engine back to the previous version its staging memory still holds,
-  two-phase like a push: no bytes move, and no engine swaps unless all can.
-- `newcomer_route`, `sibling` and `admit` let an engine join: a push of its own on `sibling` (a
-  fleet of the newcomer alone, on a second sink of the same transport, so pushes to the members
-  go on meanwhile) brings it to the fleet's version, then `admit` counts it as a member.
-  `remove` stops pushing to one. Transports with a set-up re-do it with the new membership; the
-  members keep serving while they do.
-
-The caller runs pushes, rollbacks and membership changes one at a time (the Publisher's lock).
+An engine joins with a push of its own on a `sibling` (a fleet of the newcomer alone, on a
+second sink of the same transport, so pushes to the members go on meanwhile), then `admit`
+counts it. Transports with a set-up re-do it with the new membership; the members keep serving
+while they do. The caller runs pushes, rollbacks and membership changes one at a time (the
+Publisher's lock).
 """
 
 import dataclasses
@@ -163,8 +153,7 @@ class Fleet:
         """Re-do the transport's set-up over the members (a `dist` group re-forms).
 
         Raises:
-            what the sink's `setup` raises (`WeightsGroupError`): it is left undone, and the
-            next push says so.
+            WeightsGroupError: as the sink's `setup`; it is left undone (the next push says so).
         """
         assert self._setup_options is not None
         return self.sink.setup(self.targets, steps=self.steps, **self._setup_options)

@@ -1,19 +1,9 @@
 """One push session to every member of a fleet: plan → prepare → order → stream → collect.
 
-`PushRun.run` reads as the protocol, one named step each: `_plan` (the session: the plan of
-what the trainer ranks hold, reused while the layout is unchanged), `_prepare` (`sink.prepare`:
-make the session readable; the ranks' `Sending`), `_order` (every engine gets its `PushOrder`
-from `engine_order`, in parallel; an answer while the stream runs abandons it for that
-engine), `_stream` (the sink
-sends what is not sent yet), `_collect` (every engine committed the same fingerprint, or one
-`PushError` naming each engine that did not and why) and, two-phase, `_commit`. No transport
-is named here: each one's specifics live behind its sink, each engine's behind its
-`EngineTarget`.
-
-`PushRequest` carries what a push sends and how (its order before routing, from `push_options`).
-`push_version` runs a push as a delta when every engine can take one (`DeltaState.plan`), else
-(or after an engine refused the delta's base) as the whole version. `catch_up` is the push
-that brings a newcomer to the fleet's version before it joins.
+`PushRun.run` reads as the protocol, one named step each (and, two-phase, `_commit`). No
+transport is named here: each one's specifics live behind its sink, each engine's behind its
+`EngineTarget`. `push_version` runs a push as a delta when every engine can take one, else as
+the whole version; `catch_up` brings a newcomer to the fleet's version before it joins.
 """
 
 import contextlib
@@ -119,6 +109,16 @@ class PushRequest:
     nonfinite_in_stream: bool = False
     stream: str = ""
 
+    @classmethod
+    def of(
+        cls, held: Any, round_: Round, args: PushArgs, options: PushOrder, **more: Any
+    ) -> "PushRequest":
+        """`args`' push of `held` (a layout and this rank's holdings) in `round_`."""
+        return cls(
+            held.layout, held.holdings, round_, args.version, args.step, options, args.progress,
+            **more,
+        )  # fmt: skip
+
 
 def push_options(fleet: Fleet, args: PushArgs) -> PushOrder:
     """A push's options, checked against `fleet`'s members: the order every engine's is made
@@ -156,21 +156,10 @@ def engine_order(
     carries_draft: bool,
     peers: list[str] | None = None,
 ) -> PushOrder:
-    """One engine's order for `session`: every order of a push is made here.
-
-    Args:
-        session: the push's session.
-        route: the engine's transport, source description and verify level (`sink.route`).
-        options: the push's order before routing (`push_options`).
-        timeout_s: bound of the update on the engine.
-        delta: the engine's delta spec (None: a whole version).
-        carries_draft: the session carries a draft model's tensors.
-        peers: a two-phase push's other engines (asked for the outcome if the trainer goes
-            silent before the engine's decision).
-
-    Returns:
-        The order the engine's target `update`s with.
-    """
+    """One engine's order for `session`, routed by `route` (`sink.route`) from `options`
+    (`push_options`): every order of a push is made here. `delta`: the engine's delta spec
+    (None: a whole version); `peers`: a two-phase push's other engines (asked for the outcome
+    if the trainer goes silent before the engine's decision)."""
     return msgspec.structs.replace(
         options,
         version=session.version,
@@ -556,10 +545,7 @@ def catch_up(
     newcomer = fleet.sibling(target, route)
     try:
         args = PushArgs(version=current.version, step=current.step, force=True)
-        options = push_options(newcomer, args)
-        request = PushRequest(
-            held.layout, held.holdings, round_, current.version, current.step, options
-        )
+        request = PushRequest.of(held, round_, args, push_options(newcomer, args))
         return PushRun(newcomer, ranks, request).run().engines[0]
     finally:
         ranks.release_senders(newcomer.release())

@@ -164,7 +164,7 @@ class Pushes:
         if self.ranks.is_leader:
             if self.fleet is not None:  # a set-up the ranks join reaches them in this round
                 self.fleet.steps = self.ranks.sending(round_, _NO_LAYOUT, {})
-            return self.ranks.lead(round_, lead, result_type)
+            return self.ranks.lead(round_, lead)
         layout = held.layout if held else _NO_LAYOUT
         holdings = held.holdings if held else {}
         return self.ranks.follow(round_, layout, holdings, result_type, self.deltas.step_handlers())
@@ -189,32 +189,20 @@ class Pushes:
 
     def _lead_push(self, round_: Round, held: Held, args: PushArgs, mode: DeltaMode) -> PushResult:
         fleet = self.leader_fleet
-        options = self._options(args)
+        options = push_options(fleet, args)
         may_go_as_delta = mode != "never" and self.deltas.base is not None
         in_stream = not args.allow_nonfinite and stream_refuses_nonfinite(
             fleet, options, delta=may_go_as_delta
         )
         if not args.allow_nonfinite and not in_stream:
             self.ranks.check_nonfinite(round_, held.layout, held.holdings)
-        request = PushRequest(
-            held.layout,
-            held.holdings,
-            round_,
-            args.version,
-            args.step,
-            options,
-            args.progress,
-            nonfinite_in_stream=in_stream,
-        )
+        request = PushRequest.of(held, round_, args, options, nonfinite_in_stream=in_stream)
         try:
             return push_version(fleet, self.ranks, self.deltas, request, mode)
         except NonFiniteWeightsError:
             # the stream named the first bad tensor it met: name them all, with counts
             self.ranks.check_nonfinite(round_, held.layout, held.holdings, NOTHING_SERVED)
             raise
-
-    def _options(self, args: PushArgs) -> Any:
-        return push_options(self.leader_fleet, args)
 
     def push_adapter(self, weights: Any, args: PushArgs) -> PushResult:
         """A LoRA adapter push: each rank sends its shards of the adapter's matrices only."""
@@ -226,32 +214,26 @@ class Pushes:
         round_ = self.round()
         held = self.hold(round_, _adapter_of(weights), None, quantized=False)
         check_adapter(_meta_tensors(held.layout), spec)
-
-        def lead() -> PushResult:
-            options = msgspec.structs.replace(self._options(args), adapter=spec)
-            if not args.allow_nonfinite:
-                self.ranks.check_nonfinite(round_, held.layout, held.holdings)
-            request = PushRequest(
-                held.layout, held.holdings, round_, args.version, args.step, options, args.progress
-            )
-            result = push_version(self.leader_fleet, self.ranks, self.deltas, request, "never")
-            return dataclasses.replace(result, adapter=spec)
-
-        result = self.collective(round_, held, lead, PushResult)
-        self.adapter.committed(held.layout.metas, spec)
-        return result
+        return self._adapter_round(round_, held, args, spec, check=not args.allow_nonfinite)
 
     def remove_adapter(self, args: PushArgs) -> PushResult:
         """Zeros of the last adapter's shapes, with the adapter off (the leader sends them)."""
         zeros, spec = self.adapter.removal()
         round_ = self.round()
         held = self.hold(round_, zeros if self.ranks.is_leader else {}, None, quantized=False)
+        return self._adapter_round(round_, held, args, spec, check=False)
+
+    def _adapter_round(
+        self, round_: Round, held: Held, args: PushArgs, spec: Any, *, check: bool
+    ) -> PushResult:
+        """Push `held` whole with the adapter `spec` (`check`: NaN/inf first); the adapter
+        state follows once it landed."""
 
         def lead() -> PushResult:
-            options = msgspec.structs.replace(self._options(args), adapter=spec)
-            request = PushRequest(
-                held.layout, held.holdings, round_, args.version, args.step, options
-            )
+            options = msgspec.structs.replace(push_options(self.leader_fleet, args), adapter=spec)
+            if check:
+                self.ranks.check_nonfinite(round_, held.layout, held.holdings)
+            request = PushRequest.of(held, round_, args, options)
             result = push_version(self.leader_fleet, self.ranks, self.deltas, request, "never")
             return dataclasses.replace(result, adapter=spec)
 
@@ -301,12 +283,10 @@ class Pushes:
         return self.collective(round_, held, lead, EngineResult | None)
 
     def remove_engine(self, url: str) -> None:
-        round_ = self.round()
-        self.collective(round_, None, lambda: self.leader_fleet.remove(url), type(None))
+        self.collective(self.round(), None, lambda: self.leader_fleet.remove(url), type(None))
 
     def setup_transport(self, options: dict[str, Any]) -> Any:
-        round_ = self.round()
-        return self.collective(round_, None, lambda: self.leader_fleet.setup(**options), Any)
+        return self.collective(self.round(), None, lambda: self.leader_fleet.setup(**options), Any)
 
     def teardown_transport(self, timeout_s: float) -> None:
         round_ = self.round()

@@ -9,9 +9,12 @@ round's outcome, which every rank returns or raises alike. In a group of one the
 alone: `agree` builds the layout from its own holdings, nothing is announced.
 """
 
+import functools
 import itertools
 import logging
+import operator
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -295,7 +298,7 @@ class TrainerRanks:
         """The leader: the fingerprint of what the ranks hold (`digests`)."""
         return fingerprint_of_metas(layout.metas, self.digests(round_, layout, holdings))
 
-    def lead(self, round_: Round, work: Callable[[], Any], result_type: Any) -> Any:
+    def lead(self, round_: Round, work: Callable[[], Any]) -> Any:
         """The leader runs `work` and announces how it ended to the other ranks."""
         try:
             result = work()
@@ -306,7 +309,6 @@ class TrainerRanks:
             self._end(round_, _failed(exc))
             raise
         self._end(round_, OutcomeStep(ok=True, result=msgspec.msgpack.encode(result)))
-        del result_type
         return result
 
     def _end(self, round_: Round, outcome: OutcomeStep) -> None:
@@ -330,7 +332,7 @@ class TrainerRanks:
             TrainerRankError: the leader failed otherwise, died or went silent (named).
         """
         deadline = round_.deadline + _OUTCOME_GRACE_S
-        types: Any = Step if not handlers else Step | _union(handlers)
+        types: Any = Step if not handlers else Step | functools.reduce(operator.or_, handlers)
         streams: dict[str, tuple[TrainerLayout, dict[str, Holding]]] = {"": (layout, holdings)}
         try:
             while True:
@@ -340,12 +342,9 @@ class TrainerRanks:
                 if isinstance(step, OutcomeStep):
                     return _outcome(step, result_type)
                 stream = step.stream if isinstance(step, TransportStep) else ""
+                held_layout, held = streams[stream]
                 work = RankWork(
-                    holdings=streams[stream][1],
-                    layout=streams[stream][0],
-                    group=self.group,
-                    key=key,
-                    deadline=deadline,
+                    holdings=held, layout=held_layout, group=self.group, key=key, deadline=deadline
                 )
                 with _reported_elsewhere():
                     self._follow_step(step, work, streams, handlers or {})
@@ -391,14 +390,8 @@ class TrainerRanks:
 
 def _tied_everywhere(readies: list[_Ready]) -> set[str]:
     """Heads every rank holding them found bit-equal to their embeddings: not sent."""
-    holders: dict[str, int] = {}
-    for ready in readies:
-        for meta in ready.held:
-            holders[meta.name] = holders.get(meta.name, 0) + 1
-    votes: dict[str, int] = {}
-    for ready in readies:
-        for name in ready.tied:
-            votes[name] = votes.get(name, 0) + 1
+    holders = Counter(meta.name for ready in readies for meta in ready.held)
+    votes = Counter(name for ready in readies for name in ready.tied)
     return {name for name, count in votes.items() if count == holders[name]}
 
 
@@ -447,13 +440,6 @@ def _outcome(step: OutcomeStep, result_type: Any) -> Any:
             step.kind, TypeError
         )(step.message)
     raise TrainerRankError(f"trainer rank 0 failed: {step.kind}: {step.message}")
-
-
-def _union(handlers: dict[type, StepHandler]) -> Any:
-    union: Any = None
-    for kind in handlers:
-        union = kind if union is None else union | kind
-    return union
 
 
 @contextmanager

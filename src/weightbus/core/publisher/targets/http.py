@@ -2,6 +2,8 @@
 in the conventions of SGLang's `/v1/update_weights`; any transport's set-up travels through
 `/v1/setup_transport` and `/v1/teardown_transport`."""
 
+import dataclasses
+
 import httpx
 import msgspec
 
@@ -137,13 +139,7 @@ class HttpEngineTarget(EngineTarget):
         self._request("POST", "/v1/abort_weights", timeout_s, json=body)
 
     def rollback(self, order: RollbackOrder) -> EngineResult:
-        body = {
-            "version": order.version,
-            "fingerprint": order.fingerprint,
-            "pause_mode": order.pause_mode,
-            "two_phase": order.two_phase,
-            "timeout_s": order.timeout_s,
-        }
+        body = dataclasses.asdict(order)  # version, fingerprint, pause_mode, two_phase, timeout_s
         answer = self._request(
             "POST", "/v1/rollback_weights", order.timeout_s + HTTP_MARGIN_S, json=body
         )
