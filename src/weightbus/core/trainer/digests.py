@@ -102,12 +102,10 @@ class DigestPlan:
         """The split blocks, in rounds of at most `ROUND_BYTES` (one block at least)."""
         rounds: list[list[Block]] = [[]]
         size = 0
-        metas = {meta.name: meta for meta in self.layout.metas}
+        metas = self.layout.metas_by_name
         for block in (b for b in self.blocks if b.split):
-            nbytes = (
-                sum(s.numel for s in block.segments)
-                * metas[self.regions[block.region].name].element_bytes
-            )
+            meta = metas[self.regions[block.region].name]
+            nbytes = sum(s.numel for s in block.segments) * meta.element_bytes
             if rounds[-1] and size + nbytes > ROUND_BYTES:
                 rounds.append([])
                 size = 0
@@ -171,11 +169,7 @@ def _merged(segments: list[Segment]) -> tuple[Segment, ...]:
     merged: list[Segment] = []
     for segment in segments:
         last = merged[-1] if merged else None
-        if (
-            last is not None
-            and last.rank == segment.rank
-            and last.start + last.numel == segment.start
-        ):
+        if last and last.rank == segment.rank and last.start + last.numel == segment.start:
             merged[-1] = Segment(last.rank, last.start, last.numel + segment.numel)
         else:
             merged.append(segment)

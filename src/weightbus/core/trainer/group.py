@@ -81,11 +81,7 @@ class _LocalStore:
 
 
 class TrainerGroup:
-    """The ranks that send one push together, as one of them sees it.
-
-    Build it with `TrainerGroup.local()` (one process holding every tensor) or
-    `TrainerGroup.of(process_group, host, timeout_s)` (every rank of a sharded trainer,
-    collectively).
+    """The ranks that send one push together, as one of them sees it (`local()` or `of(...)`).
 
     Attributes:
         rank: this rank (0: the leader, which talks to the engines).
@@ -135,9 +131,8 @@ class TrainerGroup:
 
     @contextlib.contextmanager
     def watching(self, step: str) -> Iterator[None]:
-        """While this rank does its part of `step`, a wait on the others (a digest exchange)
-        ends at once when another rank reports it failed the step (on `<step>/done/<rank>`),
-        with that rank's error, instead of at the deadline."""
+        """While this rank does its part of `step`, a wait on the others ends at once, with
+        its error, when another rank reports it failed the step (on `<step>/done/<rank>`)."""
         self._watched = step
         try:
             yield
@@ -173,9 +168,8 @@ class TrainerGroup:
         return f"push/{self._sequence}"
 
     def forget_earlier_pushes(self) -> None:
-        """Delete the keys this rank set in earlier pushes, which every rank has read once
-        every rank reported on the current push (the store would otherwise keep every push's
-        digests and block parts)."""
+        """Delete the keys this rank set in earlier pushes (every rank read them once every
+        rank reported on the current push; the store would otherwise keep them all)."""
         for sequence in [s for s in self._written if s < self._sequence]:
             for key in self._written.pop(sequence):
                 self._store.delete_key(key)

@@ -1,14 +1,9 @@
 """What one trainer rank holds: each tensor's HF name, its full metadata, and the box it holds.
 
-Three kinds of source, in any mix (`holdings_of`):
-
-- a plain tensor: held whole (one process holding every tensor holds them all so; several
-  ranks holding the same tensor whole replicate it; a pipeline stage holds only its own);
-- a DTensor (FSDP2's `fully_shard`, `distribute_tensor`, tensor parallelism) on a 1-D or 2-D
-  mesh, `Shard(d)` and `Replicate` placements, uneven shards included: its box comes from
-  torch's own `compute_local_shape_and_global_offset`;
-- a `DeclaredShard`: a plain local tensor with the full shape and offset the trainer states
-  (Megatron-style tensor parallelism; `fused_shards` splits a fused projection).
+Three kinds of source, in any mix (`holdings_of`): a plain tensor (held whole); a DTensor on a
+1-D or 2-D mesh, `Shard(d)` and `Replicate` placements, uneven shards included (its box from
+torch's `compute_local_shape_and_global_offset`); a `DeclaredShard`, a plain local tensor with
+the full shape and offset the trainer states (Megatron-style tensor parallelism).
 """
 
 import functools
@@ -77,11 +72,8 @@ def fused_shards(
 @dataclass(frozen=True)
 class Holding:
     """One tensor this rank holds (part of): its full metadata, its box, and the local
-    elements (`tensor`, in its local shape, read in place: a whole tensor held by one process
-    is the trainer's own tensor, contiguous or not).
-
-    `local` (flat, contiguous) and `raw` (its bytes) are made when a path reads the box's
-    elements by position (a part of a tensor, or a tensor split across buckets by bytes)."""
+    elements (`tensor`, in its local shape, read in place). `local` (flat, contiguous) and
+    `raw` (its bytes) are made only when a path reads the box's elements by position."""
 
     meta: TensorMeta
     box: Box
@@ -196,11 +188,8 @@ def _memory_of(source: Any) -> torch.Tensor | None:
 def holdings_of(weights: Any, name_map: NameMap | None = None) -> tuple[list[Holding], list[str]]:
     """This rank's holdings, in its order, and the heads it holds tied to their embeddings.
 
-    `weights` is a module's state dict (FSDP2: DTensors), a state dict, or `(name, source)`
-    pairs; `name_map` as for a push. Each memory counts once per model (`named_sources`). A
-    head held bit-equal to its embeddings, in the same box, is reported tied (`tied_head_names`):
-    a head every rank holding it reports so is not sent, as a process holding the whole model
-    drops it.
+    `weights` is a state dict or `(name, source)` pairs; `name_map` as for a push. A head held
+    bit-equal to its embeddings, in the same box, is reported tied (`tied_head_names`).
 
     Raises:
         TypeError: a value is neither a tensor nor a `DeclaredShard`.

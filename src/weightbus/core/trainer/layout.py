@@ -98,9 +98,8 @@ class TrainerLayout:
 
     @functools.cached_property
     def senders(self) -> dict[str, int]:
-        """The rank that sends each tensor some rank holds whole (absent: sent in cells by
-        its holders): the least loaded of its whole holders so far, the largest tensors
-        placed first, so replicas share the sending."""
+        """The rank that sends each tensor some rank holds whole (absent: sent in cells): the
+        least loaded of its whole holders, largest tensors first, so replicas share it."""
         load = [0] * self.world_size
         chosen = {}
         for meta in sorted(self.metas, key=lambda meta: -meta.nbytes):

@@ -26,7 +26,7 @@ def quantized_holdings(holdings: list[Holding], spec: Fp8Block) -> list[Holding]
     result = []
     for holding in holdings:
         meta = holding.meta
-        if not to_quantize(holding):
+        if meta.dtype == FP8_DTYPE or not quantizes(meta.name, meta.shape):
             result.append(holding)
             continue
         box = holding.box
@@ -36,11 +36,6 @@ def quantized_holdings(holdings: list[Holding], spec: Fp8Block) -> list[Holding]
         scales = TensorMeta(meta.name + SCALE_SUFFIX, torch.float32, spec.scale_shape(meta.shape))
         result.append(Holding(scales, _block_box(box, spec), scale_inv))
     return result
-
-
-def to_quantize(holding: Holding) -> bool:
-    """Whether block FP8 quantizes this holding's tensor (`quantizes`, not already FP8)."""
-    return holding.meta.dtype != FP8_DTYPE and quantizes(holding.meta.name, holding.meta.shape)
 
 
 def _block_box(box: Box, spec: Fp8Block) -> Box:

@@ -24,9 +24,8 @@ from weightbus.core.trainer.layout import TrainerLayout
 
 
 class WriteReport(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """A rank's write: the schedule it followed, the bytes it sent, the digests of what it
-    sent whole (and of each engine rank's slice of it: target index -> name -> digest) and
-    its blocks of the rest."""
+    """A rank's write: its schedule, the bytes it sent, the digests of what it sent whole (and
+    of each engine rank's slice of it: target -> name -> digest), its blocks of the rest."""
 
     schedule_hash: str
     sent_bytes: int
@@ -48,10 +47,9 @@ class Cells:
     def of(
         cls, layout: TrainerLayout, slices: list[dict[str, list[ShardCopy]]], *, verify: bool
     ) -> "Cells":
-        """The cells into engine ranks of `slices` (per rank: tensor -> its copies), and their
-        digests: whole tensors, and with `verify` every engine rank's slices -- each distinct
-        region once (a slice that is the whole tensor, or the same slice of every replica,
-        reuses its digest: hashing it again would exchange its cut leaves again)."""
+        """The cells into engine ranks of `slices` (per rank: tensor -> its copies) and their
+        digests: whole tensors, and with `verify` each distinct slice region once (hashing
+        it again would exchange its cut leaves again)."""
         pieces = make_schedule(layout, slices)
         regions, slice_regions = whole_regions(layout), []
         index = {region: i for i, region in enumerate(regions)}

@@ -55,11 +55,9 @@ class TransportEntry:
         description: the `SourceDescription` struct the sink returns and sources open.
         direct: sources accept a `DirectPlacement` (ranks' parameters in shared memory).
         rank_setup: a function `(request, *, tp_rank, tp_size, slices) -> None` every engine
-            rank runs when the publisher sets the transport up or tears it down
-            (`Publisher.setup_transport`, `teardown_transport`), or None when it needs none.
+            rank runs when the publisher sets the transport up or tears it down, or None.
         setup_request: the type of that function's `request`: a `RankSetupRequest` subclass,
-            or a tagged union of them (its `teardown` tells a tear-down from a set-up; its
-            hooks give an engine the bound of the wait and the words of its answers).
+            or a tagged union of them.
     """
 
     sink: str
@@ -201,10 +199,8 @@ def description_type(name: str) -> type[SourceDescription]:
 
 
 def decode_description(name: str, raw: Mapping[str, Any]) -> SourceDescription:
-    """The typed description of transport `name` from its JSON/msgpack form.
-
-    This is the one place a description is parsed: the engine's HTTP edge (an error is a 422)
-    and every rank (an error fails the update) both call it.
+    """The typed description of transport `name` from its JSON/msgpack form (the one parser:
+    the engine's HTTP edge and every rank call it).
 
     Raises:
         ValueError: unknown transport.

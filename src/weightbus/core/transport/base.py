@@ -49,9 +49,8 @@ DEFAULT_SETUP_TIMEOUT_S = 60.0
 
 
 class RankSetupRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Base of a transport's rank set-up requests (the registry's `setup_request`): what every
-    engine rank's `rank_setup` takes, and what an engine needs to run it without knowing the
-    transport. A transport overrides the hooks whose default does not fit.
+    """Base of a transport's rank set-up requests (the registry's `setup_request`), with what
+    an engine needs to run one without knowing the transport (hooks a transport may override).
 
     Attributes:
         teardown: this kind of request undoes a set-up (the engine's `/v1/teardown_transport`
@@ -83,8 +82,7 @@ class RankSetupRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
 
 class EngineRequestError(RuntimeError):
-    """An engine refused or failed a request; the message is the reason (as the engine or the
-    connection gave it)."""
+    """An engine refused or failed a request; the message is the reason."""
 
 
 class EngineLink(Protocol):
@@ -164,8 +162,7 @@ class PushSession:
         return self.sent.total
 
     def abandon(self, reason: str, url: str | None = None) -> None:
-        """Record why the stream cannot complete (any thread); `url`: the engine that answered
-        (its ranks will not join any more)."""
+        """Record why the stream cannot complete (any thread); `url`: the engine that answered."""
         if url is not None:
             self.answered.add(url)
         self.abandon_reasons.append(reason)
@@ -239,12 +236,10 @@ class BucketSink(ABC):
     """The leader's side of a transport. One sink serves many pushes; `close()` frees it.
 
     `carries_any_tensors`: a session may carry tensors that are not the engines' parameters
-    (a delta's payload); False for a transport that writes only into parameters.
-    `copies_locally`: it moves bytes at memory-copy speed on one host (`shm`), where comparing
-    a version with the last one costs more than the bytes it saves.
-    `refuses_nonfinite_in_stream`: its copies can refuse NaN/inf as they go
-    (`Sending.refuse_nonfinite`), so a push may skip its pre-pass over every byte.
-    `key`: names this sink's senders on every trainer rank.
+    (a delta's payload). `copies_locally`: it moves bytes at memory-copy speed on one host,
+    where comparing with the last version costs more than it saves.
+    `refuses_nonfinite_in_stream`: its copies refuse NaN/inf as they go, so a push may skip its
+    pre-pass. `key`: names this sink's senders on every trainer rank.
     """
 
     name: str
@@ -289,14 +284,12 @@ class BucketSink(ABC):
         """Undo `setup` on the engines and here (a no-op when there was none)."""
 
     def setup_on_push(self, steps: Sending | None) -> dict[str, Any] | None:
-        """The options of a set-up a push must do first when none was done (a group of several
-        trainer ranks forming its `dist` weights group), or None: it needs none."""
+        """The options of a set-up a push must do first when none was done, or None."""
         del steps
         return None
 
     def setup_broken(self) -> str | None:
-        """Why the set-up must be done again before the next push (a `dist` group a failed
-        push left broken), or None: it need not (or there is none)."""
+        """Why the set-up must be done again before the next push, or None."""
         return None
 
     def teardown_engine(self, engine: EngineLink, timeout_s: float) -> None:  # noqa: B027
@@ -309,18 +302,16 @@ class BucketSink(ABC):
     def sibling_options(
         self, sink_options: dict[str, Any], setup_options: dict[str, Any] | None
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Sink and set-up options of a second sink of this transport that works beside this
-        one, on its own resources (a joining engine's catch-up push). By default the same."""
+        """Sink and set-up options of a second sink working beside this one (a joining
+        engine's catch-up push); by default the same."""
         return sink_options, setup_options
 
     @abstractmethod
     def prepare(
         self, session: PushSession, sending: Sending, progress: Progress = no_progress
     ) -> SourceDescription:
-        """Make the session readable; return the description engines open.
-
-        `progress(nbytes)` is called as bytes are handed over (for a progress bar).
-        """
+        """Make the session readable; return the description engines open (`progress`: the
+        bytes handed over so far)."""
 
     def for_engine(self, description: SourceDescription, engine_index: int) -> SourceDescription:
         """The description engine number `engine_index` opens (by default the same for all)."""
@@ -334,8 +325,7 @@ class BucketSink(ABC):
         )
 
     def engine_answered(self, session: PushSession, url: str, reason: str) -> None:
-        """Engine `url` answered while the session streamed (a refusal, a failure, a commit):
-        it reads no more of it. By default the whole stream stops waiting."""
+        """Engine `url` answered mid-stream: it reads no more (by default, stop the stream)."""
         session.abandon(reason, url)
 
     @abstractmethod
@@ -356,11 +346,8 @@ class BucketSink(ABC):
         """
 
     def receiver_verify(self, verify: str) -> str:
-        """The `verify` level engines run the prepared session with (asked after `prepare`).
-
-        A sink that delivers only slices of tensors checks the bytes itself and answers "none":
-        no rank could check a whole tensor's digest.
-        """
+        """The `verify` level engines run the prepared session with (asked after `prepare`;
+        "none" from a sink that delivers only slices and checks the bytes itself)."""
         return verify
 
     @abstractmethod
@@ -369,12 +356,8 @@ class BucketSink(ABC):
 
 
 class BucketSource(ABC):
-    """Receiver side of a transport, for one session on one rank.
-
-    Implementations are built as `Source(description, rank=..., tp_size=...)`, where the
-    description is the transport's `SourceDescription`, as the sink returned it for this
-    engine (`BucketSink.for_engine`).
-    """
+    """Receiver side of a transport, for one session on one rank: built as
+    `Source(description, rank=..., tp_size=...)` with the sink's `for_engine` description."""
 
     @abstractmethod
     def begin(self, timeout_s: float) -> UpdateBegin:

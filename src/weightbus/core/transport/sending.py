@@ -41,11 +41,8 @@ class RankWork:
 
 class RankSender(ABC):
     """A transport's part on one trainer rank (leader or not): writes what the rank sends.
-
-    One per transport sink and rank, kept across pushes (mapped files, agents, compiled
-    schedules). `order_type` is the msgspec type of its orders (a tagged union where it has
-    several), `report_type` of its reports.
-    """
+    One per sink and rank, kept across pushes; `order_type` and `report_type` are the msgspec
+    types of its orders and reports."""
 
     order_type: ClassVar[Any]
     report_type: ClassVar[Any]
@@ -115,8 +112,8 @@ class Sending:
     def everyone(self, sink: str, transport: str, order: Any, hooks: Any = None) -> list[Any]:
         """Every rank runs `order` with its sender of `sink`; their reports, by rank.
 
-        The leader's own part runs here (`hooks`: the sink's callbacks its sender may use as
-        it goes); the others are told first and reported once the leader's part is done.
+        The leader's own part runs here (`hooks`: callbacks its sender may use); the others
+        are told first and collected once it is done.
 
         Raises:
             TrainerRankError: another rank failed, died or did not report in time (named).
