@@ -115,7 +115,7 @@ def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_ke
     assert len(rank1) == 4  # rank 1 died in its copies
     assert killed["error"] == "PushError", killed
     assert "trainer rank 1 sent no " in killed["message"], killed
-    assert killed["seconds"] < 6 + 5
+    assert killed["seconds"] < 6 * 4  # bounded by the push's timeout_s, not the 120 s default
     state, choice = weights_state(engine), engine_greedy(engine)
     assert (state["status"], state["version"], state["fingerprint"]) == (
         "NORMAL",
@@ -142,7 +142,7 @@ def test_a_failing_or_dead_trainer_rank_fails_the_push_everywhere_and_engines_ke
     assert landed["ok"], landed
     assert killed["error"] == "PushError", killed
     assert "trainer rank 1 sent no report" in killed["message"], killed
-    assert killed["seconds"] < 6 + 5
+    assert killed["seconds"] < 6 * 4  # bounded by the push's timeout_s, not the 120 s default
     state = weights_state(engine)
     assert (state["status"], state["version"]) == ("NORMAL", "dist-2")
     assert state["fingerprint"] == landed["fingerprint"]
