@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import xxhash
 
+from weightbus.core.finite import holds_nonfinite
 from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.plan.bucket import byte_view
 from weightbus.core.weights import NameMap, Weights, normalize_weights
@@ -44,6 +45,8 @@ MIN_DEPTH = 8
 # not halved below this: each leaf is one xxh3 call holding the GIL (16 KiB leaves made a 512 MiB
 # push 15-25% slower than 128 KiB blocks; 64 KiB, within 5%)
 MIN_LEAF_BYTES = 64 << 10
+# `checked_digest` checks for NaN/inf after hashing about this many bytes (still in cache)
+CHECK_BYTES = 1 << 20
 
 
 def _is_leaf(rows: int, row_bytes: int, depth: int) -> bool:
@@ -173,14 +176,33 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
     A contiguous CPU tensor is hashed in place; others are made contiguous on the CPU first.
     """
+    return checked_digest(tensor, check_nonfinite=False)[0]
+
+
+def checked_digest(tensor: torch.Tensor, *, check_nonfinite: bool) -> tuple[str, bool]:
+    """`(digest, holds NaN/inf)` of a tensor in one pass over its bytes: with
+    `check_nonfinite`, each `CHECK_BYTES` of leaves is checked right after it was hashed,
+    while still in cache (else, and for non-floating tensors, the flag is False)."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    view = memoryview(byte_view(tensor.contiguous()).numpy()).cast("B")
+    tensor = tensor.contiguous()
+    view = memoryview(byte_view(tensor).numpy()).cast("B")
     rows, row_bytes = matrix_of(tuple(tensor.shape), tensor.element_size())
+    ends = (0, *_leaf_ends(rows, row_bytes))
     digest = xxhash.xxh3_128_digest
-    leaves = [digest(view[a:b]) for a, b in pairwise((0, *_leaf_ends(rows, row_bytes)))]
-    return combine_leaves(rows, row_bytes, leaves)
+    if not (check_nonfinite and tensor.is_floating_point()):
+        leaves = [digest(view[a:b]) for a, b in pairwise(ends)]
+        return combine_leaves(rows, row_bytes, leaves), False
+    flat, element_bytes = tensor.reshape(-1), tensor.element_size()
+    leaves, nonfinite, checked = [], False, 0
+    for a, b in pairwise(ends):
+        leaves.append(digest(view[a:b]))
+        if b - checked >= CHECK_BYTES or b == ends[-1]:
+            part = flat[checked // element_bytes : b // element_bytes]
+            nonfinite = nonfinite or holds_nonfinite(part)
+            checked = b
+    return combine_leaves(rows, row_bytes, leaves), nonfinite
 
 
 def fingerprint_of_digests(items: Iterable[tuple[str, str, Iterable[int], str]]) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightbus.core.digest import fingerprint_of_digests, tensor_digest
+from weightbus.core.digest import checked_digest, fingerprint_of_digests
 from weightbus.core.finite import describe_nonfinite
 from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.plan import plan_buckets
@@ -203,9 +203,9 @@ class Receiver:
                     self._check(batch, session, result)
                     if result.ok and order.verify == "full":
                         tick = time.perf_counter()
-                        self._verify(batch, session, result)
-                        if not order.allow_nonfinite and session.delta is None:
-                            self._refuse_nonfinite(batch, session, result)
+                        # a delta streams changes, not values: the Publisher checked those
+                        check = not order.allow_nonfinite and session.delta is None
+                        self._verify(batch, session, result, check_nonfinite=check)
                         timings["verify_s"] += time.perf_counter() - tick
                     if result.ok and batch.tensors:
                         tick = time.perf_counter()
@@ -237,41 +237,33 @@ class Receiver:
             if name in batch.digests:
                 session.digests[name] = batch.digests[name]
 
-    def _verify(self, batch: ReceivedBatch, session: _Session, result: RankResult) -> None:
-        for name, tensor in batch.tensors:
-            if session.order[name] % self.tp_size != self.rank:
-                continue
-            expected = batch.digests.get(name)
-            if expected is None:
-                result.fail(f"tensor {name!r} arrived without a digest", [name])
-            elif tensor_digest(tensor) != expected:
-                result.fail(f"digest mismatch for tensor {name!r}: its bytes are corrupted", [name])
-        for name, region in batch.placed:
-            if region is None:
-                continue  # this rank holds no slice of it
-            expected = batch.placed_digests.get(name)
-            if expected is None:
-                result.fail(f"tensor {name!r} was written without a slice digest", [name])
-            elif tensor_digest(region) != expected:
-                result.fail(
-                    f"digest mismatch for tensor {name!r}: the slice written into this rank's "
-                    "parameters is corrupted",
-                    [name],
-                )
-
-    def _refuse_nonfinite(
-        self, batch: ReceivedBatch, session: _Session, result: RankResult
+    def _verify(
+        self, batch: ReceivedBatch, session: _Session, result: RankResult, *, check_nonfinite: bool
     ) -> None:
-        """Fail on NaN or inf in what this rank verifies (its share of the whole tensors, as
-        for digests, and the slices written into its parameters). Delta streams carry changes,
-        not values: the Publisher checked their whole tensors."""
+        """Check this rank's share of the whole tensors (`session.order`) and the slices written
+        into its parameters against their digests and, with `check_nonfinite`, for NaN/inf: one
+        pass over each tensor's bytes (`checked_digest`)."""
         mine = [
-            (name, tensor)
+            (name, tensor, batch.digests.get(name), _WHOLE_FAILURES)
             for name, tensor in batch.tensors
             if session.order[name] % self.tp_size == self.rank
         ]
-        mine += [(name, region) for name, region in batch.placed if region is not None]
-        found = describe_nonfinite(mine)
+        mine += [
+            (name, region, batch.placed_digests.get(name), _PLACED_FAILURES)
+            for name, region in batch.placed
+            if region is not None  # else this rank holds no slice of it
+        ]
+        nonfinite = []
+        for name, tensor, expected, (missing, corrupted) in mine:
+            if expected is None:
+                result.fail(f"tensor {name!r} {missing}", [name])
+                continue
+            digest, holds_nonfinite = checked_digest(tensor, check_nonfinite=check_nonfinite)
+            if digest != expected:
+                result.fail(f"digest mismatch for tensor {name!r}: {corrupted}", [name])
+            elif holds_nonfinite:
+                nonfinite.append((name, tensor))
+        found = describe_nonfinite(nonfinite)
         if found:
             result.fail(
                 f"non-finite values in {', '.join(found.values())} (the push did not allow them)",
@@ -336,6 +328,15 @@ class Receiver:
         if result.ok:
             result.fingerprint = delta.spec.fingerprint
             result.digests = delta.digests()
+
+
+# what `_verify` says of a tensor (sent whole) or slice (written into the parameters) that came
+# without its digest, or whose bytes do not match it
+_WHOLE_FAILURES = ("arrived without a digest", "its bytes are corrupted")
+_PLACED_FAILURES = (
+    "was written without a slice digest",
+    "the slice written into this rank's parameters is corrupted",
+)
 
 
 def _remaining(deadline: float) -> float:
