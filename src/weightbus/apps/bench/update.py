@@ -8,7 +8,9 @@ runs is a column: in place, it is the Publisher's pre-pass over every byte (time
 An `shm` first transport is also pushed atomically (staged, then swapped), where the check runs
 in the copy pass: verify none and full, and verify none without the check
 (`allow_nonfinite=True`). Reports median push seconds, GB/s, the ratio to the floor, the
-speed-up of `shm` over `disk` (in place), and the engines' extra peak RSS.
+lower bound of each `shm` path and the ratio to it (`roofline`: its passes over the bytes at
+the rates measured in the same run, shown as the `pass:` rows), the speed-up of `shm` over
+`disk` (in place), and the engines' extra peak RSS.
 """
 
 import argparse
@@ -24,6 +26,14 @@ from safetensors.torch import save_file
 
 from weightbus.apps.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.apps.bench.memory import child_pids, reset_peak, rss_bytes
+from weightbus.apps.bench.roofline import (
+    CHECK_IN_CACHE,
+    HASH_IN_CACHE,
+    VERIFY_FROM_MEMORY,
+    PathPasses,
+    Rates,
+    rate_operations,
+)
 from weightbus.apps.bench.timing import Measurement, measure_interleaved, write_json
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.apps.tables import print_table
@@ -111,6 +121,20 @@ class _Pusher:
         return f"{self.mode}{loads} verify={self.verify}" + ("" if self.checked else " unchecked")
 
     @property
+    def passes(self) -> PathPasses | None:
+        """The passes over the bytes this path makes (None: `disk`, not modelled)."""
+        if not self.mode.startswith("shm"):
+            return None
+        direct = "direct" in self.mode
+        full = self.verify == "full"
+        return PathPasses(
+            copies=1 if direct else 2,
+            hashes=2 if direct and full else 1,
+            check=self.nan_check,
+            verify=full,
+        )
+
+    @property
     def nan_check(self) -> str:
         """Where the push's NaN/inf check runs: an atomic whole `shm` push checks in its copy
         pass (`stream_refuses_nonfinite`), every other push before sending."""
@@ -182,8 +206,10 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
             (_CHECK_ALONE, model_bytes, lambda: refuse_nonfinite(weights)),
         ]
         operations += [(p.name, model_bytes, lambda p=p: p(weights)) for p in pushers]
+        operations += rate_operations(weights)
         rows = measure_interleaved(operations, args.repeat)
         nan_check = {p.name: p.nan_check for p in pushers}
+        passes = {p.name: p.passes for p in pushers}
         for pusher in pushers:
             pusher.publisher.close()
     finally:
@@ -195,6 +221,23 @@ def _bench_size(size: int, num_engines: int, args: argparse.Namespace, workdir: 
         "rows": rows,
         "peak_extra_rss": peak_extra,
         "nan_check": nan_check,
+        "bounds": _bounds(rows, passes, model_bytes),
+    }
+
+
+def _bounds(rows: list[Measurement], passes: dict, model_bytes: int) -> dict[str, float]:
+    """Each modelled path's lower bound in seconds (`roofline`), from the rates of this run."""
+    by_name = {m.name: m for m in rows}
+    rates = Rates(
+        copy_all_cores=model_bytes / rows[0].median_s,
+        hash_one_core=by_name[HASH_IN_CACHE].gb_per_s * 1e9,
+        check_one_core=by_name[CHECK_IN_CACHE].gb_per_s * 1e9,
+        prepass_all=by_name[_CHECK_ALONE].gb_per_s * 1e9,
+        verify_one_core=by_name[VERIFY_FROM_MEMORY].gb_per_s * 1e9,
+        cores=torch.get_num_threads(),
+    )
+    return {
+        name: rates.bound_s(model_bytes, path) for name, path in passes.items() if path is not None
     }
 
 
@@ -212,6 +255,7 @@ def _print(result: dict, args: argparse.Namespace) -> None:
         baseline = None if " atomic " in m.name else disk.get(m.name.rsplit(" ", 1)[-1])
         vs_disk = f"{baseline.median_s / m.median_s:.1f}x" if baseline and baseline is not m else ""
         rss = result["peak_extra_rss"].get(m.name)
+        bound = result["bounds"].get(m.name)
         table.append(
             [
                 m.name,
@@ -219,6 +263,8 @@ def _print(result: dict, args: argparse.Namespace) -> None:
                 f"{m.median_s:.3f}",
                 f"{m.gb_per_s:.2f}",
                 f"{m.median_s / floor.median_s:.2f}",
+                "" if bound is None else f"{bound:.3f}",
+                "" if bound is None else f"{m.median_s / bound:.2f}",
                 vs_disk,
                 "" if rss is None else format_bytes(rss),
             ]
@@ -229,6 +275,8 @@ def _print(result: dict, args: argparse.Namespace) -> None:
         "median s",
         "GB/s",
         "x floor",
+        "bound s",
+        "x bound",
         "vs disk",
         "rank extra peak RSS",
     ]
