@@ -58,6 +58,9 @@ def test_bench_lora_reports_every_row(tmp_path):
     assert [row["name"] for row in report["rows"]] == ROWS
     wire = report["bytes_pushed"]
     assert wire["adapter push"] < wire["merged push"] / 10
+    # both engines offer their parameters: each push is written straight into them
+    assert {push["mode"] for push in report["travel"].values()} == {"shm direct"}
+    assert report["travel"]["adapter push"]["rank_bytes"] == [wire["adapter push"]]  # TP 1
     assert "adapter push / merged push: bytes" in result.stdout
     errors = report["merge_errors"]
     assert [e["update_share"] for e in errors] == [0.1, 0.01, 0.001]

@@ -3,7 +3,9 @@
 `lora_A` / `lora_B` only), the engines apply it unmerged and compute what transformers + peft
 compute; an adapter for another base or of another shape is refused with nothing changed, a
 corrupted byte fails closed, a rollback returns the previous adapter, removing the adapter
-serves the base bit for bit, and a push of the base drops the adapter."""
+serves the base bit for bit, and a push of the base drops the adapter. Over `shm` every push
+into them (adapter or base) is written straight into each rank's parameters, its slices only
+(`shm direct`; the slots when asked)."""
 
 import copy
 import json
@@ -17,15 +19,21 @@ from engine_harness import ServedEngine
 from update_harness import ByteFlippingTarget, engine_greedy, hf_greedy, weights_state
 
 from helpers import SMALL_LLAMA as CONFIG
-from weightbus import Publisher, PushError
+from weightbus import Publisher, PushError, PushResult
+from weightbus.apps.capacity.shapes import model_tensors
+from weightbus.apps.capacity.sharding import EngineLayout
+from weightbus.apps.capacity.traffic import traffic
+from weightbus.core.digest import fingerprint
 from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.lora import adapter_tensors, base_weights
+from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
 from weightbus.core.wire.adapter import adapter_names, served_fingerprint
 
 pytestmark = pytest.mark.e2e  # starts `weightbus serve` (tests/conftest.py)
 
 LOGPROB_ATOL = 1e-4  # float32 engine vs transformers + peft, as test_update_e2e.py
 RANK = 4
+ROW_PARALLEL = ("o_proj", "down_proj")  # the other five projections are column-parallel
 
 
 def _base_model(path: Path) -> torch.nn.Module:
@@ -94,6 +102,33 @@ def assert_serves(engine: ServedEngine, model: torch.nn.Module, version: str) ->
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
 
 
+def adapter_rank_bytes(tensors: dict[str, torch.Tensor], tp: int) -> list[int]:
+    """The bytes of an adapter each rank of a TP-`tp` engine holds (docs/lora.md, vLLM's
+    rule): on a column-parallel projection A whole and 1/tp of B's rows, on a row-parallel
+    one 1/tp of A's columns and B whole."""
+    share = 0
+    for name, tensor in tensors.items():
+        row_parallel = any(f".{projection}." in name for projection in ROW_PARALLEL)
+        split = ("lora_A" in name) == row_parallel
+        share += tensor.nbytes // tp if split else tensor.nbytes
+    return [share] * tp
+
+
+def assert_direct(result: PushResult, rank_bytes: list[list[int]]) -> None:
+    """`result` was written straight into the engines' parameters, each rank receiving
+    `rank_bytes[engine][rank]` bytes (its slices)."""
+    assert result.mode == "shm direct"
+    assert [engine.rank_nbytes for engine in result.engines] == rank_bytes
+
+
+def base_rank_bytes(path: Path, tp: int) -> list[int]:
+    """The bytes of the base checkpoint at `path` each rank of a TP-`tp` engine holds (the
+    capacity planner's count, checked against the transports' in tests/apps/capacity)."""
+    model = model_tensors(path, "float32")
+    planned = traffic(model, EngineLayout(tp), "shm", bucket_bytes=DEFAULT_BUCKET_BYTES)
+    return list(planned.receive_bytes)
+
+
 def _serving(engine: ServedEngine) -> tuple[str, dict]:
     return weights_state(engine)["fingerprint"], engine_greedy(engine)
 
@@ -126,6 +161,10 @@ def test_three_adapter_pushes_serve_what_peft_serves(tp2, tp1, base, tmp_path):
         tensors = adapter_tensors(model)
         assert result.two_phase
         assert result.nbytes == sum(t.nbytes for t in tensors.values())  # the adapter only
+        if transport in ("shm", "nixl"):  # each rank receives its slices only
+            ranks = [adapter_rank_bytes(tensors, 2), adapter_rank_bytes(tensors, 1)]
+            assert [engine.rank_nbytes for engine in result.engines] == ranks
+            assert result.mode == ("shm direct" if transport == "shm" else "nixl")
         with Publisher([tp2.url]) as pub:
             adapter_fp = pub.fingerprint(tensors)
         assert result.fingerprint == served_fingerprint(result.adapter, adapter_fp)
@@ -160,6 +199,52 @@ def test_a_rollback_returns_the_previous_adapter_and_in_place_pushes_land(tp2, b
             third, version="adapter-in-place", adapter=config, atomic=False, pause_mode="in_place"
         )
     assert_serves(tp2, third, "adapter-in-place")
+
+
+def assert_adapter(engine: ServedEngine, model: torch.nn.Module, version: str) -> None:
+    """`engine` applies `model`'s adapter bit for bit (its tensors' fingerprint) and serves
+    what peft computes with it."""
+    assert weights_state(engine)["adapter"]["fingerprint"] == fingerprint(adapter_tensors(model))
+    assert_serves(engine, model, version)
+
+
+def test_shm_writes_each_ranks_slices_into_its_parameters(tp2, base):
+    """Adapter pushes (verify full and none, atomic and in place), the adapter's removal and a
+    push of the base into a LoRA engine all go `shm direct`, each rank receiving its slices
+    only, and a rollback returns the adapter before; asked for the slots, each rank reads the
+    whole adapter there."""
+    path, base_model = base
+    _back_to_the_base([tp2], base_model)
+    first = trained(_peft(base_model), seed=70)
+    second, third = trained(first, seed=71), trained(first, seed=72)
+    config = first.peft_config["default"]
+    slices = [adapter_rank_bytes(adapter_tensors(first), 2)]
+    with Publisher([tp2.url], transport="shm") as pub:
+        base_fp = pub.fingerprint(base_weights(first))
+        one = pub.push(first, version="direct-one", adapter=config, base_fingerprint=base_fp)
+        assert_direct(one, slices)
+        two = pub.push(second, version="direct-two", adapter=config, verify="none")
+        assert_direct(two, slices)
+        assert_adapter(tp2, second, "direct-two")
+        back = pub.rollback()
+        assert (back.version, back.fingerprint) == ("direct-one", one.fingerprint)
+        assert_adapter(tp2, first, "direct-one")
+        in_place = pub.push(
+            third, version="direct-in-place", adapter=config, atomic=False, pause_mode="in_place"
+        )
+        assert_direct(in_place, slices)
+        assert_adapter(tp2, third, "direct-in-place")
+        assert_direct(pub.remove_adapter(version="direct-off"), slices)
+        assert engine_greedy(tp2)["logprobs"] == tp2.base_choice["logprobs"]
+        whole = pub.push(base_model, version="direct-base", force=True)
+        assert_direct(whole, [base_rank_bytes(path, 2)])
+    assert weights_state(tp2)["fingerprint"] == tp2.base_state["fingerprint"]
+    with Publisher([tp2.url], transport="shm", transport_options={"direct": False}) as pub:
+        slots = pub.push(first, version="slots-one", adapter=config, base_fingerprint=base_fp)
+    assert slots.mode == "shm slots"
+    adapter_bytes = sum(t.nbytes for t in adapter_tensors(first).values())
+    assert slots.engines[0].rank_nbytes == [adapter_bytes, adapter_bytes]
+    assert_adapter(tp2, first, "slots-one")
 
 
 def test_removing_the_adapter_serves_the_base_bit_for_bit(tp2, base):

@@ -14,7 +14,9 @@ Rows, round-robin for `--repeat` rounds after an untimed warm-up round (`measure
   trainer keeps its unmerged base to train on;
 - `merged push`: the merged model pushed whole over `shm`, atomic.
 
-Every push must leave its engine serving the pushed fingerprint, else the run fails.
+Every push must leave its engine serving the pushed fingerprint, else the run fails. The
+report also says how each push travelled (`shm direct` or `shm slots`) and the bytes each
+engine rank received.
 
 Then, on the `tiny` architecture in peft and transformers (no engine), for adapters whose
 update is 10%, 1% and 0.1% of the weights' RMS (`MergeError`): the largest logit error of a
@@ -189,9 +191,9 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for proc, _ in engines:
                 stop_engine(proc)
-    wire = {"adapter push": adapter_push.last.nbytes, "merged push": merged_push.last.nbytes}
+    pushes = {"adapter push": adapter_push.last, "merged push": merged_push.last}
     numeric = merge_errors(args.rank)
-    _report(rows, wire, numeric, args)
+    _report(rows, pushes, numeric, args)
     return 0
 
 
@@ -326,8 +328,17 @@ def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.float() - expected).abs().max())
 
 
-def _report(rows: list[Measurement], wire: dict[str, int], numeric: list[MergeError], args) -> None:
+def _report(
+    rows: list[Measurement], pushes: dict[str, PushResult], numeric: list[MergeError], args
+) -> None:
+    """Print the rows, how each push travelled and the merge's errors; `args.json`: write them."""
     by_name = {m.name: m for m in rows}
+    wire = {name: result.nbytes for name, result in pushes.items()}
+    # how each push travelled, and the bytes each engine rank received
+    travel = {
+        name: {"mode": result.mode, "rank_bytes": result.engines[0].rank_nbytes}
+        for name, result in pushes.items()
+    }
     floors = {"adapter push": "memcpy floor, adapter", "merged push": "memcpy floor, model"}
     print(
         f"bf16 weights: {format_bytes(by_name['memcpy floor, model'].nbytes)}, LoRA rank "
@@ -352,6 +363,9 @@ def _report(rows: list[Measurement], wire: dict[str, int], numeric: list[MergeEr
         f"(1/{wire['merged push'] / wire['adapter push']:.0f}), time {adapter_s / merged_s:.3f}x; "
         f"/ (merge + merged push): {adapter_s / (merge_s + merged_s):.3f}x"
     )
+    for name, how in travel.items():
+        received = ", ".join(format_bytes(n) for n in how["rank_bytes"])
+        print(f"{name}: {how['mode']}, received per engine rank: {received}")
     print(
         "\nmerging into bf16 vs applying unmerged (tiny Llama, peft): max |logit error| against "
         "float32 (bf16 base, float32 adapter unmerged)"
@@ -380,6 +394,7 @@ def _report(rows: list[Measurement], wire: dict[str, int], numeric: list[MergeEr
             {
                 "rows": rows,
                 "bytes_pushed": wire,
+                "travel": travel,
                 "rank": args.rank,
                 "merge_errors": [asdict(e) for e in numeric],
             },

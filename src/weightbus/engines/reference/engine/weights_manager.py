@@ -16,7 +16,10 @@ staging memory keeps the same base, so the next copies nothing), the swap moves 
 
 With `shm_weights` (the default) live and staging parameters live in shared-memory arenas, so a
 co-located `shm` publisher can write updates straight into them (direct mode); where /dev/shm
-cannot hold them they stay in private memory and updates stream through the slots.
+cannot hold them they stay in private memory and updates stream through the slots. Each push
+is offered the slice map of the tensors it carries (`_carried`: the adapter's for an adapter
+push, the base's for a whole push), since a publisher writes directly only when the map names
+exactly the push's tensors.
 """
 
 import logging
@@ -95,6 +98,12 @@ def _prepare_staging(
     return lambda: None
 
 
+def _carried_kind(order: UpdateOrder) -> tuple[bool, bool]:
+    """What kind of tensors `order`'s push carries: (the adapter's rather than the base's,
+    the base's without the draft's)."""
+    return order.adapter is not None, order.keep_draft
+
+
 def _adapter_state(order: UpdateOrder) -> tuple[bool, float]:
     """Whether the model applies its adapter once `order` lands, and the scale (a push of
     the base drops the adapter: it was trained on the base replaced)."""
@@ -118,14 +127,12 @@ class _StagedReceive:
         order: UpdateOrder,
         direct: DirectPlacement | None,
         prepare: Callable[[], None],
-        on_done: Callable[[], None],
     ) -> None:
         self.result: RankResult | None = None
         self._receiver = receiver
         self._order = order
         self._direct = direct
         self._prepare = prepare
-        self._on_done = on_done
         self._thread = threading.Thread(target=self._run, name="staged-receive", daemon=True)
         self._thread.start()
 
@@ -135,7 +142,6 @@ class _StagedReceive:
         prepare_s = time.perf_counter() - tick
         self.result = receive(self._receiver, self._order, self._direct)
         self.result.phases["base_copy_s"] = prepare_s
-        self._on_done()
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -178,8 +184,6 @@ class WeightsManager:
         dtype: serving dtype; pushed tensors must have it.
         tp_rank, tp_size: this rank's place (digests are verified rank-split).
         shm_weights: keep parameters in shared-memory arenas (direct mode) where they fit.
-        on_staged_done: called from the receive thread once a staged receive ended (the
-            worker's wake-up: it waits for that instead of polling).
     """
 
     def __init__(
@@ -190,10 +194,8 @@ class WeightsManager:
         tp_size: int,
         *,
         shm_weights: bool = True,
-        on_staged_done: Callable[[], None] = lambda: None,
     ) -> None:
         self.runner = runner
-        self._on_staged_done = on_staged_done
         self.dtype = dtype
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -206,7 +208,8 @@ class WeightsManager:
         self._copies = self.served.shard_copies()  # this rank's slice map, computed once
         # what the draft's part of the latest receive loaded (`draft_info`)
         self._draft_loads = DraftLoads(self.served.load_weights)
-        self._placements: dict[str, DirectPlacement | None] = {}
+        # (arena name, what a push carries: `_carried_kind`) -> its direct offer
+        self._placements: dict[tuple[str, tuple[bool, bool]], DirectPlacement | None] = {}
         self._live_arena = self._place(self.served, copy=True)
         self._staging_arena: ParamArena | None = None
         self.weights_released = False
@@ -231,22 +234,33 @@ class WeightsManager:
         arena.adopt(model, copy=copy)
         return arena
 
-    def _placement(self, arena: ParamArena | None) -> DirectPlacement | None:
+    def _placement(self, arena: ParamArena | None, order: UpdateOrder) -> DirectPlacement | None:
+        """`arena` offered for direct writes of the tensors `order`'s push carries (None: the
+        parameters are in private memory). Its slice map names those tensors only, as a
+        publisher's layout check asks; one offer per arena and `_carried_kind`, made once."""
         if arena is None:
             return None
-        if arena.name not in self._placements:
-            self._placements[arena.name] = direct_placement(arena, self._copies)
-        return self._placements[arena.name]
+        key = (arena.name, _carried_kind(order))
+        if key not in self._placements:
+            carried = self._carried(order)
+            copies = [copy for copy in self._copies if copy[0] in carried]
+            self._placements[key] = direct_placement(arena, copies)
+        return self._placements[key]
+
+    def _carried(self, order: UpdateOrder) -> dict[str, TensorMeta]:
+        """The tensors `order`'s push must carry: the adapter's for an adapter push, else the
+        base's (the draft's included unless the push keeps the draft served)."""
+        adapter, keep_draft = _carried_kind(order)
+        expected = {n: m for n, m in self.expected.items() if is_adapter_name(n) == adapter}
+        if keep_draft:
+            expected = {name: m for name, m in expected.items() if not is_draft_name(name)}
+        return expected
 
     def _receiver(self, model: ServedModels, order: UpdateOrder) -> Receiver:
-        adapter = order.adapter is not None
-        expected = {n: m for n, m in self.expected.items() if is_adapter_name(n) == adapter}
-        if order.keep_draft:
-            expected = {name: m for name, m in expected.items() if not is_draft_name(name)}
         self._draft_loads = DraftLoads(model.load_weights)
         return Receiver(
             load_weights=self._draft_loads,
-            expected=expected,
+            expected=self._carried(order),
             rank=self.tp_rank,
             tp_size=self.tp_size,
             slices=ModelSlices(model, self._copies),
@@ -273,19 +287,13 @@ class WeightsManager:
         self._staged = _StagedReceive(
             self._receiver(staging, order),
             order,
-            self._placement(self._staging_arena),
+            self._placement(self._staging_arena, order),
             prepare,
-            self._on_staged_done,
         )
 
     def _base_held(self) -> None:
         """The staging memory holds the live base (called from the receive thread)."""
         self._staging_has_base = True
-
-    @property
-    def receiving_staged(self) -> bool:
-        """A staged receive runs on this rank (its end calls `on_staged_done`)."""
-        return self._staged is not None and self._staged.result is None
 
     def staged_result(self) -> RankResult | None:
         """The staged receive's verdict once it ended, else None."""
@@ -320,7 +328,7 @@ class WeightsManager:
     def load_in_place(self, order: UpdateOrder) -> RankResult:
         """Receive straight into the live parameters (re-allocated first if released)."""
         self.resume(["weights"])
-        direct = self._placement(self._live_arena)
+        direct = self._placement(self._live_arena, order)
         result = receive(self._receiver(self.served, order), order, direct)
         if order.adapter is None:
             self._staging_has_base = False  # the live base moved on
@@ -367,7 +375,8 @@ class WeightsManager:
     def _close_arenas(self) -> None:
         for arena in (self._live_arena, self._staging_arena):
             if arena is not None:
-                self._placements.pop(arena.name, None)
+                for key in [key for key in self._placements if key[0] == arena.name]:
+                    del self._placements[key]
                 arena.close()
         self._live_arena = self._staging_arena = None
 
