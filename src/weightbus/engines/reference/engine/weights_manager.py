@@ -127,12 +127,14 @@ class _StagedReceive:
         order: UpdateOrder,
         direct: DirectPlacement | None,
         prepare: Callable[[], None],
+        on_done: Callable[[], None],
     ) -> None:
         self.result: RankResult | None = None
         self._receiver = receiver
         self._order = order
         self._direct = direct
         self._prepare = prepare
+        self._on_done = on_done
         self._thread = threading.Thread(target=self._run, name="staged-receive", daemon=True)
         self._thread.start()
 
@@ -142,6 +144,7 @@ class _StagedReceive:
         prepare_s = time.perf_counter() - tick
         self.result = receive(self._receiver, self._order, self._direct)
         self.result.phases["base_copy_s"] = prepare_s
+        self._on_done()
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -184,6 +187,8 @@ class WeightsManager:
         dtype: serving dtype; pushed tensors must have it.
         tp_rank, tp_size: this rank's place (digests are verified rank-split).
         shm_weights: keep parameters in shared-memory arenas (direct mode) where they fit.
+        on_staged_done: called from the receive thread once a staged receive ended (the
+            worker's wake-up: it waits for that instead of polling).
     """
 
     def __init__(
@@ -194,8 +199,10 @@ class WeightsManager:
         tp_size: int,
         *,
         shm_weights: bool = True,
+        on_staged_done: Callable[[], None] = lambda: None,
     ) -> None:
         self.runner = runner
+        self._on_staged_done = on_staged_done
         self.dtype = dtype
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -289,11 +296,17 @@ class WeightsManager:
             order,
             self._placement(self._staging_arena, order),
             prepare,
+            self._on_staged_done,
         )
 
     def _base_held(self) -> None:
         """The staging memory holds the live base (called from the receive thread)."""
         self._staging_has_base = True
+
+    @property
+    def receiving_staged(self) -> bool:
+        """A staged receive runs on this rank (its end calls `on_staged_done`)."""
+        return self._staged is not None and self._staged.result is None
 
     def staged_result(self) -> RankResult | None:
         """The staged receive's verdict once it ended, else None."""
