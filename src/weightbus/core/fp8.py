@@ -31,6 +31,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-4
 SCALE_SUFFIX = "_scale_inv"
+# `quantize` works through this much float32 at a time (in cache; no copy of a whole matrix)
+QUANTIZE_CHUNK_BYTES = 4 << 20
 FP8_BLOCK_NAME = "fp8-block"
 # Decoder-layer matrices that block-FP8 checkpoints keep unquantized (MoE routers).
 UNQUANTIZED_SUFFIXES = (".mlp.gate.weight", ".shared_expert_gate.weight")
@@ -141,26 +143,47 @@ def quantize(name: str, weight: torch.Tensor, spec: Fp8Block) -> tuple[torch.Ten
             f"fp8-block: {name} is not a floating matrix ({weight.dtype}, "
             f"shape {tuple(weight.shape)})"
         )
-    found = describe_nonfinite([(name, weight)])
-    if found:
-        raise NonFiniteWeightsError(f"fp8-block: {found[name]} cannot be quantized")
     rows, cols = weight.shape
     scale_rows, scale_cols = spec.scale_shape((rows, cols))
-    padded_shape = (scale_rows * spec.block_rows, scale_cols * spec.block_cols)
-    # one float32 working copy, then in-place passes (no |w| temporary: max(max, -min))
-    if padded_shape == (rows, cols):
-        work = weight.to(torch.float32, copy=True)
-    else:
-        work = weight.new_zeros(padded_shape, dtype=torch.float32)
-        work[:rows, :cols] = weight
-    blocks = work.view(scale_rows, spec.block_rows, scale_cols, spec.block_cols)
-    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
-    scale_inv = amax.clamp(min=MIN_AMAX) / FP8_MAX
-    blocks.div_(scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-    fp8 = work.to(FP8_DTYPE)
-    if padded_shape != (rows, cols):
-        fp8 = fp8[:rows, :cols].contiguous()
+    fp8 = torch.empty((rows, cols), dtype=FP8_DTYPE, device=weight.device)
+    scale_inv = torch.empty((scale_rows, scale_cols), dtype=torch.float32, device=weight.device)
+    # block rows at a time through one float32 work buffer of about QUANTIZE_CHUNK_BYTES (its
+    # padding columns stay zero: |0| never raises a block's amax)
+    padded_cols = scale_cols * spec.block_cols
+    step = max(1, QUANTIZE_CHUNK_BYTES // (spec.block_rows * max(1, padded_cols) * 4))
+    work = weight.new_zeros((step * spec.block_rows, padded_cols), dtype=torch.float32)
+    for first in range(0, scale_rows, step):
+        stop = min(first + step, scale_rows)
+        _quantize_block_rows(weight, spec, work, (fp8, scale_inv), range(first, stop))
+    if not bool(torch.isfinite(scale_inv).all()):  # a NaN/inf block: its scale is one
+        found = describe_nonfinite([(name, weight)])
+        raise NonFiniteWeightsError(f"fp8-block: {found[name]} cannot be quantized")
     return fp8, scale_inv
+
+
+def _quantize_block_rows(
+    weight: torch.Tensor,
+    spec: Fp8Block,
+    work: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor],
+    block_rows: range,
+) -> None:
+    """Quantize `block_rows` of `weight` into `out` (`fp8`, `scale_inv`) through `work`
+    (float32, zero beyond the matrix's columns)."""
+    (fp8, scale_inv), first, stop = out, block_rows.start, block_rows.stop
+    rows, cols = weight.shape
+    low, high = first * spec.block_rows, min(stop * spec.block_rows, rows)
+    chunk = work[: (stop - first) * spec.block_rows]
+    if high - low < chunk.shape[0]:  # the last block row is partial: zeros below it
+        chunk[high - low :].zero_()
+    chunk[: high - low, :cols].copy_(weight[low:high])
+    blocks = chunk.view(stop - first, spec.block_rows, -1, spec.block_cols)
+    # max(max, -min): no |w| temporary; NaN and inf reach the scale (the caller's check)
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
+    scales = scale_inv[first:stop]
+    torch.clamp(amax, min=MIN_AMAX, out=scales).div_(FP8_MAX)
+    blocks.div_(scales[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    fp8[low:high] = chunk[: high - low, :cols]
 
 
 def expand_scales(scale_inv: torch.Tensor, shape: tuple[int, int], spec: Fp8Block) -> torch.Tensor:
