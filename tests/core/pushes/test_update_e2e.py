@@ -320,10 +320,22 @@ def test_a_nonfinite_push_is_refused_before_anything_is_served(
     assert _served(engine) == before  # not paused, same version, fingerprint and output
 
 
+@pytest.fixture
+def nixl_publisher(engine: ServedEngine):
+    with Publisher([engine.url], transport="nixl", bucket_bytes=64 * KiB, timeout_s=30) as pub:
+        yield pub
+
+
+# the copies that check NaN/inf as they go, and how each reports its mode
+IN_STREAM_CHECKS = [("shm_publisher", "shm direct"), ("nixl_publisher", "nixl")]
+
+
+@pytest.mark.parametrize(("streaming", "mode"), IN_STREAM_CHECKS, ids=["shm", "nixl"])
 def test_a_nan_in_the_last_tensor_copied_leaves_the_engine_unchanged(
-    engine, hf_model, shm_publisher
+    engine, hf_model, request, streaming, mode
 ):
     _, model = hf_model
+    publisher = request.getfixturevalue(streaming)
     before = _served(engine)
     trained = trained_copy(model, seed=34).state_dict()
     weights = {name: t.detach().clone() for name, t in trained.items()}
@@ -332,8 +344,8 @@ def test_a_nan_in_the_last_tensor_copied_leaves_the_engine_unchanged(
     weights[last].view(-1)[-1] = float("nan")
     copied = []
     with pytest.raises(NonFiniteWeightsError) as raised:
-        shm_publisher.push(weights, version="nan-last", progress=copied.append)
-    assert shm_publisher.sink.mode == "shm direct"
+        publisher.push(weights, version="nan-last", progress=copied.append)
+    assert publisher.sink.mode == mode
     assert sum(copied) > 0  # the other tensors reached the engine's staging memory first
     assert f"{last} (1 NaN, 0 inf); {NOTHING_SERVED}" in str(raised.value)
     assert _served(engine) == before

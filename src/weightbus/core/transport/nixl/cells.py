@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 import torch
 
+from weightbus.core.finite import refuse_nonfinite_chunk
 from weightbus.core.meta import TensorMeta
 from weightbus.core.plan.bucket import align_up
 from weightbus.core.trainer.boxes import matrix_shape
@@ -71,9 +72,11 @@ def write_cells(
     copies: Sequence[Mapping[str, list[RegionCopy]]],
     holdings: Mapping[str, Holding],
     deadline: float,
+    refuse_nonfinite: bool = False,
 ) -> list[int]:
     """Pack and WRITE `pieces` (this rank's), from `buffers`, into engine ranks `targets`
-    whose checked slice maps are `copies`; the bytes written into each.
+    whose checked slice maps are `copies`; the bytes written into each. With
+    `refuse_nonfinite`, each piece is refused once packed if it holds NaN/inf.
 
     Raises:
         TimeoutError: a WRITE did not complete by `deadline` (it names the engine rank).
@@ -98,6 +101,7 @@ def write_cells(
                 copies=copies,
                 holdings=holdings,
                 metas=metas,
+                refuse_nonfinite=refuse_nonfinite,
             )
             agent.wait(pending, deadline)
             for index, (local, remote) in runs.items():
@@ -140,6 +144,7 @@ def _pack(
     copies: Sequence[Mapping[str, list[RegionCopy]]],
     holdings: Mapping[str, Holding],
     metas: dict[str, TensorMeta],
+    refuse_nonfinite: bool,
 ) -> dict[int, tuple[list[np.ndarray], list[np.ndarray]]]:
     """Pack `batch` into `buffer`; per engine rank, the (local addresses, remote runs) to
     WRITE."""
@@ -152,6 +157,8 @@ def _pack(
         packed.view(piece.cell.rows, piece.cell.cols).copy_(
             cell_view(holding.matrix(), holding.box, piece.cell)
         )
+        if refuse_nonfinite and packed.is_floating_point():
+            refuse_nonfinite_chunk(piece.name, packed)
         each = copies[piece.target][piece.name][piece.copy]
         remote = _runs(piece, each, targets[piece.target].memory_address, meta)
         local, remotes = runs[piece.target]

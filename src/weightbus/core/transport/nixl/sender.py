@@ -99,6 +99,7 @@ class NixlRankSender(RankSender):
                     schedule=compiled.schedule,
                     buffers=buckets.ready(order.inflight_buckets, compiled.schedule.slot_bytes),
                     verify=order.verify,
+                    refuse_nonfinite=work.refuse_nonfinite,
                     hooks=hooks,
                 )
                 writes.run(self._pool, deadline)
@@ -110,6 +111,7 @@ class NixlRankSender(RankSender):
                 copies=compiled.copies,
                 holdings=work.holdings,
                 deadline=deadline,
+                refuse_nonfinite=work.refuse_nonfinite,
             )
         except Exception:
             for target in targets:  # cancel what is in flight: nothing may land later

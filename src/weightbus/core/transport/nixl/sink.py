@@ -88,6 +88,8 @@ class NixlSink(BucketSink):
 
     name = "nixl"
     carries_any_tensors = True  # parameters into the ranks' memory, other tensors into inboxes
+    # each chunk is checked as it is packed, before its WRITE; an abort discards what landed
+    refuses_nonfinite_in_stream = True
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ from weightbus.core.plan.bucket import (
     byte_view,
     check_entry_tensor,
     digest_part,
+    nonfinite_row_check,
     pack_entry,
     pack_rows,
 )
@@ -95,8 +96,9 @@ class BucketWrites:
     """A rank's WRITEs of `tensors` (`schedule.sends`, by name) in one session, with `agent`
     (every engine rank's agent loaded) into `targets` (schedule order) as `schedule` says:
     bucket b packs into `buffers[b % len(buffers)]` (registered, `schedule.slot_bytes` at
-    least), each engine rank's slices digested too with `verify`; `hooks`: the leader's sink's,
-    in a group of one.
+    least), each engine rank's slices digested too with `verify`, each chunk refused if it
+    holds NaN/inf with `refuse_nonfinite` (as it is packed, before its WRITE); `hooks`: the
+    leader's sink's, in a group of one.
 
     Raises:
         ValueError: an engine rank receives tensors whole and offered no inbox large enough,
@@ -117,11 +119,12 @@ class BucketWrites:
         schedule: Schedule,
         buffers: list[torch.Tensor],
         verify: bool,
+        refuse_nonfinite: bool = False,
         hooks: WriteHooks | None = None,
     ) -> None:
         self._agent, self._plan, self._tensors = agent, schedule.plan, tensors
         self._targets, self._schedule, self._buffers = targets, schedule, buffers
-        self._verify = verify
+        self._verify, self._refuse_nonfinite = verify, refuse_nonfinite
         self._hooks = WriteHooks() if hooks is None else hooks
         for rank, need in zip(targets, schedule.inbox_bytes, strict=True):
             if need and self._hooks.acks is None:
@@ -258,14 +261,15 @@ class BucketWrites:
         hasher = self._full_hashers.get(entry.name)
         if hasher is None:
             hasher = self._full_hashers[entry.name] = TensorHasher.of(full)
+        refuse = self._refuse_nonfinite
         if jobs:  # every rank's slices of the entry's rows, digested with the full rows
             rows = entry_rows(self._metas[entry.name], entry, self._plan.bucket_bytes)
-            pack_rows(
-                *rows, [*(_slice_part(full, *job) for job in jobs), digest_part(full, hasher)]
-            )
+            parts = [*(_slice_part(full, *job) for job in jobs), digest_part(full, hasher)]
+            pack_rows(*rows, parts, nonfinite_row_check(entry.name, full) if refuse else None)
         if whole_offset is not None:  # packed once, for every rank that receives it whole
             destination = buffer[whole_offset : whole_offset + entry.nbytes]
-            pack_entry(destination, entry, full, None if jobs else hasher)
+            hasher = None if jobs else hasher
+            pack_entry(destination, entry, full, hasher, refuse_nonfinite=refuse and not jobs)
         elif not jobs:  # digested in place: nothing to copy
             start = entry.tensor_offset
             hasher.update(byte_view(full)[start : start + entry.nbytes].numpy())
