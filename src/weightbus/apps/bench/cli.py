@@ -30,6 +30,10 @@ SUITES = {
         "weightbus.apps.bench.lora",
         "LoRA adapter push vs merge + whole push: bytes, time, floors; merging's logit error",
     ),
+    "pushcost": (
+        "weightbus.apps.bench.push_cost",
+        "a small push's fixed cost phase by phase: a LoRA adapter and a 12 MiB model",
+    ),
     "fleet": (
         "weightbus.apps.bench.fleet",
         "two-phase vs one-phase fleet pushes, rollback, commit skew, same run",

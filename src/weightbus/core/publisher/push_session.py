@@ -30,6 +30,7 @@ from weightbus.core.publisher.delta import (
     is_base_refusal,
 )
 from weightbus.core.publisher.fleet import Fleet
+from weightbus.core.publisher.phases import StepTimes, phase_breakdown
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.progress import PushProgress
 from weightbus.core.publisher.ranks import Round, TrainerRanks
@@ -199,7 +200,7 @@ class PushRun:
         self._request = request
         self._delta = delta
         self._sending: Sending | None = None
-        self._phases: dict[str, float] = {}
+        self._times = StepTimes()
         self._session: PushSession | None = None
         self._bar: PushProgress | None = None
         self._advance: Progress = no_progress
@@ -209,6 +210,7 @@ class PushRun:
         self._stream_error: str | None = None
         self._fingerprint = "(stream failed)"
         self._engines: list[EngineResult] = []
+        self._staged: list[EngineResult] = []  # two-phase: the answers before the commit
         self._gone: dict[str, str] = {}
 
     @property
@@ -222,7 +224,8 @@ class PushRun:
         becomes the pushed one.
 
         Returns:
-            The committed version, its fingerprint, per-engine results and each step's seconds.
+            The committed version, its fingerprint, per-engine results and each phase's seconds
+            (`phases.phase_breakdown`).
 
         Raises:
             PushError: an engine refused, failed or timed out, or the stream failed (each
@@ -230,25 +233,24 @@ class PushRun:
         """
         start = time.perf_counter()
         try:
-            for phase, step in self._steps():
+            for name, step in self._steps():
                 tick = time.perf_counter()
                 step()
-                if phase is not None:
-                    self._phases[phase] = time.perf_counter() - tick
+                setattr(self._times, name, time.perf_counter() - tick)
         except NonFiniteWeightsError as refused:
             self._answer_refused_stream(refused)
         finally:
             self._close_progress()
         return self._result(time.perf_counter() - start)
 
-    def _steps(self) -> list[tuple[str | None, Callable[[], None]]]:
-        """Each step, under the phase its seconds are reported as (None: not reported)."""
-        steps: list[tuple[str | None, Callable[[], None]]] = [
+    def _steps(self) -> list[tuple[str, Callable[[], None]]]:
+        """Each step, under the `StepTimes` field its seconds go to."""
+        steps: list[tuple[str, Callable[[], None]]] = [
             ("plan_s", self._plan),
             ("prepare_s", self._prepare),
-            (None, self._order),
+            ("order_s", self._order),
             ("stream_s", self._stream),
-            ("wait_s", self._collect),
+            ("collect_s", self._collect),
         ]
         if self._request.options.two_phase:
             steps.append(("commit_s", self._commit))
@@ -313,6 +315,7 @@ class PushRun:
         """
         sink, sending = self._fleet.sink, self._sending
         assert sending is not None
+        started_at = time.perf_counter()
         try:
             # ends before any engine's own wait, so the abort of a failed stream reaches them
             timeout_s = self._fleet.timeout_s - (time.monotonic() - self._orders_sent_at)
@@ -324,6 +327,8 @@ class PushRun:
                 raise
         finally:
             self._close_progress()
+            if self.session.joined_at is not None:
+                self._times.joined_s = self.session.joined_at - started_at
 
     def _answer_refused_stream(self, refused: NonFiniteWeightsError) -> None:
         """The sink refused NaN/inf mid-stream (its ranks were aborted): every engine is
@@ -357,6 +362,7 @@ class PushRun:
         )
 
     def _commit(self) -> None:
+        self._staged = self._engines
         self._engines, self._gone = self._fleet.commit(
             self._engines, self._request.version, self._fingerprint
         )
@@ -365,6 +371,18 @@ class PushRun:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    def _phases(self) -> dict[str, float]:
+        """Each phase's seconds (`phase_breakdown`): the steps', with the engines' phases."""
+        if self._request.options.two_phase:
+            answered, committed = self._staged, self._engines
+        else:
+            answered, committed = self._engines, []
+        return phase_breakdown(
+            self._times,
+            [result.engine_phases for result in answered],
+            [result.engine_phases for result in committed],
+        )
 
     def _result(self, seconds: float) -> PushResult:
         request = self._request
@@ -378,7 +396,7 @@ class PushRun:
             nbytes=self.session.plan.total_bytes,
             seconds=seconds,
             engines=self._engines,
-            phases=self._phases,
+            phases=self._phases(),
             mode=self._fleet.sink.mode,
             two_phase=request.options.two_phase,
             gone=self._gone,

@@ -226,15 +226,22 @@ class Pushes:
     def _adapter_round(
         self, round_: Round, held: Held, args: PushArgs, spec: Any, *, check: bool
     ) -> PushResult:
-        """Push `held` whole with the adapter `spec` (`check`: NaN/inf first); the adapter
-        state follows once it landed."""
+        """Push `held` whole with the adapter `spec` (`check`: NaN/inf refused, in the stream's
+        copies where `stream_refuses_nonfinite` allows, else before it); the adapter state
+        follows once it landed."""
 
         def lead() -> PushResult:
-            options = msgspec.structs.replace(push_options(self.leader_fleet, args), adapter=spec)
-            if check:
+            fleet = self.leader_fleet
+            options = msgspec.structs.replace(push_options(fleet, args), adapter=spec)
+            in_stream = check and stream_refuses_nonfinite(fleet, options, delta=False)
+            if check and not in_stream:
                 self.ranks.check_nonfinite(round_, held.layout, held.holdings)
-            request = PushRequest.of(held, round_, args, options)
-            result = push_version(self.leader_fleet, self.ranks, self.deltas, request, "never")
+            request = PushRequest.of(held, round_, args, options, nonfinite_in_stream=in_stream)
+            try:
+                result = push_version(fleet, self.ranks, self.deltas, request, "never")
+            except NonFiniteWeightsError:  # the stream named the first: name them all
+                self.ranks.check_nonfinite(round_, held.layout, held.holdings, NOTHING_SERVED)
+                raise
             return dataclasses.replace(result, adapter=spec)
 
         result = self.collective(round_, held, lead, PushResult)

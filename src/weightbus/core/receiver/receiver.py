@@ -58,6 +58,10 @@ class _Session:
     digests: dict[str, str] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     delta: DeltaReceive | None = None
+    # when the publisher's last bytes were in (`tail_s` counts from it): the last batch's
+    # arrival in direct mode (the publisher is done once it told), else its release (the
+    # publisher waits for each batch's ack)
+    last_bytes_at: float | None = None
 
     @classmethod
     def of(cls, header: UpdateBegin, delta: DeltaReceive | None) -> "_Session":
@@ -136,6 +140,8 @@ class Receiver:
             # failure): a streaming publisher must never be left waiting on this rank
             self._consume(source, session, order, result, deadline)
             self._close(source, session, result, deadline)
+            if session.last_bytes_at is not None:
+                result.phases["tail_s"] = time.perf_counter() - session.last_bytes_at
         except TimeoutError as exc:
             result.timed_out = True
             result.fail(f"timed out after {order.timeout_s:g} s: {exc}")
@@ -199,6 +205,8 @@ class Receiver:
                 except StopIteration:
                     break
                 timings["wait_s"] += time.perf_counter() - tick
+                if session.header.direct:
+                    session.last_bytes_at = time.perf_counter()
                 try:
                     self._check(batch, session, result)
                     if result.ok and order.verify == "full":
@@ -216,6 +224,8 @@ class Receiver:
                     # After a failure the stream is still drained, so the publisher is never
                     # left waiting for this rank.
                     batch.release()
+                    if not session.header.direct:
+                        session.last_bytes_at = time.perf_counter()
         finally:
             prefetcher.close()
         result.phases.update(timings)

@@ -18,6 +18,7 @@ does it in `sink.setup(engines, ...)`, reaching each engine through the narrow `
 import functools
 import secrets
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -150,11 +151,23 @@ class PushSession:
     # engines the stream failed because of (answered mid-stream, or did not join in time): the
     # others were waiting, and were told to abort
     at_fault: set[str] = field(default_factory=set)
+    # when every engine rank had joined (`mark_joined`, by sinks whose ranks join)
+    joined: list[float] = field(default_factory=list, compare=False, repr=False)
     sent: ByteCounter = field(default_factory=ByteCounter, compare=False, repr=False)
 
     def count_sent(self, nbytes: int) -> None:
         """Add `nbytes` tensor bytes handed to the transport (any thread)."""
         self.sent.add(nbytes)
+
+    def mark_joined(self) -> None:
+        """Every engine rank joined the session now (`joined_at`)."""
+        self.joined.append(time.perf_counter())
+
+    @property
+    def joined_at(self) -> float | None:
+        """When every engine rank had joined (`time.perf_counter()`; None: not marked): the
+        Publisher counts the time until then as the order's, not the stream's."""
+        return self.joined[-1] if self.joined else None
 
     @property
     def sent_bytes(self) -> int:

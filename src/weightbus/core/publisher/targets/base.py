@@ -23,6 +23,7 @@ from weightbus.core.transport.base import EngineRequestError
 from weightbus.core.wire import PauseMode
 from weightbus.core.wire.messages import SliceSpec
 from weightbus.core.wire.order import UpdateOrder
+from weightbus.core.wire.phases import EnginePhases
 
 
 class PushOrder(UpdateOrder, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,7 +62,8 @@ class EngineResult:
 
     `rank_nbytes[r]`: the bytes that reached TP rank r through the transport in this push, as
     its source counted them (`ReceivedBatch.nbytes`); empty from targets that do not report
-    them.
+    them. `engine_phases`: where the update's time went on the engine (None from targets that
+    do not report it): the Publisher places them in `PushResult.phases`.
     """
 
     url: str
@@ -72,6 +74,7 @@ class EngineResult:
     phases: dict[str, float]
     staged: bool = False
     rank_nbytes: list[int] = field(default_factory=list)
+    engine_phases: EnginePhases | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,6 +17,7 @@ from weightbus.core.publisher.targets.base import (
 )
 from weightbus.core.transport.base import EngineRequestError
 from weightbus.core.wire.messages import SliceSpec
+from weightbus.core.wire.phases import EnginePhases
 
 # Margin on top of an update's own timeout for the HTTP answer to travel back.
 HTTP_MARGIN_S = 10.0
@@ -64,6 +65,15 @@ def request_json(
     if response.status_code != 200:
         raise EngineRequestError(f"{prefix}{error_reason(response)}")
     return response.json() if response.content else {}
+
+
+def _engine_phases(body: object) -> EnginePhases | None:
+    """The engine's phases from an answer's `engine_phases` (None when absent or malformed:
+    they only report where the time went)."""
+    try:
+        return None if body is None else msgspec.convert(body, EnginePhases)
+    except msgspec.ValidationError:
+        return None
 
 
 class HttpEngineTarget(EngineTarget):
@@ -116,6 +126,7 @@ class HttpEngineTarget(EngineTarget):
             phases=answer.get("phases", {}),
             staged=answer.get("staged", False),
             rank_nbytes=answer.get("rank_bytes", []),
+            engine_phases=_engine_phases(answer.get("engine_phases")),
         )
 
     def slice_maps(self, timeout_s: float) -> list[list[SliceSpec]] | None:

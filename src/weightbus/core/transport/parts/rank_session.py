@@ -132,7 +132,8 @@ class JoiningRanks:
         return ", ".join(absent)
 
     def wait_until_complete(self, receive: Callable[[str, bool], None]) -> None:
-        """`receive(what, even_if_abandoned)` until every rank joined.
+        """`receive(what, even_if_abandoned)` until every rank joined (then marks the session
+        joined).
 
         An engine that answered meanwhile (a refusal) joins no more: the stream is abandoned,
         but first the ranks of the other engines are let in (until the deadline), so that the
@@ -145,6 +146,7 @@ class JoiningRanks:
         try:
             while not self.complete():
                 receive("every engine rank to join", False)
+            self.session.mark_joined()
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}; not joined: {self.missing()}") from None
         except ValueError:

@@ -18,6 +18,7 @@ import msgspec
 from weightbus.core.wire import PauseMode, UpdateOrder
 from weightbus.core.wire.adapter import AdapterSpec
 from weightbus.core.wire.messages import SliceSpec
+from weightbus.core.wire.phases import EnginePhases
 
 PROTOCOL_VERSION = 1
 
@@ -210,6 +211,7 @@ class UpdateResult(msgspec.Struct, tag="update_result", frozen=True, kw_only=Tru
     rank_nbytes: list[int] = msgspec.field(default_factory=list)
     seconds: float = 0.0
     phases: dict[str, float] = msgspec.field(default_factory=dict)
+    engine_phases: EnginePhases | None = None  # where the update's time went (`EnginePhases`)
     error: str | None = None
     names: list[str] = msgspec.field(default_factory=list)
     staged: bool = False

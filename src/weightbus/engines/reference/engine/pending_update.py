@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from weightbus.core.wire import PauseMode, RankVerdict
 from weightbus.core.wire.adapter import served_fingerprint
+from weightbus.core.wire.phases import EnginePhases
 from weightbus.engines.reference.engine import messages
 
 # How long a staged update with peers waits, after its own `timeout_s`, for the API server to
@@ -38,6 +39,9 @@ class PendingUpdate:
         fenced: a peer (or this engine's server) asked for its outcome while it waited for
             the decision: only a decision of the peers commits it from then on.
         settling_at: when rank 0 asked its server to settle it with the peers.
+        received_at: when every rank's receive had ended (their verdicts in).
+        swap_ordered_at: when the pause mode let the swap (or the in-place load) go.
+        committed_at: when every rank had swapped it in (or loaded it in place).
     """
 
     update_id: str
@@ -64,6 +68,9 @@ class PendingUpdate:
     nbytes: int = 0
     rank_nbytes: list[int] = field(default_factory=list)  # by rank, from the verdicts
     phases: dict[str, float] = field(default_factory=dict)
+    received_at: float | None = None
+    swap_ordered_at: float | None = None
+    committed_at: float | None = None
 
     @classmethod
     def of_push(cls, request: messages.UpdateWeights) -> "PendingUpdate":
@@ -126,6 +133,29 @@ class PendingUpdate:
     def awaiting_decision(self) -> bool:
         """A two-phase update answered "staged" and waits for its commit or abort."""
         return self.prepared_at is not None and self.commit_id is None
+
+    def engine_phases(self, answered_at: float) -> EnginePhases:
+        """This update's phases (`EnginePhases`) for an answer leaving at `answered_at`: a
+        staged answer has only verified; a commit paused, swapped and resumed."""
+        verify_s = self.phases.get("tail_s", 0.0)
+        if self.swap_ordered_at is None or self.committed_at is None:
+            return EnginePhases(verify_s=verify_s)
+        if not self.atomic:  # paused before the load, which was the receive
+            pause_s = self.swap_ordered_at - self.started_at
+            return EnginePhases(
+                verify_s=verify_s,
+                pause_s=max(0.0, pause_s),
+                resume_s=max(0.0, answered_at - self.committed_at),
+                paused_first=True,
+            )
+        # the pause starts once the version is staged, or at the commit order (two-phase)
+        paused_from = self.decided_at or self.received_at or self.started_at
+        return EnginePhases(
+            verify_s=0.0 if self.two_phase else verify_s,  # answered with the staged one
+            pause_s=max(0.0, self.swap_ordered_at - paused_from),
+            commit_s=max(0.0, self.committed_at - self.swap_ordered_at),
+            resume_s=max(0.0, answered_at - self.committed_at),
+        )
 
     def expired(self, now: float) -> bool:
         """The update's `timeout_s` ran out: since it was accepted, since it answered "staged"

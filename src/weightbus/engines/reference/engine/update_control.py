@@ -119,6 +119,16 @@ class UpdateController(ControlRequests, PeerOutcome):
         update = self._update
         return update is not None and update.begun and update.atomic and not update.staged_ok
 
+    def acts_next_step(self, num_running: int) -> bool:
+        """The update's next action is due at the next step: its ranks staged it (or a
+        rollback began), no decision is awaited and the pause mode allows the swap with
+        `num_running` sequences running. Rank 0 then takes that step at once."""
+        update = self._update
+        if update is None or not update.begun or not update.staged_ok:
+            return False
+        pause_allows = update.pause_mode != "drain" or num_running == 0
+        return pause_allows and not update.awaiting_decision
+
     def may_run(self) -> bool:
         """Whether running sequences may take a step."""
         if self.paused or self.released or not self.weights_valid or self.status == "FAILED":
@@ -281,6 +291,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         if self._pause_satisfied(update, num_running):
             self.rollback.drop(f"an in-place push of {update.version!r} replaced the live weights")
             assert update.request is not None
+            update.swap_ordered_at = time.perf_counter()
             return StepAction(Action.LOAD, payload=messages.encode(update.request))
         if update.expired(time.perf_counter()):
             self._finish_update(504, _DRAIN_TIMEOUT, [])
@@ -296,6 +307,7 @@ class UpdateController(ControlRequests, PeerOutcome):
             if update.two_phase and update.prepared_at is None:
                 self._answer_staged(update, now)
                 return StepAction()
+            update.swap_ordered_at = now
             return StepAction(Action.ROLLBACK if update.is_rollback else Action.COMMIT)
         if update.expired(now):
             self._finish_update(504, _DRAIN_TIMEOUT, [], reply_to=update.commit_id)
@@ -424,6 +436,7 @@ class UpdateController(ControlRequests, PeerOutcome):
                 rank_nbytes=list(update.rank_nbytes),
                 seconds=now - update.started_at,
                 phases=dict(update.phases),
+                engine_phases=update.engine_phases(now),
                 staged=True,
             )
         )
@@ -469,6 +482,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         update = self._update
         assert update is not None
         update.nbytes, update.phases = nbytes, phases
+        update.received_at = time.perf_counter()
         update.rank_nbytes = rank_nbytes(verdicts)
         update.draft = draft or self.draft
         update.adapter = update.adapter_after(verdicts[0].fingerprint)
@@ -478,6 +492,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         """Every rank swapped the staged version in (a push's or a rollback's)."""
         update = self._update
         assert update is not None
+        update.committed_at = time.perf_counter()
         replaced = self._serving if self.weights_valid else None
         # the state `_commit` publishes says what the staging memory now holds
         if update.is_rollback:
@@ -502,6 +517,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         """Every rank finished loading in place (`draft`: as for `on_staged`)."""
         update = self._received(verdicts, nbytes, phases, draft)
         if all(v.ok for v in verdicts):
+            update.committed_at = update.received_at
             self._commit(update, update.served_fingerprint(verdicts[0].fingerprint))
             return
         status, error, names = failure(verdicts)
@@ -545,6 +561,7 @@ class UpdateController(ControlRequests, PeerOutcome):
                 rank_nbytes=list(update.rank_nbytes),
                 seconds=seconds,
                 phases={**update.phases, "total_s": seconds},
+                engine_phases=update.engine_phases(time.perf_counter()),
                 draft=self.draft,
             )
         )

@@ -55,6 +55,7 @@ from weightbus.engines.reference.engine.verdicts import (
     all_flags,
     gather_slice_maps,
     gather_verdicts,
+    poll_verdicts,
 )
 from weightbus.engines.reference.engine.weights_manager import WeightsManager
 from weightbus.engines.reference.layers.attention import AttentionMetadata
@@ -313,6 +314,8 @@ class Worker:
     def _recv_requests(self) -> None:
         # wait only when there is nothing to compute; otherwise just drain what arrived
         busy = self.scheduler.has_work() and self.control.may_run()
+        # an update's swap is due (every rank staged it): no wait before the step that swaps
+        busy = busy or self.control.acts_next_step(len(self.scheduler.running))
         polling = self.control.updating or self.control.setting_up
         own_receive_runs = polling and self.weights.receiving_staged  # its end wakes us
         idle_wait_s = UPDATE_POLL_S if polling and not own_receive_runs else self.config.idle_wait_s
@@ -554,10 +557,9 @@ class Worker:
 
     def _poll_staged(self) -> None:
         result = self.weights.staged_result()
-        (all_done,) = all_flags(result is not None)
-        if not all_done:
+        verdicts = poll_verdicts(self.update_request.update_id, result)
+        if verdicts is None:  # a rank's receive still runs
             return
-        verdicts = gather_verdicts(self.update_request.update_id, result)
         if not all(v.ok for v in verdicts):
             self.weights.discard_staged()
         if self.is_driver:

@@ -209,6 +209,7 @@ def _response(result: messages.UpdateResult) -> UpdateWeightsResponse:
         rank_bytes=list(result.rank_nbytes),
         seconds=result.seconds,
         phases=dict(result.phases),
+        engine_phases=msgspec.to_builtins(result.engine_phases),
         staged=result.staged,
         draft=_draft_item(result.draft),
     )

@@ -484,6 +484,13 @@ class UpdateWeightsResponse(BaseModel):
     )
     seconds: float
     phases: dict[str, float]
+    engine_phases: dict[str, float | bool] | None = Field(
+        None,
+        exclude_if=lambda phases: phases is None,  # answers without them stay as they were
+        description="where the update's time went on the engine, each stretch once "
+        "(`weightbus.core.wire.phases.EnginePhases`: verify_s, pause_s, commit_s, resume_s, "
+        "paused_first)",
+    )
     staged: bool = False
     draft: DraftItem | None = Field(
         None, description="the draft model served once it commits (speculative decoding)"
