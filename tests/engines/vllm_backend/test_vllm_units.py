@@ -281,6 +281,35 @@ def test_two_staging_copies_keep_the_previous_version_and_copy_a_deltas_base():
     assert versions.previous() == (None, NO_PREVIOUS_OVERWRITTEN)
 
 
+def _land_delta(versions: WorkerVersions, version: str, base: str, flat: list[int]) -> None:
+    """A delta on `base` that adds 1 to the elements at `flat`, landed as `version`."""
+    buffers = _receiving(versions, base, torch.ones(4))
+    indices = torch.tensor(flat, dtype=torch.int32)
+    buffers.apply("w", indices, buffers.pairs(["w"])[0][1][indices.long()] + 1)
+    versions.loaded(buffers, _held(version, buffers.pairs(["w"])[0][1].clone()))
+
+
+def test_two_staging_copies_catch_up_by_applying_the_last_delta_again():
+    versions = WorkerVersions(keep_previous=True)
+    _land(versions, "v1", torch.ones(4))
+    _land(versions, "v2", torch.full((4,), 2.0))
+    _land_delta(versions, "v3", "fp-v2", [0])  # v1's copy holds no base of v3: copied whole
+    assert versions.sets[versions.served_index].applied.base_fingerprint == "fp-v2"
+    # the other copy holds v2, the base of the delta that made v3: it applies it again
+    receiving = _receiving(versions, "fp-v3", torch.ones(4))
+    assert receiving.applied.changes == []  # recording the new delta only
+    assert torch.equal(receiving.pairs(["w"])[0][1], torch.tensor([3.0, 2.0, 2.0, 2.0]))
+    _land_delta(versions, "v4", "fp-v3", [1, 3])
+    _land_delta(versions, "v5", "fp-v4", [3])
+    assert torch.equal(versions.sets[versions.served_index].pairs(["w"])[0][1],
+                       torch.tensor([3.0, 3.0, 2.0, 4.0]))  # fmt: skip
+    # a whole push records no delta: the next delta's base is copied whole
+    _land(versions, "v6", torch.full((4,), 6.0))
+    assert versions.sets[versions.served_index].applied is None
+    receiving = _receiving(versions, "fp-v6", torch.ones(4))
+    assert torch.equal(receiving.pairs(["w"])[0][1], torch.full((4,), 6.0))
+
+
 def _stage(versions: WorkerVersions, version: str, timeout_s: float = 60) -> None:
     buffers = _receiving(versions, None, torch.ones(2))
     buffers.put([("w", torch.ones(2))])

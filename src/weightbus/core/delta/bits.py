@@ -80,13 +80,20 @@ def gather(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def scatter(destination: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
     """`destination.flat[indices] = values`, bit-exact; `destination` may be a strided view
-    (a rank's column slice), whose elements are then addressed in row-major order."""
-    if destination.is_contiguous():
-        element_words(destination).index_put_((indices,), element_words(values))
-        return
-    coords = torch.unravel_index(indices.long(), destination.shape)
+    (a rank's column slice), whose elements are then addressed in row-major order.
+
+    One numpy fancy-index assignment through integer views (single-threaded, GIL released):
+    measured 18 ms for 1% of a 300 MiB bf16 model, where torch's `index_put_` took 57 ms
+    with int64 indices and 330 ms with int32 ones.
+    """
     if destination.element_size() > 8:  # complex128: torch indexes it natively, bit-exact
-        destination[coords] = values
+        destination[torch.unravel_index(indices.long(), destination.shape)] = values
         return
     word_dtype = _INT_OF_SIZE[destination.element_size()]
-    destination.view(word_dtype)[coords] = values.view(word_dtype)
+    target = destination.view(word_dtype).numpy()
+    words = values.reshape(-1).view(word_dtype).numpy()
+    flat = indices.numpy()
+    if destination.is_contiguous():
+        target.reshape(-1)[flat] = words
+    else:
+        target[np.unravel_index(flat, target.shape)] = words

@@ -8,7 +8,7 @@ cut along its holders' rows, each range encoded by the lowest rank holding it), 
 indices of the whole tensor and their new values. The leader adds up the counts and decides how
 each tensor travels (`sparse`: its changed elements, the owners' segments one after another;
 `full`: whole). After the push lands, each rank writes the same changes into its base
-(`advance`), so it is the new version.
+(`advance`: the sparse ones just before the next encoding reads it), so it is the new version.
 """
 
 import functools
@@ -85,15 +85,24 @@ class RankBase:
         fingerprint: str | None = None,
         digests: Mapping[str, str] | None = None,
     ) -> None:
-        self.tensors = {name: _host(h.tensor).clone() for name, h in holdings.items()}
+        self._tensors = {name: _host(h.tensor).clone() for name, h in holdings.items()}
         self.layout_hash = layout_hash
         self.version, self.fingerprint = version, fingerprint
         self.digests = dict(digests or {})
+        # sparse changes of landed deltas not yet written into `tensors`: `(name, flat index of
+        # this rank's first element, changes)`, written before the base is next read
+        self._unwritten: list[tuple[str, int, CellChanges]] = []
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The base's tensors, every landed change written."""
+        self._write_unwritten()
+        return self._tensors
 
     @property
     def nbytes(self) -> int:
         """Host memory the base holds."""
-        return sum(tensor.nbytes for tensor in self.tensors.values())
+        return sum(tensor.nbytes for tensor in self._tensors.values())
 
     def mismatch(self, layout: TrainerLayout) -> str | None:
         """Why the version `layout` holds cannot be encoded against this base (None: it can)."""
@@ -144,29 +153,38 @@ class RankBase:
         full: list[str],
         holdings: Mapping[str, Holding],
     ) -> None:
-        """Write a landed delta into the base: this rank's `sparse` changes, and the tensors
-        that went `full` copied from `holdings`."""
-        for name, found in sparse.items():
-            base, box = self.tensors[name], holdings[name].box
-            first = box.row_start * box.cols
-            for changed in found:
-                scatter(base.reshape(-1), changed.indices.long() - first, changed.values)
+        """Make the base a landed delta's version: the tensors that went `full` are copied from
+        `holdings` now (the caller may change them once the push returned); this rank's
+        `sparse` changes (held by the base) are written before the base is next read
+        (`tensors`), not while the engines that just loaded are still busy."""
+        tensors = self.tensors  # earlier changes written first
         for name in full:
-            if name in self.tensors:
-                self.tensors[name].copy_(holdings[name].tensor.detach())
+            if name in tensors:
+                tensors[name].copy_(holdings[name].tensor.detach())
+        for name, found in sparse.items():
+            box = holdings[name].box
+            first = box.row_start * box.cols
+            self._unwritten += [(name, first, changed) for changed in found]
+
+    def _write_unwritten(self) -> None:
+        for name, first, changed in self._unwritten:
+            indices = changed.indices.long() - first if first else changed.indices
+            scatter(self._tensors[name].reshape(-1), indices, changed.values)
+        self._unwritten.clear()
 
     def replace(self, holdings: Mapping[str, Holding]) -> None:
         """Make the base another version of the same tensors, copied into its buffers."""
+        self._unwritten.clear()
         for name, holding in holdings.items():
-            self.tensors[name].copy_(holding.tensor.detach())
+            self._tensors[name].copy_(holding.tensor.detach())
 
     def alike(self, holdings: Mapping[str, Holding]) -> bool:
         """The same tensors, dtypes and local shapes (a new version fits the buffers)."""
-        if set(holdings) != set(self.tensors):
+        if set(holdings) != set(self._tensors):
             return False
         return all(
             (h.tensor.dtype, tuple(h.tensor.shape))
-            == (self.tensors[n].dtype, tuple(self.tensors[n].shape))
+            == (self._tensors[n].dtype, tuple(self._tensors[n].shape))
             for n, h in holdings.items()
         )
 

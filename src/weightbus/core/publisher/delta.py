@@ -188,10 +188,10 @@ class DeltaState:
             why = f"auto: {sink.name} copies at memory speed, a delta would cost more than it saves"
             return DeltaReport.full(why, base=base.version)
         carries = sink.carries_any_tensors_from(ranks.group.world_size)
-        why = base.mismatch(request.layout) or self._engines_refuse(targets, carries, timeout_s)
+        why = base.mismatch(request.layout) or self._engines_cannot(targets, carries, timeout_s)
         if why:
             return DeltaReport.full(why, base=base.version)
-        return self._encode(mode, request, targets, ranks)
+        return self._encode(mode, request, targets, ranks, timeout_s)
 
     def _encode(
         self,
@@ -199,7 +199,11 @@ class DeltaState:
         request: "PushRequest",
         targets: Sequence[EngineTarget],
         ranks: "TrainerRanks",
+        timeout_s: float,
     ) -> DeltaPlan | DeltaReport:
+        """Encode the changes, then ask the engines whether they hold the base: last, so that
+        no call that wakes an engine (vLLM's workers spin for 1 s after one) runs before the
+        passes over the weights."""
         base, layout, round_ = self.base, request.layout, request.round
         assert base is not None
         digests = ranks.digests(round_, layout, request.holdings)
@@ -238,6 +242,9 @@ class DeltaState:
         specs = self._specs(
             request, targets, ranks, kinds=kinds, digests=digests, fingerprint=fingerprint
         )
+        why = self._base_refusal(targets, timeout_s)
+        if why:
+            return DeltaReport.full(why, figures, base.version)
         stream = StreamStep(kinds=kinds, counts=totals)
         round_.announce(stream)
         self._pending.kinds = dict(stream.kinds)
@@ -250,19 +257,24 @@ class DeltaState:
         )
         return DeltaPlan(stream_layout, holdings, digests, fingerprint, specs, report)
 
-    def _engines_refuse(
+    def _engines_cannot(
         self, targets: Sequence[EngineTarget], carries_any_tensors: bool, timeout_s: float
     ) -> str | None:
-        assert self.base is not None
         if not carries_any_tensors:
             return "the transport writes only into parameters (no delta over it)"
         for target in targets:
             if self._slice_map(target, timeout_s) is None:
                 return f"engine {target.url} cannot apply a delta"
-            served = target.weights(timeout_s).fingerprint
-            if served != self.base.fingerprint:
-                return f"engine {target.url} does not serve the base {self.base.version!r}"
         return None
+
+    def _base_refusal(self, targets: Sequence[EngineTarget], timeout_s: float) -> str:
+        base = self.base
+        assert base is not None
+        for target in targets:
+            why = target.delta_refusal(base.version, base.fingerprint or "", timeout_s)
+            if why:
+                return why
+        return ""
 
     def _slice_map(self, target: EngineTarget, timeout_s: float) -> list[list[SliceSpec]] | None:
         if target.url not in self._slice_maps:

@@ -280,7 +280,7 @@ class TrainerRanks:
             return []
         step = RegionStep(regions=[(region.name, region.box) for region in regions])
         key = round_.announce(step)
-        plan = DigestPlan(layout, regions)
+        plan = region_plan(layout, tuple(regions))
         reports = [compute(plan, holdings, self.group, key, round_.deadline)]
         reports += self.collect_reports(round_, key, "region digests", BlockDigests)
         return combine(plan, reports)
@@ -367,7 +367,8 @@ class TrainerRanks:
                 share = digest_share(holdings, layout, group, key, work.deadline)
                 return msgspec.msgpack.encode(share)
             if isinstance(step, RegionStep):
-                plan = DigestPlan(layout, [Region(name, box) for name, box in step.regions])
+                regions = tuple(Region(name, box) for name, box in step.regions)
+                plan = region_plan(layout, regions)
                 return msgspec.msgpack.encode(compute(plan, holdings, group, key, work.deadline))
             return handlers[type(step)](step, work, streams) or b""
 
@@ -450,3 +451,11 @@ def _reported_elsewhere() -> Iterator[None]:
         yield
     except Exception as exc:  # noqa: BLE001 - reported; the leader's outcome follows
         logger.warning("this rank's part of the push failed (reported): %s", exc)
+
+
+@functools.lru_cache(maxsize=8)
+def region_plan(layout: TrainerLayout, regions: tuple[Region, ...]) -> DigestPlan:
+    """The plan of the blocks of `regions`, kept: a delta digests the same engine slices at
+    every push, and the plan is Python over every block (0.2-0.4 s a push for the column
+    slices of a 300 MiB model on two vLLM workers)."""
+    return DigestPlan(layout, regions)

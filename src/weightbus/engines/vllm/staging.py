@@ -58,6 +58,23 @@ def checkpoint_metas(
 
 
 @dataclass(frozen=True, slots=True)
+class AppliedDelta:
+    """The delta last received into a set of buffers: what turns the version of fingerprint
+    `base_fingerprint` into the one they hold, so another set holding that base catches up by
+    applying it again instead of copying every byte.
+
+    Attributes:
+        whole: the tensors it carried whole.
+        changes: its sparse changes as applied, `(name, flat indices in the full tensor,
+            values)`.
+    """
+
+    base_fingerprint: str
+    whole: list[str]
+    changes: list[tuple[str, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
 class HeldVersion:
     """A verified version, every tensor of which a set of staging buffers holds whole."""
 
@@ -84,6 +101,7 @@ class StagingBuffers:
     Attributes:
         slices: the part of each tensor this worker loads (absent: all of it).
         held: the verified version the buffers hold (None: none, or overwritten since).
+        applied: the delta received into them last (None: the last push was whole).
     """
 
     def __init__(self, slices: dict[str, SliceSpec] | None = None) -> None:
@@ -92,6 +110,7 @@ class StagingBuffers:
         self._placement: DirectPlacement | None = None
         self.slices = slices or {}
         self.held: HeldVersion | None = None
+        self.applied: AppliedDelta | None = None
 
     def prepare(self, metas: Mapping[str, TensorMeta]) -> None:
         """Hold a buffer for each tensor of `metas`: the memory of the same layout is kept
@@ -162,14 +181,29 @@ class StagingBuffers:
     def pairs(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
         return [(name, self._buffers[name]) for name in names]
 
-    def copy_from(self, other: "StagingBuffers") -> None:
+    def catch_up(self, other: "StagingBuffers") -> None:
         """Hold what `other` holds (the base of a delta received into these buffers, prepared
-        for the same tensors)."""
-        self.put(other.pairs(list(other._buffers)))
+        for the same tensors): where these hold the version `other`'s last delta started
+        from, by applying that delta again (its changed elements and whole tensors), else by
+        copying every part."""
+        last = other.applied
+        if last is not None and self.held is not None:
+            replay = last.base_fingerprint == self.held.fingerprint
+        else:
+            replay = False
+        if replay:
+            assert last is not None
+            self.put(other.pairs(last.whole))
+            for name, indices, values in last.changes:
+                self.apply(name, indices, values)
+        else:
+            self.put(other.pairs(list(other._buffers)))
         self.held = other.held
 
     # a delta's SliceWriter
     def apply(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        if self.applied is not None:
+            self.applied.changes.append((name, indices, values))
         buffer, spec = self._buffers[name], self.slices.get(name)
         if spec is None:
             copy = ShardCopy.whole(tuple(buffer.shape))
@@ -192,7 +226,7 @@ class StagingBuffers:
             self._arena.close()
         self._arena = self._placement = None
         self._metas.clear()
-        self.held = None
+        self.held = self.applied = None
 
 
 def _written_ranges(meta: TensorMeta, spec: SliceSpec) -> list[tuple[int, int]]:

@@ -4,8 +4,9 @@
 One update: `/pause` (drain -> `wait`, in_place -> `keep`, abort -> `abort`), then **one**
 `/init_weight_transfer_engine` whose `init_info` carries the whole weightbus session (each
 worker receives it, verifies every digest and the fingerprint, and loads only once every rank
-agreed: `weightbus.engines.vllm.worker`), then `/start_weight_update` +
-`/finish_weight_update` to set the version, and `/resume`.
+agreed: `weightbus.engines.vllm.worker`), then `/update_weight_version` to name the version
+(`/start_weight_update` + `/finish_weight_update` on a server with LoRA enabled), and
+`/resume`. A delta's base is checked by the workers as it arrives (`delta_refusal`).
 
 A push that carries a draft model (`draft.` tensors, speculative decoding with vLLM's
 `draft_model` method) rides the same single `init` inside a draft session:
@@ -51,7 +52,6 @@ from weightbus.core.publisher.targets.base import (
 from weightbus.core.publisher.targets.http import HTTP_MARGIN_S, request_json
 from weightbus.core.transport.base import EngineRequestError
 from weightbus.core.wire import PauseMode
-from weightbus.core.wire.delta import DELTA_BASE_REFUSAL, DeltaSpec
 from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.vllm import WORKER_EXTENSION
 from weightbus.engines.vllm.adapter_pushes import AdapterChange, AdapterPushes
@@ -350,8 +350,6 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
                 "one-phase only (two_phase=False); nothing was changed"
             )
         self._refuse_served_version(order)
-        if order.delta is not None:
-            self._refuse_foreign_base(order.delta)
         info = update_info(order, skip_unchanged=self.skip_unchanged)
         phases: dict[str, float] = {"version_check_s": time.perf_counter() - start}
         with self._draft_session(order.carries_draft, phases):
@@ -404,12 +402,18 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
         return _committed(self.url, version, start, phases, reported=reported)
 
     def _name_version(self, version: str, phases: dict[str, float]) -> None:
-        """vLLM's version: a start/finish pair (the backend's are no-ops: nothing can fail;
-        vLLM's finish drops its workers' LoRA adapters, which reload from their directory)."""
+        """vLLM's version: `/update_weight_version` (its engine core only); on a server with
+        LoRA enabled a start/finish pair instead (the backend's are no-ops: nothing can fail),
+        as vLLM's finish drops its workers' LoRA adapters, which reload from their directory
+        (two calls to every worker more)."""
         tick = time.perf_counter()
-        self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
-        body = {"weight_version": version}
-        self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json=body)
+        if self._server_config(_CONTROL_TIMEOUT_S).max_lora_rank is None:
+            body = {"new_version": version}
+            self._request("POST", "/update_weight_version", _CONTROL_TIMEOUT_S, json=body)
+        else:
+            self._request("POST", "/start_weight_update", _CONTROL_TIMEOUT_S)
+            body = {"weight_version": version}
+            self._request("POST", "/finish_weight_update", _CONTROL_TIMEOUT_S, json=body)
         phases["version_s"] = time.perf_counter() - tick
 
     def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
@@ -491,17 +495,14 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
         except msgspec.ValidationError as exc:
             raise EngineRequestError(f"{self.url}: unreadable worker layout: {exc}") from None
 
-    def _refuse_foreign_base(self, delta: DeltaSpec) -> None:
-        """A delta's base must be what every worker serves and still holds a copy of (a push
-        that failed overwrote the copy of workers with one staging set)."""
-        states = self.worker_states(_CONTROL_TIMEOUT_S)
-        bases = None if states is None else {rank.get("delta_base") for rank in states.ranks}
-        if bases != {delta.base_fingerprint}:
-            raise EngineRequestError(
-                f"{DELTA_BASE_REFUSAL} {delta.base_version!r} ({delta.base_fingerprint}) is not "
-                f"what every vLLM worker at {self.url} serves and holds a copy of (they hold "
-                f"{sorted(map(str, bases or ()))}); nothing was changed"
-            )
+    def delta_refusal(self, base_version: str, base_fingerprint: str, timeout_s: float) -> str:
+        """None asked here: each worker checks that it serves the base and still holds a copy
+        of it when the delta arrives (a push that failed overwrote the copy of workers with
+        one staging set), and refuses it untouched, after which the publisher pushes the whole
+        version. A call to the workers here would cost more than the delta's own: vLLM's
+        processes spin for 1 s after each one, starving the publisher's passes and the calls
+        that follow on a small host."""
+        return ""
 
     @contextmanager
     def _draft_session(self, carries_draft: bool, phases: dict[str, float]) -> Iterator[None]:

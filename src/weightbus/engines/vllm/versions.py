@@ -4,19 +4,21 @@ two-phase commit, the previous one a rollback can load again, and in which stagi
 With one set of buffers (the default) every push overwrites the copy of the served version:
 a delta applies to it in place, and no previous version is kept. With two sets
 (`VllmInitInfo.keep_previous`) a push lands in the set that does not hold the served version,
-so the served version's copy stays: a delta starts from a copy of it, and after the swap it is
-the previous version a rollback loads. Only buffers whose every tensor is verified are held
-(`StagingBuffers.held`); buffers a push started to overwrite hold nothing until it verified.
+so the served version's copy stays: a delta starts from a copy of it (made by applying the
+delta that made the served copy again, when the other set holds its base: `catch_up`), and
+after the swap it is the previous version a rollback loads. Only buffers whose every tensor is
+verified are held (`StagingBuffers.held`); buffers a push started to overwrite hold nothing
+until it verified.
 """
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from weightbus.core.meta import TensorMeta
 from weightbus.core.wire.delta import DELTA_BASE_REFUSAL
 from weightbus.core.wire.messages import SliceSpec
-from weightbus.engines.vllm.staging import HeldVersion, StagingBuffers
+from weightbus.engines.vllm.staging import AppliedDelta, HeldVersion, StagingBuffers
 
 NO_PREVIOUS_ONE_SET = (
     "this vLLM server keeps one staging copy, the served version's (start weightbus's backend "
@@ -108,16 +110,21 @@ class WorkerVersions:
         buffers.prepare(metas)
         return buffers
 
-    def begin_receive(self, buffers: StagingBuffers, base_fingerprint: str | None) -> None:
+    def begin_receive(
+        self, buffers: StagingBuffers, base_fingerprint: str | None, whole: Sequence[str] = ()
+    ) -> None:
         """`buffers` (from `receiving`) hold nothing from now on; for a delta
-        (`base_fingerprint`), the base the delta applies to. A version staged and not decided
-        is dropped (the new push replaces it)."""
+        (`base_fingerprint`, carrying tensors `whole` whole), the base it applies to, and they
+        record the delta (`StagingBuffers.applied`). A version staged and not decided is
+        dropped (the new push replaces it)."""
         self.drop_staged()
+        buffers.applied = None
         if base_fingerprint is not None:
             assert self.served_index is not None
             source = self.sets[self.served_index]
             if source is not buffers:
-                buffers.copy_from(source)
+                buffers.catch_up(source)
+            buffers.applied = AppliedDelta(base_fingerprint, list(whole), [])
         buffers.held = None
 
     def _free_index(self) -> int:
@@ -136,7 +143,8 @@ class WorkerVersions:
         if self.delta_base() != base_fingerprint:
             raise ValueError(
                 f"{DELTA_BASE_REFUSAL} {base_fingerprint} is served but its staging copy was "
-                "overwritten by a push that was refused, aborted or is staged"
+                "overwritten by a push that was refused, aborted or is staged: this worker no "
+                "longer holds a copy of it"
             )
 
     def stage(

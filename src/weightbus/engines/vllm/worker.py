@@ -343,7 +343,9 @@ class WeightbusWeightTransferEngine(
         except (ValueError, OSError) as exc:
             return StagingBuffers(), RankResult(ok=False, errors=[refusal or str(exc)])
         if not refusal:
-            self._versions.begin_receive(buffers, base)
+            tensors = [] if info.delta is None else info.delta.tensors
+            whole = [tensor.name for tensor in tensors if tensor.kind == "full"]
+            self._versions.begin_receive(buffers, base, whole)
         receiver = Receiver(
             load_weights=_discard if refusal else buffers.put,  # a refused push is read, not kept
             expected=expected,

@@ -154,6 +154,17 @@ class EngineTarget(ABC):
         """
         return None
 
+    def delta_refusal(self, base_version: str, base_fingerprint: str, timeout_s: float) -> str:
+        """Why the engine cannot apply a delta on the base `base_fingerprint` ("": it can).
+        By default: unless it serves the base (`weights`).
+
+        Raises:
+            EngineRequestError: the engine did not answer.
+        """
+        if self.weights(timeout_s).fingerprint == base_fingerprint:
+            return ""
+        return f"engine {self.url} does not serve the base {base_version!r}"
+
     def setup_transport(self, transport: str, info: msgspec.Struct, timeout_s: float) -> None:
         """Have every rank run transport `transport`'s set-up (`info` is its request).
 
