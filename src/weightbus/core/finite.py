@@ -12,7 +12,7 @@ Two places look for them on the publisher:
   copied, while it is still in cache: about half the CPU time of a separate pass.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -66,6 +66,33 @@ def has_nonfinite_bits(chunk: torch.Tensor) -> bool:
     if int(signed.max()) >= first:
         return True
     return int(signed.view(_UNSIGNED_OF_SIZE[size]).max()) >= sign_bit | first
+
+
+def signed_view(tensor: torch.Tensor) -> np.ndarray | None:
+    """A CPU tensor's elements as numpy signed integers of their size, in place (what
+    `bits_scanner`'s tests read); None for a size no integer has (complex128)."""
+    ints = _INT_OF_SIZE.get(tensor.element_size())
+    return None if ints is None else tensor.detach().view(ints).numpy()
+
+
+def bits_scanner(dtype: torch.dtype) -> Callable[[np.ndarray], bool] | None:
+    """The NaN/inf test of `has_nonfinite_bits` for chunks of a `dtype` tensor viewed as numpy
+    signed integers (`signed_view`: the copy loop's views, no torch call per chunk); None for a
+    dtype that holds no NaN/inf or has no such test (not floating, complex)."""
+    if dtype in _FNUZ_DTYPES:
+        return lambda chunk: chunk.size > 0 and int(chunk.min()) == -128
+    first = _FIRST_NONFINITE_CODE.get(dtype)
+    if first is None:
+        return None
+    unsigned = _UNSIGNED_OF_SIZE[dtype.itemsize]
+    sign_first = (1 << (8 * dtype.itemsize - 1)) | first
+
+    def scan(chunk: np.ndarray) -> bool:
+        if chunk.size == 0:
+            return False
+        return int(chunk.max()) >= first or int(chunk.view(unsigned).max()) >= sign_first
+
+    return scan
 
 
 def holds_nonfinite(chunk: torch.Tensor) -> bool:
