@@ -10,6 +10,7 @@ import threading
 import time
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -197,7 +198,7 @@ def test_a_corrupted_slice_is_caught_by_the_rank(config, monkeypatch):
     def corrupting(full, dests, *options):
         digest, slices = original(full, dests, *options)
         if full.dim() == 2 and dests:
-            dests[0].param.view(-1)[0:1].view(torch.uint8)[0] ^= 0x10
+            dests[0].region.view(np.uint8).reshape(-1)[0] ^= 0x10  # the rank's parameter
         return digest, slices
 
     monkeypatch.setattr(shm_direct, "_write_tensor", corrupting)

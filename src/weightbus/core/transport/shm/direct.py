@@ -142,7 +142,8 @@ def _write_tensor(
     slices = {d.rank_index: TensorHasher.of(d.copy.source(full)) for d in dests}
     slices = slices if slice_digests else {}
     source, scan = _as_numpy(full), guard.scanner(full.dtype)
-    step = max(1, CHUNK_BYTES // max(1, source[0].nbytes))
+    row_bytes = source.nbytes // source.shape[0] if source.shape[0] else 0
+    step = max(1, CHUNK_BYTES // max(1, row_bytes))
     try:
         for low in range(0, source.shape[0], step):
             guard.check_running()
