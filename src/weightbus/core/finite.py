@@ -55,17 +55,10 @@ def has_nonfinite_bits(chunk: torch.Tensor) -> bool:
     """
     if chunk.numel() == 0:
         return False
-    if chunk.dtype in _FNUZ_DTYPES:
-        return int(chunk.view(torch.int8).min()) == -128
-    first = _FIRST_NONFINITE_CODE.get(chunk.dtype)
-    if first is None or chunk.device.type != "cpu":  # the generic test: slow on CPU
+    scan = bits_scanner(chunk.dtype) if chunk.device.type == "cpu" else None
+    if scan is None:  # the generic test: slow on CPU
         return not bool(torch.isfinite(chunk.float()).all())
-    size = chunk.element_size()
-    signed = chunk.detach().view(_INT_OF_SIZE[size]).numpy()
-    sign_bit = 1 << (8 * size - 1)
-    if int(signed.max()) >= first:
-        return True
-    return int(signed.view(_UNSIGNED_OF_SIZE[size]).max()) >= sign_bit | first
+    return scan(signed_view(chunk))
 
 
 def signed_view(tensor: torch.Tensor) -> np.ndarray | None:
