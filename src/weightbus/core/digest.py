@@ -179,6 +179,11 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return checked_digest(tensor, check_nonfinite=False)[0]
 
 
+# the digest of a slice a rank does not hold (an expert-parallel rank's share of another
+# rank's expert): both ends use it for such a slice, with no bytes to read
+EMPTY_SLICE_DIGEST = xxhash.xxh3_128_hexdigest(b"")
+
+
 def checked_digest(tensor: torch.Tensor, *, check_nonfinite: bool) -> tuple[str, bool]:
     """`(digest, holds NaN/inf)` of a tensor in one pass over its bytes: with
     `check_nonfinite`, each `CHECK_BYTES` of leaves is checked right after it was hashed,

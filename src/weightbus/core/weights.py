@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from weightbus.core.experts import is_fused_experts, split_fused_experts
 from weightbus.core.meta import DRAFT_PREFIX, is_draft_name, metas_of
 
 # (head, embeddings) a checkpoint may tie (Hugging Face `tie_word_embeddings`)
@@ -35,13 +36,25 @@ def memory_key(tensor: torch.Tensor) -> tuple | None:
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
 
-def named_pairs(weights: Any) -> Iterable[tuple[str, Any]]:
-    """`(name, value)` pairs of an `nn.Module` (its state dict), a mapping, or pairs."""
+def named_pairs(weights: Any) -> Iterator[tuple[str, Any]]:
+    """`(name, value)` pairs of an `nn.Module` (its state dict), a mapping, or pairs; a fused
+    3-D expert tensor (transformers 5) as its experts' tensors (`experts.split_fused_experts`)."""
     if isinstance(weights, torch.nn.Module):
-        return weights.state_dict().items()
-    if isinstance(weights, Mapping):
-        return weights.items()
-    return weights
+        pairs = weights.state_dict().items()
+    elif isinstance(weights, Mapping):
+        pairs = weights.items()
+    else:
+        pairs = weights
+    for name, value in pairs:
+        # a DTensor's experts are split by the trainer layouts (not here)
+        if (
+            isinstance(value, torch.Tensor)
+            and not hasattr(value, "placements")
+            and is_fused_experts(name)
+        ):
+            yield from split_fused_experts(name, value)
+        else:
+            yield name, value
 
 
 def named_sources(

@@ -13,13 +13,19 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class ShardCopy:
-    """`param.narrow(dst_dim, dst_start, length) <- full.narrow(src_dim, src_start, length)`."""
+    """`param.narrow(dst_dim, dst_start, length) <- full.narrow(src_dim, src_start, length)`.
+
+    With `dst_slot`, the parameter is first indexed on its leading dimension
+    (`param[dst_slot]`, one dimension fewer) and then narrowed: how one expert's tensor of a
+    mixture-of-experts checkpoint lands in its slot of a fused `[slots, ...]` parameter.
+    """
 
     src_dim: int
     src_start: int
     dst_dim: int
     dst_start: int
     length: int
+    dst_slot: int | None = None
 
     @classmethod
     def whole(cls, shape: tuple[int, ...]) -> "ShardCopy":
@@ -32,6 +38,8 @@ class ShardCopy:
 
     def destination(self, param: torch.Tensor) -> torch.Tensor:
         """The part of the parameter the slice fills (a view)."""
+        if self.dst_slot is not None:
+            param = param[self.dst_slot]
         return param.narrow(self.dst_dim, self.dst_start, self.length) if param.dim() else param
 
     def apply(self, param: torch.Tensor, full: torch.Tensor) -> None:

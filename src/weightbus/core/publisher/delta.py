@@ -25,7 +25,7 @@ import torch
 
 from weightbus.core.delta import CellChanges, RankBase, encode_cells, payload_names
 from weightbus.core.delta.bits import index_dtype
-from weightbus.core.digest import fingerprint_of_metas
+from weightbus.core.digest import EMPTY_SLICE_DIGEST, fingerprint_of_metas
 from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.publisher.targets import EngineTarget
 from weightbus.core.trainer.boxes import Box
@@ -527,6 +527,9 @@ def _slice_digests(
                 spec = by_name.get(name)
                 if spec is None:
                     raise ValueError(f"engine {url}: a rank's slice map lacks tensor {name!r}")
+                if spec.length == 0:  # the rank holds none of it (another rank's expert)
+                    row.append(EMPTY_SLICE_DIGEST)
+                    continue
                 box = range_box(metas[name], spec.dim, spec.start, spec.length)
                 if box == Box.whole(metas[name].shape):
                     row.append(digests[name])

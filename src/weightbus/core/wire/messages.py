@@ -116,7 +116,7 @@ class ParamRegion(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_f
 class WireShardCopy(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Where a rank's slice of a full tensor goes: `param.narrow(dim, dst_start, length) <-
     full.narrow(dim, src_start, length)` (a `ShardCopy` on the wire; 0-d tensors are copied
-    whole)."""
+    whole); with `slot`, into `param[slot]` (one expert's slot of a fused expert parameter)."""
 
     hf_name: TensorName
     param: TensorName
@@ -124,13 +124,14 @@ class WireShardCopy(msgspec.Struct, frozen=True, array_like=True, forbid_unknown
     src_start: NonNegative
     dst_start: NonNegative
     length: NonNegative
+    slot: NonNegative | None = None
 
 
 class DirectTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A rank's parameters in a shared-memory file the publisher may write into (direct mode).
 
-    `layout_hash` identifies `params` + `copies`: the publisher validates and compiles a layout
-    once and reuses it while the hash and the file stay the same.
+    `layout_hash` identifies `params`, `copies` and `absent`: the publisher validates and
+    compiles a layout once and reuses it while the hash and the file stay the same.
     """
 
     file: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
@@ -138,6 +139,9 @@ class DirectTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     layout_hash: Hex128
     params: list[ParamRegion]
     copies: list[WireShardCopy]
+    # the model's tensors this rank holds no part of (an expert-parallel rank: the experts of
+    # the others): it takes none of their bytes
+    absent: list[TensorName] = msgspec.field(default_factory=list)
 
 
 @register

@@ -163,9 +163,12 @@ class DirectPlacement:
 
 
 def direct_placement(
-    arena: ParamArena, copies: Iterable[tuple[str, str, ShardCopy]]
+    arena: ParamArena,
+    copies: Iterable[tuple[str, str, ShardCopy]],
+    absent: Iterable[str] = (),
 ) -> DirectPlacement | None:
-    """The direct target of `arena` for a model's slice map (`model.shard_copies()`).
+    """The direct target of `arena` for a model's slice map (`model.shard_copies()`) and the
+    model's tensors of which this rank holds no part (`absent`).
 
     Returns None when a copy cannot be expressed as one narrowed dimension on both sides.
     """
@@ -175,16 +178,24 @@ def direct_placement(
             return None
         wire_copies.append(
             WireShardCopy(
-                hf_name, param_name, copy.dst_dim, copy.src_start, copy.dst_start, copy.length
+                hf_name,
+                param_name,
+                copy.dst_dim,
+                copy.src_start,
+                copy.dst_start,
+                copy.length,
+                copy.dst_slot,
             )
         )
         regions[hf_name] = copy.destination(arena.views[param_name])
-    layout = msgspec.msgpack.encode([arena.regions, wire_copies])
+    absent = sorted(absent)
+    layout = msgspec.msgpack.encode([arena.regions, wire_copies, absent])
     target = DirectTarget(
         file=arena.name,
         nbytes=arena.nbytes,
         layout_hash=xxhash.xxh3_128_hexdigest(layout),
         params=arena.regions,
         copies=wire_copies,
+        absent=absent,
     )
     return DirectPlacement(target, regions, arena.memory)

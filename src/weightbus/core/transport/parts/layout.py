@@ -74,10 +74,26 @@ def _check_copy(meta: TensorMeta, param: TensorMeta, copy: ShardCopy) -> None:
         raise ValueError(f"{where}: destination range ends beyond {param.shape[dim]}")
 
 
+def slot_region(region: ParamRegion, slot: int) -> ParamRegion:
+    """`region[slot]`: one slot of a parameter's leading dimension, as a region of its own.
+
+    Raises:
+        ValueError: the parameter has no such slot.
+    """
+    if not region.shape or not 0 <= slot < region.shape[0]:
+        raise ValueError(f"parameter {region.name!r} {tuple(region.shape)} has no slot {slot}")
+    slot_bytes = region_meta(region).nbytes // region.shape[0]
+    return ParamRegion(
+        f"{region.name}[{slot}]", region.dtype, region.shape[1:], region.offset + slot * slot_bytes
+    )
+
+
 def checked_copies(
     target: DirectTarget, metas: dict[str, TensorMeta], *, partial: bool = False
 ) -> dict[str, list[RegionCopy]]:
-    """Every slice `target` asks for, by full tensor name, checked against `metas`.
+    """Every slice `target` asks for, by full tensor name, checked against `metas`; a tensor
+    the rank holds no part of (`target.absent`) maps to no slice. A slice into a slot of a
+    parameter (`WireShardCopy.slot`) comes with that slot as its region.
 
     With `partial`, slices of tensors that `metas` lacks are left out (a session that carries
     some parameters only, e.g. a delta push over `nixl`); else they make the layout unknown.
@@ -95,6 +111,13 @@ def checked_copies(
             raise ValueError(f"slice map names unknown {wire.hf_name!r} or {wire.param!r}")
         copy = ShardCopy(wire.dim, wire.src_start, wire.dim, wire.dst_start, wire.length)
         region = regions[wire.param]
+        if wire.slot is not None:
+            region = slot_region(region, wire.slot)
         _check_copy(metas[wire.hf_name], region_meta(region), copy)
         copies.setdefault(wire.hf_name, []).append(RegionCopy(copy, region))
+    for name in target.absent:
+        if name in copies:
+            raise ValueError(f"slice map names {name!r} both held and absent")
+        if name in metas:
+            copies[name] = []
     return copies

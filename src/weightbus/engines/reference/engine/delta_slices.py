@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from weightbus.core.delta import apply_to_slice
-from weightbus.core.digest import tensor_digest
+from weightbus.core.digest import EMPTY_SLICE_DIGEST, tensor_digest
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.engines.reference.models.served import ServedModels
 
@@ -35,11 +35,15 @@ class ModelSlices:
         return copy.destination(param.data)
 
     def apply(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        if name not in self._slices:
+            return  # a tensor this rank holds no part of (another rank's expert)
         _, copy, full_shape = self._slices[name]
         with torch.no_grad():
             apply_to_slice(self._destination(name), full_shape, copy, indices, values)
 
     def digest(self, name: str) -> str:
+        if name not in self._slices:
+            return EMPTY_SLICE_DIGEST
         return tensor_digest(self._destination(name))
 
 

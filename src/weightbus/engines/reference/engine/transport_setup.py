@@ -19,15 +19,18 @@ from weightbus.core.receiver import RankResult
 from weightbus.core.transport import RankSetupRequest, decode_setup_request, rank_setup
 from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.reference.engine import messages
-from weightbus.engines.reference.models.llama import LlamaForCausalLM
+from weightbus.engines.reference.models.served import ServedModels
 
 
-def slice_specs(model: LlamaForCausalLM) -> list[SliceSpec]:
-    """This rank's slice of every full tensor (its `shard_copies`, as wire data)."""
-    return [
+def slice_specs(model: ServedModels) -> list[SliceSpec]:
+    """This rank's slice of every full tensor (its `shard_copies`, as wire data); a tensor it
+    holds no part of (another rank's expert) has a slice of length 0."""
+    specs = [
         SliceSpec(hf_name, copy.src_dim, copy.src_start, copy.length)
         for hf_name, _, copy in model.shard_copies()
     ]
+    held = {spec.name for spec in specs}
+    return specs + [SliceSpec(name, 0, 0, 0) for name in model.weight_shapes() if name not in held]
 
 
 @dataclass(frozen=True, slots=True)

@@ -251,7 +251,9 @@ class WeightsManager:
         if key not in self._placements:
             carried = self._carried(order)
             copies = [copy for copy in self._copies if copy[0] in carried]
-            self._placements[key] = direct_placement(arena, copies)
+            held = {copy[0] for copy in copies}
+            absent = [name for name in carried if name not in held]  # other ranks' experts
+            self._placements[key] = direct_placement(arena, copies, absent)
         return self._placements[key]
 
     def _carried(self, order: UpdateOrder) -> dict[str, TensorMeta]:
