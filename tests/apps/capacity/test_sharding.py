@@ -65,6 +65,21 @@ def test_experts_are_split_by_tp_or_owned_whole_under_ep() -> None:
     assert _shares(down, EngineLayout(4, 2)) == (0, 0, 64 * 16 * BF16, 64 * 16 * BF16)
 
 
+def test_placements_and_redundant_experts_follow_the_engines_expert_map() -> None:
+    whole = 32 * 64 * BF16
+    gate = "model.layers.1.mlp.experts.{}.gate_proj.weight"
+    # round robin over 2 ranks: expert 4 on rank 0, expert 5 on rank 1
+    assert _shares(gate.format(4), EngineLayout(2, 2, "round_robin")) == (whole, 0)
+    assert _shares(gate.format(5), EngineLayout(2, 2, "round_robin")) == (0, whole)
+    # 8 experts + 2 redundant slots, linear: rank 0 holds 0-3 and 4, rank 1 holds 4-7 and 0
+    redundant = EngineLayout(2, 2, "linear", 2)
+    assert _shares(gate.format(4), redundant) == (whole, whole)
+    assert _shares(gate.format(0), redundant) == (whole, whole)
+    assert _shares(gate.format(1), redundant) == (whole, 0)
+    with pytest.raises(ValueError, match="redundant"):
+        check_layout(MOE.config, EngineLayout(2, 2, "linear", 1))
+
+
 def test_every_byte_is_held_once_per_replica_except_replicated_ones() -> None:
     one = traffic(MOE, EngineLayout(1), "nixl", bucket_bytes=1 << 20)
     for layout in (EngineLayout(2), EngineLayout(2, 2)):  # KV heads (2) >= tp: split

@@ -27,6 +27,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--dtype", default=None, help="bfloat16, float16, float32 or fp8-block")
     plan.add_argument("--engine-tp", type=int, default=1, help="TP ranks per engine replica")
     plan.add_argument("--engine-ep", type=int, default=1, help="expert-parallel groups per replica")
+    plan.add_argument(
+        "--expert-placement",
+        default="linear",
+        choices=("linear", "round_robin"),
+        help="how experts are spread over the expert-parallel groups (as `weightbus serve`)",
+    )
+    plan.add_argument(
+        "--redundant-experts",
+        type=int,
+        default=0,
+        help="extra expert slots holding second copies of experts (vLLM's EPLB; needs ep >= 2)",
+    )
     plan.add_argument("--replicas", type=int, default=1, help="engine replicas")
     plan.add_argument("--trainer-ranks", type=int, default=1, help="ranks sending in parallel")
     plan.add_argument(
@@ -117,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("weightbus plan: --model is required (or --published)")
     try:
         scenario = Scenario(
-            engine=EngineLayout(args.engine_tp, args.engine_ep),
+            engine=EngineLayout(
+                args.engine_tp, args.engine_ep, args.expert_placement, args.redundant_experts
+            ),
             transport=args.transport,
             hardware=hardware(args.hardware, _pairs(args.link, "link"), _pairs(args.cost, "cost")),
             replicas=args.replicas,

@@ -21,8 +21,11 @@ def print_forecast(result: Forecast) -> None:
     )
     where = "across nodes" if scenario.crosses_nodes else "within a node"
     fsdp = " (FSDP shards)" if scenario.trainer_layout == "fsdp" else ""
+    experts = ""
+    if engine.ep > 1:
+        experts = f", {engine.placement}, {engine.redundant_experts} redundant"
     print(
-        f"engines: {scenario.replicas} x TP {engine.tp} (EP {engine.ep}) = "
+        f"engines: {scenario.replicas} x TP {engine.tp} (EP {engine.ep}{experts}) = "
         f"{scenario.replicas * engine.tp} ranks; {scenario.trainer_ranks} trainer rank(s){fsdp}; "
         f"{scenario.transport} ({moved.pattern}) {where}; hardware {scenario.hardware.name}"
     )

@@ -6,8 +6,10 @@ row-parallel ones their columns, KV heads are replicated when there are fewer th
 routers, norms and MLA's down-projections are replicated. The vocabulary is split in ranges of
 `ceil(vocab / tp)` rows (the reference engine's rule; vLLM pads the vocabulary to a multiple of
 64 first, which moves a few rows between ranks). Expert parallelism divides the routed experts
-into `ep` contiguous groups of `tp / ep` ranks, each splitting its experts like a dense MLP
-(SGLang's layout; `ep = tp` is vLLM's: whole experts per rank). A block-FP8 `weight_scale_inv`
+into `ep` groups of `tp / ep` ranks, each splitting its experts like a dense MLP (SGLang's
+layout; `ep = tp` is vLLM's and the reference engine's: whole experts per rank), placed as the
+reference engine places them (`linear`: contiguous ranges, or `round_robin`), with
+`redundant_experts` second copies of some experts (EPLB's redundant slots) on other groups. A block-FP8 `weight_scale_inv`
 is split like its weight, in 128-row/column blocks.
 """
 
@@ -21,6 +23,11 @@ from typing import Any
 import torch
 
 from weightbus.core.meta import TensorMeta
+from weightbus.engines.reference.models.experts import (
+    PLACEMENTS,
+    linear_placement,
+    round_robin_placement,
+)
 
 FP8_BLOCK_ROWS = 128
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|bias)$")
@@ -34,16 +41,26 @@ _EXPERT_COLUMN = ("gate_proj", "up_proj", "gate_up_proj")
 
 @dataclass(frozen=True, slots=True)
 class EngineLayout:
-    """One engine replica: `tp` ranks, experts spread over `ep` groups of `tp // ep` ranks."""
+    """One engine replica: `tp` ranks, experts spread over `ep` groups of `tp // ep` ranks,
+    placed `linear` or `round_robin`, with `redundant_experts` second copies (the reference
+    engine's placements, `engines/reference/models/experts.py`, which follow vLLM's EPLB)."""
 
     tp: int
     ep: int = 1
+    placement: str = "linear"
+    redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.ep < 1:
             raise ValueError(f"engine tp and ep must be >= 1, got tp={self.tp} ep={self.ep}")
         if self.tp % self.ep:
             raise ValueError(f"engine ep ({self.ep}) must divide engine tp ({self.tp})")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"expert placement must be one of {PLACEMENTS}: {self.placement!r}")
+        if self.redundant_experts < 0 or (self.redundant_experts and self.ep < 2):
+            raise ValueError(
+                f"redundant experts ({self.redundant_experts}) need ep >= 2 and a count >= 0"
+            )
 
     @property
     def expert_group_ranks(self) -> int:
@@ -79,8 +96,11 @@ def _kind_of(meta: TensorMeta, config: dict[str, Any], layout: EngineLayout) -> 
     expert = _EXPERT.search(meta.name)
     if expert:
         experts = num_experts(config)
-        group = int(expert[1]) * layout.ep // experts if layout.ep > 1 else 0
-        return ("expert", expert[2] in _EXPERT_COLUMN, group)
+        groups = (0,)
+        if layout.ep > 1:
+            placed = _expert_groups(experts, layout.ep, layout.placement, layout.redundant_experts)
+            groups = placed[int(expert[1])]
+        return ("expert", expert[2] in _EXPERT_COLUMN, groups)
     if meta.name.endswith(_VOCAB):
         return ("column",)
     return _dense_kind(_module(meta.name), meta.name.endswith("bias"), config, layout.tp)
@@ -125,9 +145,21 @@ def _shares(kind: tuple, shape: tuple[int, ...], element_bytes: int, layout: Eng
         group_ranks = layout.expert_group_ranks
         inner = [_split(shape, nbytes, split, p) for p in range(group_ranks)]
         return tuple(
-            inner[r % group_ranks] if r // group_ranks == kind[2] else 0 for r in range(layout.tp)
+            inner[r % group_ranks] if r // group_ranks in kind[2] else 0 for r in range(layout.tp)
         )
     return tuple(_split(shape, nbytes, split, rank) for rank in range(layout.tp))
+
+
+@lru_cache(maxsize=64)
+def _expert_groups(
+    experts: int, ep: int, placement: str, redundant: int
+) -> tuple[tuple[int, ...], ...]:
+    """Per expert, the expert-parallel groups that hold a copy of it."""
+    place = linear_placement if placement == "linear" else round_robin_placement
+    expert_map = place(experts, ep, redundant)
+    return tuple(
+        tuple(sorted({rank for rank, _ in expert_map.replicas(e)})) for e in range(experts)
+    )
 
 
 def _split(shape: tuple[int, ...], nbytes: int, split: tuple[int, int] | None, index: int) -> int:
@@ -160,8 +192,12 @@ def check_layout(config: dict[str, Any], layout: EngineLayout) -> None:
     experts = num_experts(config)
     if layout.ep > 1 and not experts:
         raise ValueError(f"engine ep ({layout.ep}): the model has no routed experts")
-    if layout.ep > 1 and experts % layout.ep:
-        raise ValueError(f"engine ep ({layout.ep}) must divide the routed experts ({experts})")
+    slots = experts + layout.redundant_experts
+    if layout.ep > 1 and slots % layout.ep:
+        raise ValueError(
+            f"engine ep ({layout.ep}) must divide the routed experts ({experts}) plus the "
+            f"redundant ones ({layout.redundant_experts})"
+        )
 
 
 def check_block_alignment(
