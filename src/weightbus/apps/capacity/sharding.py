@@ -9,8 +9,8 @@ routers, norms and MLA's down-projections are replicated. The vocabulary is spli
 into `ep` groups of `tp / ep` ranks, each splitting its experts like a dense MLP (SGLang's
 layout; `ep = tp` is vLLM's and the reference engine's: whole experts per rank), placed as the
 reference engine places them (`linear`: contiguous ranges, or `round_robin`), with
-`redundant_experts` second copies of some experts (EPLB's redundant slots) on other groups. A block-FP8 `weight_scale_inv`
-is split like its weight, in 128-row/column blocks.
+`redundant_experts` second copies of some experts (EPLB's redundant slots) on other groups.
+A block-FP8 `weight_scale_inv` is split like its weight, in 128-row/column blocks.
 """
 
 import re
