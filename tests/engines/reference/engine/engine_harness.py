@@ -19,6 +19,18 @@ from weightbus.engines.reference.layers.attention import AttentionMetadata
 from weightbus.engines.reference.layers.parallel import destroy_tp_group, init_tp_group
 from weightbus.engines.reference.models.config import ModelConfig
 
+# The MoE case's experts and layers (shared with the MoE tests)
+MOE_OPTIONS = {
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+}
+
 # Small random models covering every architectural option the engine claims.
 HF_CASES: dict[str, dict] = {
     # Llama 3 rope scaling; 1 KV head < tp 2, so KV heads are replicated
@@ -51,6 +63,10 @@ HF_CASES: dict[str, dict] = {
         "tie_word_embeddings": True,
         "shard": True,
     },
+    # Qwen3: q_norm / k_norm per head, q/k/v/o biases
+    "qwen3_bias": {"family": "qwen3", "num_key_value_heads": 2, "attention_bias": True},
+    # Qwen3-MoE: 8 experts, top 2, renormalised; layers 0 and 2 MoE, layer 1 dense
+    "qwen3_moe": {"family": "qwen3_moe", **MOE_OPTIONS},
 }
 
 # An odd vocabulary exercises the padded last shard of the vocab-parallel layers.
@@ -61,28 +77,32 @@ NUM_GREEDY_TOKENS = 12
 
 def make_hf_model(name: str, path: Path, seed: int = 0) -> torch.nn.Module:
     """Build HF case `name` with seeded random weights and save it (safetensors) to `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     options = dict(HF_CASES[name])
     family = options.pop("family")
     shard = options.pop("shard", False)
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    config_name, model_name = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     }[family]
-    config = config_cls(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        **options,
-    )
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
+    defaults = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+    config = config_cls(**(defaults | options))
     model = model_cls(config).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

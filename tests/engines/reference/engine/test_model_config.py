@@ -2,7 +2,9 @@
 
 import pytest
 
-from weightbus.engines.reference.models.config import ModelConfig, tiny_config
+from weightbus.core.fp8 import Fp8Block
+from weightbus.engines.reference.models.config import LoraShape, ModelConfig, tiny_config
+from weightbus.engines.reference.models.experts import ExpertLayout
 from weightbus.engines.reference.server.launcher import ServeConfig
 
 LLAMA = {
@@ -86,3 +88,116 @@ def test_tp_must_split_heads() -> None:
 def test_serve_flags_are_named(kwargs: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         ServeConfig(**kwargs)
+
+
+QWEN3_MOE = LLAMA | {
+    "model_type": "qwen3_moe",
+    "head_dim": 16,
+    "num_hidden_layers": 4,
+    "num_local_experts": 8,  # transformers 5's name of num_experts
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+}
+
+
+def test_qwen3_has_qk_norm_and_attention_bias_on_all_projections() -> None:
+    config = ModelConfig.from_hf_dict(LLAMA | {"model_type": "qwen3", "attention_bias": True})
+    assert (config.qk_norm, config.qkv_bias, config.o_proj_bias) == (True, True, True)
+    assert config.moe_layers == ()
+
+
+def test_qwen3_moe_fields() -> None:
+    config = ModelConfig.from_hf_dict(QWEN3_MOE)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (
+        8,
+        2,
+        32,
+    )
+    assert config.norm_topk_prob
+    assert config.qk_norm
+    assert config.moe_layers == (0, 2, 3)
+
+
+@pytest.mark.parametrize(("step", "mlp_only"), [(1, []), (2, []), (1, [0, 3]), (2, [1])])
+def test_moe_layers_are_transformers_sparse_blocks(step: int, mlp_only: list[int]) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    fields = {"decoder_sparse_step": step, "mlp_only_layers": mlp_only}
+    hf = {key: value for key, value in QWEN3_MOE.items() if key != "model_type"} | fields
+    hf_model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf))
+    sparse = tuple(i for i, layer in enumerate(hf_model.model.layers) if hasattr(layer.mlp, "gate"))
+    assert ModelConfig.from_hf_dict(QWEN3_MOE | fields).moe_layers == sparse
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok must be in"),
+        ({"moe_intermediate_size": 0}, "moe_intermediate_size must be"),
+        ({"mlp_only_layers": [4]}, "mlp_only_layers"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ],
+)
+def test_moe_fields_are_named(override: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(QWEN3_MOE | override)
+
+
+def test_experts_need_a_moe_model_type() -> None:
+    dense = ModelConfig.from_hf_dict(LLAMA | {"model_type": "qwen3"})
+    dense.num_experts = 8
+    with pytest.raises(ValueError, match="num_experts: model_type qwen3 has no experts"):
+        dense.__post_init__()
+
+
+def test_expert_layouts_are_checked_against_the_model() -> None:
+    moe = ModelConfig.from_hf_dict(QWEN3_MOE)
+    moe.validate_tp(2)
+    with pytest.raises(ValueError, match=r"--tp 4 does not split this model: moe_intermediate"):
+        ModelConfig.from_hf_dict(QWEN3_MOE | {"moe_intermediate_size": 30}).validate_tp(4)
+    moe.expert_layout = ExpertLayout(expert_parallel=True, redundant_experts=1)
+    with pytest.raises(ValueError, match=r"9 physical slots do not divide over 2 expert-parallel"):
+        moe.validate_tp(2)
+    moe.expert_layout = ExpertLayout(expert_parallel=True, redundant_experts=2)
+    moe.validate_tp(2)
+    dense = ModelConfig.from_hf_dict(LLAMA)
+    dense.expert_layout = ExpertLayout(expert_parallel=True)
+    with pytest.raises(ValueError, match="--expert-parallel needs a mixture-of-experts model"):
+        dense.validate_options()
+
+
+def test_fp8_and_mlp_adapters_are_refused_on_moe() -> None:
+    moe = ModelConfig.from_hf_dict(QWEN3_MOE)
+    moe.quantization = Fp8Block()
+    with pytest.raises(ValueError, match="block-FP8 experts are not supported"):
+        moe.validate_options()
+    moe = ModelConfig.from_hf_dict(QWEN3_MOE)
+    moe.lora = LoraShape(8, ("q_proj", "up_proj"))
+    with pytest.raises(ValueError, match="--lora-targets up_proj: the experts"):
+        moe.validate_options()
+    moe.lora = LoraShape(8, ("q_proj", "v_proj"))
+    moe.validate_options()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"redundant_experts": 2}, "--redundant-experts needs --expert-parallel"),
+        ({"expert_placement": "round_robin"}, "--expert-placement round_robin needs"),
+        ({"expert_parallel": True, "expert_placement": "random"}, "--expert-placement must"),
+        ({"expert_parallel": True, "redundant_experts": -1}, "--redundant-experts must be"),
+    ],
+)
+def test_expert_flags_are_named(kwargs: dict, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        ServeConfig(**kwargs)
+
+
+def test_serving_a_dense_model_expert_parallel_is_refused() -> None:
+    from weightbus.engines.reference.server.launcher import checked_model
+
+    with pytest.raises(ValueError, match="--expert-parallel needs a mixture-of-experts model"):
+        checked_model(ServeConfig(tp_size=2, expert_parallel=True))

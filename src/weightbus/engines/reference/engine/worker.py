@@ -61,7 +61,12 @@ from weightbus.engines.reference.engine.weights_manager import WeightsManager
 from weightbus.engines.reference.layers.attention import AttentionMetadata
 from weightbus.engines.reference.layers.parallel import destroy_tp_group, init_tp_group
 from weightbus.engines.reference.models.config import ModelConfig
-from weightbus.engines.reference.models.loader import lora_shape, resolve_config, weights_records
+from weightbus.engines.reference.models.loader import (
+    expert_layout,
+    lora_shape,
+    resolve_config,
+    weights_records,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +112,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora_rank: int = 0  # LoRA adapters served (`--lora-rank`; 0: none)
     lora_targets: tuple[str, ...] = ()
     lora_dtype: str = "float32"
+    # how a mixture-of-experts model holds its experts (`--expert-parallel`, ...)
+    expert_parallel: bool = False
+    expert_placement: str = "linear"
+    redundant_experts: int = 0
 
 
 def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
@@ -123,7 +132,10 @@ class Worker:
         self.tp_size = config.tp_size
         self._join_tp_group()
         lora = lora_shape(config.lora_rank, config.lora_targets, config.lora_dtype)
-        model_config = resolve_config(config.model, config.quantization, lora)
+        experts = expert_layout(
+            config.expert_parallel, config.expert_placement, config.redundant_experts
+        )
+        model_config = resolve_config(config.model, config.quantization, lora, experts)
         self.draft_source = self._draft_source()
         # a staged receive's end wakes rank 0's wait for requests (`_wake_up`)
         self._wake_read, self._wake_write = os.pipe()

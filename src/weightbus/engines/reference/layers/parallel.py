@@ -116,6 +116,19 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(_gather_all(x), dim=-1)
 
 
+def exchange(
+    sends: list[tuple[int, int, torch.Tensor]], recvs: list[tuple[int, int, torch.Tensor]]
+) -> None:
+    """Point-to-point transfers within the group, all in flight at once: each `(peer, tag,
+    tensor)` of `sends` goes to rank `peer`, each of `recvs` is filled in place from rank
+    `peer` by its send of the same tag. Returns once all are done."""
+    ctx = _current
+    works = [dist.isend(x.contiguous(), peer, group=ctx.group, tag=tag) for peer, tag, x in sends]
+    works += [dist.irecv(x, peer, group=ctx.group, tag=tag) for peer, tag, x in recvs]
+    for work in works:
+        work.wait()
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     """`numerator // denominator`, raising ValueError naming `what` when it does not divide."""
     if numerator % denominator:

@@ -9,8 +9,11 @@ from typing import Any
 from weightbus.core.fp8 import Fp8Block
 from weightbus.core.wire.adapter import LORA_TARGETS, MAX_LORA_RANK
 from weightbus.engines.reference.layers.rotary import ROPE_TYPES
+from weightbus.engines.reference.models.experts import ExpertLayout, initial_expert_map
 
-MODEL_TYPES = ("llama", "qwen2")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# q_norm / k_norm: an RMSNorm over each head's dimension of q and k, before rope
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 LORA_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -48,9 +51,11 @@ class LoraShape:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Qwen2).
+    """Architecture of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE).
 
-    Field names follow Hugging Face's config.json; `eos_token_ids` is always a tuple.
+    Field names follow Hugging Face's config.json; `eos_token_ids` is always a tuple. A
+    mixture-of-experts model (`num_experts` > 0) has an MoE block in layer `i` unless `i` is
+    in `mlp_only_layers` or `(i + 1) % decoder_sparse_step` is not 0 (transformers' rule).
 
     Raises:
         ValueError: a field is out of range or unsupported; the message names the field.
@@ -77,6 +82,17 @@ class ModelConfig:
     quantization: Fp8Block | None = None
     # LoRA adapters the engine serves (`--lora-rank`, `--lora-targets`); None: none
     lora: LoraShape | None = None
+    # Qwen3: RMSNorm of each head of q and k before rope (`q_norm`, `k_norm`)
+    qk_norm: bool = False
+    # Qwen3-MoE: experts of the MoE layers (0: none, every layer dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # how the engine holds the experts (`--expert-parallel`, ...); None: split over TP ranks
+    expert_layout: ExpertLayout | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -109,6 +125,74 @@ class ModelConfig:
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"eos_token_id {self.eos_token_ids} outside the vocabulary")
         self.eos_token_ids = tuple(self.eos_token_ids)
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        self._validate_experts()
+        self.validate_options()
+
+    def _validate_experts(self) -> None:
+        if self.num_experts and self.model_type != "qwen3_moe":
+            raise ValueError(f"num_experts: model_type {self.model_type} has no experts")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
+            raise ValueError(
+                f"mlp_only_layers {list(self.mlp_only_layers)} names layers outside "
+                f"[0, {self.num_hidden_layers})"
+            )
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts = {self.num_experts}], got "
+                f"{self.num_experts_per_tok}"
+            )
+        if self.moe_intermediate_size < 1:
+            raise ValueError(
+                f"moe_intermediate_size must be a positive integer, got "
+                f"{self.moe_intermediate_size}"
+            )
+
+    def validate_options(self) -> None:
+        """Check the serving options set on the config (`quantization`, `lora`,
+        `expert_layout`) against the architecture.
+
+        Raises:
+            ValueError: naming the flag: expert parallelism on a model without experts, FP8
+                or LoRA on the MLP projections of a mixture-of-experts model.
+        """
+        layout, has_moe = self.expert_layout, bool(self.moe_layers)
+        if layout is not None and layout.expert_parallel and not has_moe:
+            raise ValueError(
+                f"--expert-parallel needs a mixture-of-experts model: this {self.model_type} "
+                "model has no MoE layer"
+            )
+        if not has_moe:
+            return
+        if self.quantization is not None:
+            raise ValueError(
+                "--quantization fp8-block: block-FP8 experts are not supported yet; serve this "
+                "mixture-of-experts model unquantized"
+            )
+        lora_targets = () if self.lora is None else self.lora.targets
+        mlp_targets = sorted({"gate_proj", "up_proj", "down_proj"} & set(lora_targets))
+        if mlp_targets:
+            raise ValueError(
+                f"--lora-targets {', '.join(mlp_targets)}: the experts of a mixture-of-experts "
+                "model take no adapter; target the attention projections only"
+            )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the decoder layers with an MoE block (empty for a dense model)."""
+        if not self.num_experts:
+            return ()
+        return tuple(
+            i
+            for i in range(self.num_hidden_layers)
+            if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     def validate_tp(self, tp_size: int) -> None:
         """Check that the model can be split over `tp_size` ranks.
@@ -125,11 +209,16 @@ class ModelConfig:
             "intermediate_size": self.intermediate_size % tp_size == 0,
             "vocab_size": self.vocab_size >= tp_size,
         }
+        layout = self.expert_layout or ExpertLayout()
+        if self.moe_layers and not layout.expert_parallel:
+            checks["moe_intermediate_size"] = self.moe_intermediate_size % tp_size == 0
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(
                     f"--tp {tp_size} does not split this model: {name} = {getattr(self, name)}"
                 )
+        if self.moe_layers:
+            initial_expert_map(layout, self.num_experts, tp_size)  # raises naming the flag
         if self.quantization is not None and tp_size > 1:
             self._validate_blocks(tp_size)
 
@@ -174,6 +263,7 @@ class ModelConfig:
         attention_bias = bool(hf.get("attention_bias", False))
         rope_theta, rope_scaling = _read_rope(hf)
         eos = hf.get("eos_token_id")
+        moe = _read_moe(hf) if model_type == "qwen3_moe" else {}
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -187,13 +277,16 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias sets both.
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's and Qwen3's
+            # attention_bias sets both.
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_proj_bias=False if model_type == "qwen2" else attention_bias,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             quantization=_read_quantization(hf),
+            qk_norm=model_type in QK_NORM_TYPES,
+            **moe,
         )
 
     @classmethod
@@ -208,6 +301,18 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _read_moe(hf: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes `num_local_experts` (`num_experts` is its alias), 4.x `num_experts`
+    return {
+        "num_experts": hf.get("num_experts", hf.get("num_local_experts")) or 0,
+        "num_experts_per_tok": hf.get("num_experts_per_tok", 0),
+        "moe_intermediate_size": hf.get("moe_intermediate_size", 0),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
+    }
 
 
 def _read_quantization(hf: dict[str, Any]) -> Fp8Block | None:

@@ -11,6 +11,7 @@ from weightbus.core.digest import tensor_digest
 from weightbus.core.fp8 import FP8_BLOCK_NAME, FP8_DTYPE, Fp8Block, quantize_weights, quantizes
 from weightbus.core.meta import dtype_name
 from weightbus.engines.reference.models.config import LoraShape, ModelConfig, tiny_config
+from weightbus.engines.reference.models.experts import ExpertLayout, ExpertMap
 from weightbus.engines.reference.models.llama import (
     LlamaForCausalLM,
     dense_weight_shapes,
@@ -37,8 +38,23 @@ def lora_shape(
     return LoraShape(rank, tuple(targets), dtype)
 
 
+def expert_layout(
+    expert_parallel: bool = False, placement: str = "linear", redundant_experts: int = 0
+) -> ExpertLayout:
+    """The `--expert-parallel` / `--expert-placement` / `--redundant-experts` flags as an
+    `ExpertLayout`.
+
+    Raises:
+        ValueError: a bad flag or combination (the flag named).
+    """
+    return ExpertLayout(expert_parallel, placement, redundant_experts)
+
+
 def resolve_config(
-    model: str, quantization: str | None = None, lora: LoraShape | None = None
+    model: str,
+    quantization: str | None = None,
+    lora: LoraShape | None = None,
+    expert_layout: ExpertLayout | None = None,
 ) -> ModelConfig:
     """Config of a `--model` value: `tiny` or a Hugging Face directory.
 
@@ -48,24 +64,28 @@ def resolve_config(
             blocks unless the checkpoint's `quantization_config` says otherwise), quantizing
             an unquantized checkpoint as it loads. None: as the checkpoint is.
         lora: the LoRA adapters the engine serves (None: none).
+        expert_layout: how a mixture-of-experts model holds its experts (None: split over
+            the TP ranks).
 
     Raises:
         FileNotFoundError: the directory has no config.json.
-        ValueError: the config is not supported (the message names the field).
+        ValueError: the config is not supported, or the options do not fit it (the message
+            names the field or the flag).
     """
     config = tiny_config() if model == TINY else ModelConfig.from_hf_dir(model)
     config.lora = lora
+    config.expert_layout = expert_layout
     if lora is not None and (quantization is not None or config.quantization is not None):
         raise ValueError(
             "--lora-rank with block FP8: adapters apply to unquantized layers only (serve the "
             "model unquantized, or push the merged model quantized)"
         )
-    if quantization is None:
-        return config
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if config.quantization is None:
-        config.quantization = Fp8Block()
+    if quantization is not None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        if config.quantization is None:
+            config.quantization = Fp8Block()
+    config.validate_options()
     return config
 
 
@@ -79,10 +99,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def create_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """An unloaded model for this process's tensor-parallel rank, parameters in `dtype`."""
+def create_model(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, expert_map: ExpertMap | None = None
+) -> LlamaForCausalLM:
+    """An unloaded model for this process's tensor-parallel rank, parameters in `dtype`.
+
+    Args:
+        config: architecture and serving options (`expert_layout` for an MoE model).
+        dtype: parameter dtype.
+        expert_map: where the experts start (None: the layout's initial map); a staging
+            copy of a live model passes the live model's `expert_map`.
+    """
     with _default_dtype(dtype):
-        return LlamaForCausalLM(config).eval()
+        return LlamaForCausalLM(config, expert_map).eval()
 
 
 def random_hf_weights(config: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,6 +5,7 @@ import os
 import sys
 
 from weightbus.engines.reference.models.config import LORA_DTYPES
+from weightbus.engines.reference.models.experts import PLACEMENTS
 from weightbus.engines.reference.models.loader import QUANTIZATIONS
 from weightbus.engines.reference.server.launcher import DTYPES, ServeConfig
 
@@ -47,6 +48,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         choices=LORA_DTYPES,
         help="what adapters are held and applied in (float32: peft's default on a bf16 or "
         "fp16 base); pushed adapters must have it",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="mixture-of-experts models: whole experts per rank (EP size = --tp, attention "
+        "still TP) instead of every expert split over the ranks",
+    )
+    parser.add_argument(
+        "--expert-placement",
+        default="linear",
+        choices=PLACEMENTS,
+        help="with --expert-parallel: rank r holds a contiguous range of experts (linear) or "
+        "expert e sits on rank e %% tp (round_robin)",
+    )
+    parser.add_argument(
+        "--redundant-experts",
+        type=int,
+        default=0,
+        help="with --expert-parallel: extra slots holding second copies of experts (each "
+        "rank's j-th extra slot holds the j-th expert it lacks); tokens alternate between "
+        "copies",
     )
     parser.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences in a batch")
@@ -127,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             lora_targets=tuple(args.lora_targets.split(",")) if args.lora_targets else (),
             lora_dtype=args.lora_dtype,
+            expert_parallel=args.expert_parallel,
+            expert_placement=args.expert_placement,
+            redundant_experts=args.redundant_experts,
         )
         return serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:

@@ -31,9 +31,11 @@ from fastapi import FastAPI
 
 from weightbus.engines.reference.engine.worker import WorkerConfig
 from weightbus.engines.reference.models.config import ModelConfig
+from weightbus.engines.reference.models.experts import ExpertLayout
 from weightbus.engines.reference.models.loader import (
     QUANTIZATIONS,
     TINY,
+    expert_layout,
     lora_shape,
     resolve_config,
 )
@@ -90,6 +92,9 @@ class ServeConfig:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     lora_dtype: str = "float32"
+    expert_parallel: bool = False
+    expert_placement: str = "linear"
+    redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.model != TINY and not (Path(self.model) / "config.json").is_file():
@@ -119,10 +124,15 @@ class ServeConfig:
             lora_shape(self.lora_rank, self.lora_targets, self.lora_dtype)  # names a bad flag
         elif self.lora_targets:
             raise ValueError("--lora-targets needs --lora-rank")
+        self.expert_layout()  # names a bad flag
         for name in ("ready_timeout_s", "request_timeout_s", "dist_timeout_s", "idle_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self._check_access()
+
+    def expert_layout(self) -> ExpertLayout:
+        """How a mixture-of-experts model holds its experts (`--expert-parallel`, ...)."""
+        return expert_layout(self.expert_parallel, self.expert_placement, self.redundant_experts)
 
     def _check_draft(self) -> None:
         draft = self.draft_model
@@ -189,6 +199,9 @@ def worker_config(
         lora_rank=config.lora_rank,
         lora_targets=config.lora_targets,
         lora_dtype=config.lora_dtype,
+        expert_parallel=config.expert_parallel,
+        expert_placement=config.expert_placement,
+        redundant_experts=config.redundant_experts,
     )
 
 
@@ -199,7 +212,7 @@ def checked_model(config: ServeConfig) -> tuple[ModelConfig, int]:
         ValueError: the model cannot be served with these flags (names the flag or field).
     """
     lora = lora_shape(config.lora_rank, config.lora_targets, config.lora_dtype)
-    model_config = resolve_config(config.model, config.quantization, lora)
+    model_config = resolve_config(config.model, config.quantization, lora, config.expert_layout())
     model_config.validate_tp(config.tp_size)
     max_model_len = config.max_model_len or min(
         model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
