@@ -42,6 +42,10 @@ SUITES = {
         "weightbus.apps.bench.plan",
         "weightbus plan's predicted push times against measured shm and dist pushes",
     ),
+    "moe": (
+        "weightbus.apps.bench.moe",
+        "an MoE at EP 2: each expert to its ranks vs every byte to every rank, vs weightbus plan",
+    ),
     "nixl": (
         "weightbus.apps.bench.nixl",
         "nixl pushes vs raw NIXL WRITEs and dist, one host and netns",

@@ -1,0 +1,219 @@
+"""`weightbus bench moe`: each expert only to the ranks that hold it, against every byte to
+every rank, and against `weightbus plan`, in one run.
+
+A Qwen3-MoE of `--size` (bf16, 64 experts, top 4) is served by one engine at TP `--tp` with
+expert parallelism (EP = TP, `--expert-parallel`: whole experts per rank). It is pushed four
+ways, interleaved with the floors that bound them:
+
+- `shm direct`: each rank's experts and its dense share written straight into its parameters;
+- `shm slots`: every bucket through the shared slots, which every rank reads, keeping its
+  own experts (what an engine does for a layout the sender does not know);
+- `dist parts`: each rank receives its regions only, over gloo;
+- `dist broadcast`: every byte to every rank, over gloo.
+
+Each row's bytes per engine rank (what the ranks' sources counted) stand beside the planner's
+(`weightbus plan`, `apps/capacity/`), and each time beside the planner's prediction from the
+floors measured here (as `weightbus bench plan` does for dense models).
+"""
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from weightbus.apps.bench.dist import Baseline
+from weightbus.apps.bench.moe_weights import MoeShape, moe_config, moe_shape, moe_weights
+from weightbus.apps.bench.plan import FLOORS, _fixed_costs, _hardware, _shared_buffer
+from weightbus.apps.bench.timing import measure_interleaved, write_json
+from weightbus.apps.capacity.forecast import Scenario, forecast
+from weightbus.apps.capacity.shapes import ModelTensors
+from weightbus.apps.capacity.sharding import EngineLayout
+from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.tables import print_table
+from weightbus.core.digest import tensor_digest
+from weightbus.core.meta import metas_of
+from weightbus.core.publisher import Publisher, PushResult
+from weightbus.core.units import format_bytes, parse_bytes
+
+_GROUP_TIMEOUT_S = 120.0
+# row -> (planner path, whether the row routes experts to their owners)
+ROWS = {
+    "shm direct": ("shm", True),
+    "shm slots": (None, False),
+    "dist parts": ("dist-parts", True),
+    "dist broadcast": ("dist-broadcast", False),
+}
+# each routed row against the row that sends every byte to every rank
+SPEEDUPS = (("shm direct", "shm slots"), ("dist parts", "dist broadcast"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", default="1GiB", help="model size (bf16; at least this)")
+    parser.add_argument("--experts", type=int, default=64, help="routed experts per layer")
+    parser.add_argument("--top-k", type=int, default=4, help="experts per token")
+    parser.add_argument("--tp", type=int, default=2, help="engine TP = EP size")
+    parser.add_argument("--redundant-experts", type=int, default=0, help="extra expert slots")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per row (median)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+
+
+class _Pushers:
+    """One engine's publishers, in place and verify none (the transport alone), each push a
+    new version; the last result of each row kept (its ranks' byte counts)."""
+
+    def __init__(self, url: str) -> None:
+        self.shm = Publisher([url], transport="shm", timeout_s=600)
+        self.slots = Publisher(
+            [url], transport="shm", transport_options={"direct": False}, timeout_s=600
+        )
+        self.dist = Publisher([url], transport="dist", timeout_s=600)
+        self.dist.init_weights_group("127.0.0.1", timeout_s=_GROUP_TIMEOUT_S)
+        self.last: dict[str, PushResult] = {}
+        self._count = 0
+
+    def push(self, row: str, weights: list) -> None:
+        publisher = {"shm direct": self.shm, "shm slots": self.slots}.get(row, self.dist)
+        if publisher is self.dist:
+            self.dist.sink.requested_mode = row.removeprefix("dist ")
+        self._count += 1
+        self.last[row] = publisher.push(
+            weights,
+            version=f"moe-{self._count}-{time.monotonic_ns()}",
+            atomic=False,
+            pause_mode="in_place",
+            verify="none",
+        )
+
+    def close(self) -> None:
+        for publisher in (self.shm, self.slots, self.dist):
+            publisher.close()
+
+
+def _write_model(shape: MoeShape, weights: list, folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(moe_config(shape)))
+    save_file(dict(weights), str(folder / "model.safetensors"))
+    return folder
+
+
+def _layout(args: argparse.Namespace) -> EngineLayout:
+    return EngineLayout(args.tp, args.tp, "linear", args.redundant_experts)
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--dtype", "bfloat16", "--expert-parallel"]
+    if args.redundant_experts:
+        flags += ["--redundant-experts", str(args.redundant_experts)]
+    return flags
+
+
+def _measure(args: argparse.Namespace, workdir: Path, fixed: dict[str, float]) -> dict:
+    shape = moe_shape(parse_bytes(args.size), args.experts, args.top_k)
+    weights = moe_weights(shape)
+    model_bytes = sum(t.nbytes for _, t in weights)
+    model = ModelTensors("qwen3-moe", tuple(metas_of(weights)), moe_config(shape))
+    folder = _write_model(shape, weights, workdir / "moe")
+    proc, url = start_engine(str(folder), args.tp, extra=_engine_flags(args))
+    (folder / "model.safetensors").unlink()
+    planned = {
+        path: forecast(model, Scenario(engine=_layout(args), transport=path,
+                                       hardware=_hardware(dict.fromkeys(FLOORS, 1.0), 0.0),
+                                       cross_node=path != "shm", verify=False)).traffic
+        for path, _ in ROWS.values() if path
+    }  # fmt: skip
+    share = max(planned["dist-parts"].receive_bytes)
+    baseline = Baseline(args.tp, [t for _, t in weights])
+    source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
+    floor_buffer = _shared_buffer(folder, model_bytes)
+    pushers = _Pushers(url)
+    try:
+        ops = [
+            ("memcpy into shared memory", model_bytes, lambda: floor_buffer.copy_(source)),
+            ("xxh3, one thread", model_bytes, lambda: [tensor_digest(t) for _, t in weights]),
+            ("gloo broadcast", model_bytes, baseline.single),
+            ("gloo send, each peer", share * args.tp, lambda: baseline.send_each(share)),
+        ]
+        ops += [(row, model_bytes, lambda r=row: pushers.push(r, weights)) for row in ROWS]
+        rows = {m.name: m for m in measure_interleaved(ops, args.repeat)}
+    finally:
+        pushers.close()
+        baseline.close()
+        stop_engine(proc)
+    floors = {name: rows[name].gb_per_s for name in FLOORS}
+    predicted = {
+        row: forecast(model, Scenario(engine=_layout(args), transport=path,
+                                      hardware=_hardware(floors, fixed[path]),
+                                      cross_node=path != "shm", verify=False)).timing
+        for row, (path, _) in ROWS.items() if path
+    }  # fmt: skip
+    return {
+        "shape": shape,
+        "size": model_bytes,
+        "expert_bytes": shape.expert_numel() * 2,
+        "floors": floors,
+        "rows": rows,
+        "rank_bytes": {row: pushers.last[row].engines[0].rank_nbytes for row in ROWS},
+        "planned_bytes": {row: list(planned[p].receive_bytes) for row, (p, _) in ROWS.items() if p},
+        "predicted": predicted,
+    }
+
+
+def _error(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured:+.0%}" if measured else "-"
+
+
+def _print(result: dict, args: argparse.Namespace) -> None:
+    shape: MoeShape = result["shape"]
+    print(
+        f"\n{format_bytes(result['size'])} Qwen3-MoE bf16 ({shape.num_layers} layers x "
+        f"{shape.num_experts} experts, top {shape.top_k}; experts "
+        f"{format_bytes(result['expert_bytes'])}) into 1 engine of TP {args.tp} = EP {args.tp}"
+        f" ({args.redundant_experts} redundant), median of {args.repeat}, in place, verify none"
+    )
+    floors = ", ".join(f"{name} {gb:.2f} GB/s" for name, gb in result["floors"].items())
+    print(f"floors: {floors}")
+    table = []
+    for row, (_path, routed) in ROWS.items():
+        measured = result["rows"][row].median_s
+        got = result["rank_bytes"][row]
+        planned = result["planned_bytes"].get(row)
+        timing = result["predicted"].get(row)
+        table.append([
+            row,
+            "own experts" if routed else "every byte",
+            " / ".join(format_bytes(b) for b in got),
+            " / ".join(format_bytes(b) for b in planned) if planned else "-",
+            f"{measured:.3f}",
+            f"{timing.seconds:.3f} ({_error(timing.seconds, measured)})" if timing else "-",
+        ])  # fmt: skip
+    print_table(
+        ["row", "sends", "bytes per rank", "planned per rank", "measured s", "predicted s"],
+        table,
+    )
+    for routed, whole in SPEEDUPS:
+        ratio = result["rows"][whole].median_s / result["rows"][routed].median_s
+        print(f"{routed} vs {whole}: {ratio:.2f}x faster")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    torch.set_num_threads(os.cpu_count() or 1)
+    shm = Path("/dev/shm")  # noqa: S108 - the benchmark's checkpoint lives in RAM
+    with tempfile.TemporaryDirectory(
+        prefix="weightbus-bench-", dir=shm if shm.is_dir() else None
+    ) as tmp:
+        fixed = _fixed_costs(args, Path(tmp))
+        result = _measure(args, Path(tmp), fixed)
+    _print(result, args)
+    if args.json:
+        predicted = {row: timing.as_dict() for row, timing in result["predicted"].items()}
+        payload = {**result, "shape": asdict(result["shape"]), "predicted": predicted}
+        write_json(args.json, {"suite": "moe", "result": payload})
+    return 0
