@@ -117,7 +117,17 @@ def _corrupted_replicas(model_dir: str, rank: int) -> dict[str, dict[str, torch.
     return results
 
 
-def moe_rank_main(rank: int, tp_size: int, store_port: int, model_dir: str, out_dir: str) -> None:
+def _fp8(fp8_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Block-FP8 experts: split over TP (weights and scales sliced on block edges), and
+    expert parallel after a move (scales move with their experts)."""
+    ep = _runner(fp8_dir, REDUNDANT)
+    ep.model.place_experts(EP_MOVED_MAP)
+    return {"tp2_fp8": _generate(_runner(fp8_dir, ExpertLayout())), "ep2_fp8_moved": _generate(ep)}
+
+
+def moe_rank_main(
+    rank: int, tp_size: int, store_port: int, model_dir: str, fp8_dir: str, out_dir: str
+) -> None:
     """Body of one rank process: every scenario, saved to `out_dir/rank{rank}.safetensors`
     as `{scenario}.logits` and `{scenario}.tokens`."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
@@ -127,6 +137,7 @@ def moe_rank_main(rank: int, tp_size: int, store_port: int, model_dir: str, out_
     )
     try:
         results = _layouts(model_dir) | _moved(model_dir) | _corrupted_replicas(model_dir, rank)
+        results |= _fp8(fp8_dir)
         tensors = {
             f"{scenario}.{key}": value
             for scenario, saved in results.items()

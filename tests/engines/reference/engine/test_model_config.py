@@ -169,17 +169,28 @@ def test_expert_layouts_are_checked_against_the_model() -> None:
         dense.validate_options()
 
 
-def test_fp8_and_mlp_adapters_are_refused_on_moe() -> None:
-    moe = ModelConfig.from_hf_dict(QWEN3_MOE)
-    moe.quantization = Fp8Block()
-    with pytest.raises(ValueError, match="block-FP8 experts are not supported"):
-        moe.validate_options()
+def test_mlp_adapters_are_refused_on_moe() -> None:
     moe = ModelConfig.from_hf_dict(QWEN3_MOE)
     moe.lora = LoraShape(8, ("q_proj", "up_proj"))
     with pytest.raises(ValueError, match="--lora-targets up_proj: the experts"):
         moe.validate_options()
     moe.lora = LoraShape(8, ("q_proj", "v_proj"))
     moe.validate_options()
+
+
+def test_fp8_experts_split_over_tp_on_block_edges_only() -> None:
+    moe = ModelConfig.from_hf_dict(QWEN3_MOE | {"moe_intermediate_size": 48})
+    moe.quantization = Fp8Block(16, 16)
+    with pytest.raises(ValueError, match="moe_intermediate_size gives 24 per rank, not a multiple"):
+        moe.validate_tp(2)
+    moe.expert_layout = ExpertLayout(expert_parallel=True)  # whole experts: any size
+    moe.validate_tp(2)
+
+
+def test_intermediate_size_is_not_checked_when_every_layer_is_moe() -> None:
+    ModelConfig.from_hf_dict(
+        QWEN3_MOE | {"intermediate_size": 7, "mlp_only_layers": []}
+    ).validate_tp(2)
 
 
 @pytest.mark.parametrize(

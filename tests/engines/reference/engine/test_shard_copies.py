@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from weightbus.core.fp8 import Fp8Block, quantize_weights
 from weightbus.core.plan.shard import ShardCopy
 from weightbus.engines.reference.layers.moe import EXPERT_NAME
 from weightbus.engines.reference.layers.parallel import TPContext, tp_context
@@ -48,7 +49,7 @@ def test_a_wrong_full_shape_is_named():
         layer.shard_copy(layer.weight, (128, 256), "x")
 
 
-def _moe_config(layout: ExpertLayout) -> ModelConfig:
+def _moe_config(layout: ExpertLayout, quantization: Fp8Block | None = None) -> ModelConfig:
     config = ModelConfig(
         model_type="qwen3_moe",
         vocab_size=101,
@@ -64,6 +65,7 @@ def _moe_config(layout: ExpertLayout) -> ModelConfig:
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         mlp_only_layers=(1,),
+        quantization=quantization,
     )
     config.expert_layout = layout
     return config
@@ -78,12 +80,19 @@ MOE_LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
-def test_moe_slice_map_holds_this_ranks_experts_and_equals_load_weights(layout: str) -> None:
-    config = _moe_config(MOE_LAYOUTS[layout])
+def test_moe_slice_map_holds_this_ranks_experts_and_equals_load_weights(
+    layout: str, fp8: bool
+) -> None:
+    # 16x16 blocks: at TP 2 each rank's 16 of moe_intermediate_size is one block
+    config = _moe_config(MOE_LAYOUTS[layout], Fp8Block(16, 16) if fp8 else None)
     full = dict(random_hf_weights(config, seed=3))
+    if fp8:
+        full = dict(quantize_weights(full.items(), config.quantization))
     expert_names = {name for name in full if EXPERT_NAME.match(name)}
-    assert len(expert_names) == 2 * 8 * 3  # 2 MoE layers (0 and 2), 8 experts, 3 matrices
+    # 2 MoE layers (0 and 2), 8 experts, 3 matrices (and their scales)
+    assert len(expert_names) == 2 * 8 * 3 * (2 if fp8 else 1)
     for rank in range(2):
         with tp_context(TPContext(tp_rank=rank, tp_size=2)):
             loaded, mapped = create_model(config), create_model(config)
@@ -105,7 +114,7 @@ def test_moe_slice_map_holds_this_ranks_experts_and_equals_load_weights(layout: 
         for (name, want), (_, got) in zip(
             loaded.named_parameters(), mapped.named_parameters(), strict=True
         ):
-            assert torch.equal(got, want), (rank, name)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (rank, name)
 
 
 def test_expert_slices_go_into_the_slot_and_the_ranks_intermediate_range() -> None:
@@ -145,3 +154,21 @@ def test_a_wrong_expert_tensor_is_named() -> None:
         model.load_weights([("model.layers.0.mlp.experts.8.up_proj.weight", torch.zeros(32, 64))])
     with pytest.raises(ValueError, match=r"unknown tensor 'model\.layers\.1\.mlp\.experts\.0"):
         model.load_weights([("model.layers.1.mlp.experts.0.up_proj.weight", torch.zeros(32, 64))])
+
+
+def test_fp8_expert_scales_go_into_the_slot_in_block_units() -> None:
+    with tp_context(TPContext(tp_rank=1, tp_size=2)):
+        model = create_model(_moe_config(ExpertLayout(), Fp8Block(16, 16)))
+    experts = model.model.layers[0].mlp.experts
+    assert tuple(experts.w13_weight_scale_inv.shape) == (8, 2, 4)  # gate block, up block
+    assert tuple(experts.w2_weight_scale_inv.shape) == (8, 4, 1)
+    assert experts.expert_copy((2, 4), 5, "up_proj", scale=True) == (
+        "w13_weight_scale_inv",
+        ShardCopy(0, 1, 0, 1, 1, dst_slot=5),
+    )
+    assert experts.expert_copy((4, 2), 5, "down_proj", scale=True) == (
+        "w2_weight_scale_inv",
+        ShardCopy(1, 1, 1, 0, 1, dst_slot=5),
+    )
+    with pytest.raises(ValueError, match="fp8-block: this engine serves"):
+        experts.load_expert(torch.zeros(32, 64), 5, "up_proj")

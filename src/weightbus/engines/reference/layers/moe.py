@@ -8,8 +8,15 @@ ranks (`I_tp = I / tp`, like `MergedColumnParallelLinear` then `RowParallelLinea
 whole experts (`I_tp = I`). Either way each rank computes its slots' contributions for every
 token and the TP all-reduce sums them. Which slot holds which expert, and which tokens each
 copy takes, is the layer's `routes` (set from an `ExpertMap`, `models/experts.py`).
+
+Block-FP8 experts (`quant`) hold `w13_weight` / `w2_weight` in float8_e4m3fn with
+`w13_weight_scale_inv` `[slots, 2 * ceil(I_tp / block_rows), ceil(H / block_cols)]` (the gate
+part's scales, then the up part's) and `w2_weight_scale_inv` `[slots, ceil(H / block_rows),
+ceil(I_tp / block_cols)]`, and dequantize each slot in the matmul (W8A16), as
+`layers/linear.py` does; a split over TP ranks must fall on block edges.
 """
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -17,12 +24,16 @@ import torch
 from torch import nn
 from torch.nn.functional import linear, softmax
 
+from weightbus.core.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Block, dequantize
 from weightbus.core.plan.shard import ShardCopy, check_full_shape
 from weightbus.engines.reference.layers.activation import SiluAndMul
 from weightbus.engines.reference.layers.parallel import all_reduce, divide, exchange, get_tp
 
-# `model.layers.L.mlp.experts.E.gate_proj.weight`: module, expert, projection
-EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# `model.layers.L.mlp.experts.E.gate_proj.weight` (or `.weight_scale_inv`): module, expert,
+# projection, tensor
+EXPERT_NAME = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$"
+)
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -47,8 +58,8 @@ class SlotTransfer:
     src_slot: int
 
 
-def _new_param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+def _new_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class TopKRouter(nn.Module):
@@ -91,9 +102,10 @@ class FusedMoE(nn.Module):
         intermediate_size: each expert's intermediate size I (`moe_intermediate_size`).
         routes: what each local slot holds (its length is the number of slots).
         expert_parallel: whole experts per rank; False: every expert split over the ranks.
+        quant: block-FP8 storage (None: the default dtype).
 
     Raises:
-        ValueError: I does not split over the TP ranks.
+        ValueError: I does not split over the TP ranks (on block edges with `quant`).
     """
 
     def __init__(
@@ -104,9 +116,11 @@ class FusedMoE(nn.Module):
         routes: tuple[SlotRoute, ...],
         *,
         expert_parallel: bool,
+        quant: Fp8Block | None = None,
     ) -> None:
         super().__init__()
         ctx = get_tp()
+        self.quant = quant
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.expert_parallel = expert_parallel
@@ -116,10 +130,27 @@ class FusedMoE(nn.Module):
         self.intermediate_per_rank = divide(intermediate_size, tp_split, "moe_intermediate_size")
         self.intermediate_start = 0 if expert_parallel else ctx.tp_rank * self.intermediate_per_rank
         slots, size = len(routes), self.intermediate_per_rank
-        self.w13_weight = _new_param(slots, 2 * size, hidden_size)
-        self.w2_weight = _new_param(slots, hidden_size, size)
+        dtype = None if quant is None else FP8_DTYPE
+        self.w13_weight = _new_param(slots, 2 * size, hidden_size, dtype=dtype)
+        self.w2_weight = _new_param(slots, hidden_size, size, dtype=dtype)
+        if quant is not None:
+            self._check_blocks(quant, tp_split)
+            gate_rows, cols = quant.scale_shape((size, hidden_size))
+            self.w13_weight_scale_inv = _new_param(slots, 2 * gate_rows, cols, dtype=torch.float32)
+            down_scales = quant.scale_shape((hidden_size, size))
+            self.w2_weight_scale_inv = _new_param(slots, *down_scales, dtype=torch.float32)
         self.routes = routes
         self.act_fn = SiluAndMul()
+
+    def _check_blocks(self, quant: Fp8Block, tp_split: int) -> None:
+        """Raise ValueError unless each rank's slice of I starts and ends on block edges."""
+        block = math.lcm(quant.block_rows, quant.block_cols)
+        if tp_split > 1 and self.intermediate_per_rank % block:
+            raise ValueError(
+                f"fp8-block: each expert holds {self.intermediate_per_rank} of "
+                f"moe_intermediate_size per rank at --tp {tp_split}, not a multiple of {block} "
+                f"({quant.block_rows}x{quant.block_cols} blocks)"
+            )
 
     def set_routes(self, routes: tuple[SlotRoute, ...]) -> None:
         """Hold `routes` from now on (the slots' contents must already match)."""
@@ -135,70 +166,110 @@ class FusedMoE(nn.Module):
         return None
 
     def expert_copy(
-        self, full_shape: tuple[int, ...], expert: int, projection: str
+        self, full_shape: tuple[int, ...], expert: int, projection: str, *, scale: bool = False
     ) -> tuple[str, ShardCopy | None]:
-        """Where this rank's slice of expert `expert`'s Hugging Face `projection` goes: the
-        parameter's attribute name (`w13_weight`, `w2_weight`) and the copy (None: this rank
+        """Where this rank's slice of expert `expert`'s Hugging Face `projection` weight (or,
+        with `scale`, of its block-FP8 `_scale_inv`) goes: the parameter's attribute name
+        (`w13_weight`, `w2_weight`, or theirs + `_scale_inv`) and the copy (None: this rank
         holds no copy of the expert).
 
         Raises:
-            ValueError: an unknown expert or projection, or a wrong full shape.
+            ValueError: an unknown expert or projection, a scale of an unquantized layer, or
+                a wrong full shape.
         """
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"unknown expert {expert}: this layer has {self.num_experts}")
         if projection not in EXPERT_PROJECTIONS:
             raise ValueError(f"unknown expert projection {projection!r}")
+        if scale and self.quant is None:
+            raise ValueError("a _scale_inv for experts that are not block-FP8")
         hidden, full_size = self.w13_weight.shape[2], self.intermediate_size
         down = projection == "down_proj"
-        check_full_shape(full_shape, (hidden, full_size) if down else (full_size, hidden))
-        param_attr = "w2_weight" if down else "w13_weight"
+        weight_shape = (hidden, full_size) if down else (full_size, hidden)
+        check_full_shape(
+            full_shape, self.quant.scale_shape(weight_shape) if scale else weight_shape
+        )
+        param_attr = ("w2_weight" if down else "w13_weight") + (SCALE_SUFFIX if scale else "")
         slot = self.local_slot(expert)
         if slot is None:
             return param_attr, None
-        start, size = self.intermediate_start, self.intermediate_per_rank
+        # rows of gate/up, columns of down: this rank's range of I (in blocks for scales)
+        block = 1
+        if scale:
+            block = self.quant.block_cols if down else self.quant.block_rows
+        start, size = (
+            self.intermediate_start // block,
+            math.ceil(self.intermediate_per_rank / block),
+        )
         if down:
             return param_attr, ShardCopy(1, start, 1, 0, size, dst_slot=slot)
         offset = size if projection == "up_proj" else 0  # gate rows, then up rows
         return param_attr, ShardCopy(0, start, 0, offset, size, dst_slot=slot)
 
-    def load_expert(self, loaded: torch.Tensor, expert: int, projection: str) -> None:
+    def load_expert(
+        self, loaded: torch.Tensor, expert: int, projection: str, *, scale: bool = False
+    ) -> None:
         """Copy this rank's slice of an expert's full tensor into the slot holding it (none
         when this rank does not hold the expert).
 
         Raises:
-            ValueError: see `expert_copy`.
+            ValueError: see `expert_copy`; or an unquantized weight for block-FP8 experts (a
+                cast would drop its scales).
         """
-        param_attr, copy = self.expert_copy(tuple(loaded.shape), expert, projection)
+        param_attr, copy = self.expert_copy(tuple(loaded.shape), expert, projection, scale=scale)
+        param = getattr(self, param_attr)
+        if param.dtype == FP8_DTYPE and loaded.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"fp8-block: this engine serves {FP8_DTYPE} with a _scale_inv, got "
+                f"{loaded.dtype} (push with Publisher(quantize='fp8-block'))"
+            )
         if copy is not None:
-            copy.apply(getattr(self, param_attr).data, loaded)
+            copy.apply(param.data, loaded)
 
     def slot_parameters(self) -> list[nn.Parameter]:
         """The parameters a slot has a part of (what moves with an expert)."""
-        return [self.w13_weight, self.w2_weight]
+        params = [self.w13_weight, self.w2_weight]
+        if self.quant is not None:
+            params += [self.w13_weight_scale_inv, self.w2_weight_scale_inv]
+        return params
 
     def move(self, transfers: list[SlotTransfer], routes: tuple[SlotRoute, ...]) -> None:
         """Fill the slots `transfers` name from their sources (a collective over the TP
         group: every rank calls it with the same transfers), then hold `routes`."""
-        me, params = self.ep_rank, self.slot_parameters()
+        me = self.ep_rank
+        # slots move as bytes: gloo has no float8 type
+        params = [param.data.view(torch.uint8) for param in self.slot_parameters()]
         sends, recvs, writes = [], [], []
         for index, transfer in enumerate(transfers):
             for j, param in enumerate(params):
                 tag = index * len(params) + j
                 if transfer.src_rank == me and transfer.dst_rank != me:
-                    sends.append((transfer.dst_rank, tag, param.data[transfer.src_slot]))
+                    sends.append((transfer.dst_rank, tag, param[transfer.src_slot]))
                 elif transfer.dst_rank == me:
                     # read every source before any slot is overwritten (slots may swap)
                     if transfer.src_rank == me:
-                        incoming = param.data[transfer.src_slot].clone()
+                        incoming = param[transfer.src_slot].clone()
                     else:
-                        incoming = torch.empty_like(param.data[transfer.dst_slot])
+                        incoming = torch.empty_like(param[transfer.dst_slot])
                         recvs.append((transfer.src_rank, tag, incoming))
                     writes.append((param, transfer.dst_slot, incoming))
         if sends or recvs:
             exchange(sends, recvs)
         for param, slot, incoming in writes:
-            param.data[slot].copy_(incoming)
+            param[slot].copy_(incoming)
         self.set_routes(routes)
+
+    def slot_weights(self, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(w13, w2)` of a slot in `dtype`: block-FP8 ones dequantized part by part."""
+        if self.quant is None:
+            return self.w13_weight[slot], self.w2_weight[slot]
+        size = self.intermediate_per_rank
+        rows = self.w13_weight_scale_inv.shape[1] // 2
+        w13, w13_scales = self.w13_weight[slot], self.w13_weight_scale_inv[slot]
+        gate = dequantize(w13[:size], w13_scales[:rows], self.quant)
+        up = dequantize(w13[size:], w13_scales[rows:], self.quant)
+        w2 = dequantize(self.w2_weight[slot], self.w2_weight_scale_inv[slot], self.quant)
+        return torch.cat([gate, up]).to(dtype), w2.to(dtype)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -213,8 +284,9 @@ class FusedMoE(nn.Module):
             tokens, k = torch.where(hit)
             if tokens.numel() == 0:
                 continue
-            hidden = self.act_fn(linear(x[tokens], self.w13_weight[slot]))
-            y = linear(hidden, self.w2_weight[slot]) * topk_weights[tokens, k].unsqueeze(-1)
+            w13, w2 = self.slot_weights(slot, x.dtype)
+            hidden = self.act_fn(linear(x[tokens], w13))
+            y = linear(hidden, w2) * topk_weights[tokens, k].unsqueeze(-1)
             out.index_add_(0, tokens, y)
         return out
 
@@ -224,7 +296,7 @@ class SparseMoeBlock(nn.Module):
 
     Args:
         num_experts, top_k, norm_topk_prob: the router (Hugging Face's config fields).
-        hidden_size, intermediate_size, routes, expert_parallel: see `FusedMoE`.
+        hidden_size, intermediate_size, routes, expert_parallel, quant: see `FusedMoE`.
     """
 
     def __init__(
@@ -237,11 +309,17 @@ class SparseMoeBlock(nn.Module):
         intermediate_size: int,
         routes: tuple[SlotRoute, ...],
         expert_parallel: bool,
+        quant: Fp8Block | None = None,
     ) -> None:
         super().__init__()
         self.gate = TopKRouter(num_experts, hidden_size, top_k, norm_topk_prob)
         self.experts = FusedMoE(
-            num_experts, hidden_size, intermediate_size, routes, expert_parallel=expert_parallel
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            routes,
+            expert_parallel=expert_parallel,
+            quant=quant,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

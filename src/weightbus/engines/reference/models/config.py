@@ -155,12 +155,12 @@ class ModelConfig:
             )
 
     def validate_options(self) -> None:
-        """Check the serving options set on the config (`quantization`, `lora`,
-        `expert_layout`) against the architecture.
+        """Check the serving options set on the config (`lora`, `expert_layout`) against
+        the architecture.
 
         Raises:
-            ValueError: naming the flag: expert parallelism on a model without experts, FP8
-                or LoRA on the MLP projections of a mixture-of-experts model.
+            ValueError: naming the flag: expert parallelism on a model without experts, or
+                LoRA on the MLP projections of a mixture-of-experts model.
         """
         layout, has_moe = self.expert_layout, bool(self.moe_layers)
         if layout is not None and layout.expert_parallel and not has_moe:
@@ -170,11 +170,6 @@ class ModelConfig:
             )
         if not has_moe:
             return
-        if self.quantization is not None:
-            raise ValueError(
-                "--quantization fp8-block: block-FP8 experts are not supported yet; serve this "
-                "mixture-of-experts model unquantized"
-            )
         lora_targets = () if self.lora is None else self.lora.targets
         mlp_targets = sorted({"gate_proj", "up_proj", "down_proj"} & set(lora_targets))
         if mlp_targets:
@@ -182,6 +177,11 @@ class ModelConfig:
                 f"--lora-targets {', '.join(mlp_targets)}: the experts of a mixture-of-experts "
                 "model take no adapter; target the attention projections only"
             )
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some decoder layer has a dense MLP (of `intermediate_size`)."""
+        return len(self.moe_layers) < self.num_hidden_layers
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -209,6 +209,8 @@ class ModelConfig:
             "intermediate_size": self.intermediate_size % tp_size == 0,
             "vocab_size": self.vocab_size >= tp_size,
         }
+        if not self.has_dense_mlp:
+            del checks["intermediate_size"]
         layout = self.expert_layout or ExpertLayout()
         if self.moe_layers and not layout.expert_parallel:
             checks["moe_intermediate_size"] = self.moe_intermediate_size % tp_size == 0
@@ -234,6 +236,13 @@ class ModelConfig:
             "num_key_value_heads * head_dim": (kv_per_rank, rows),
             "intermediate_size": (mlp_per_rank, math.lcm(rows, cols)),
         }
+        if not self.has_dense_mlp:
+            del splits["intermediate_size"]
+        layout = self.expert_layout or ExpertLayout()
+        if self.moe_layers and not layout.expert_parallel:
+            # each expert's gate/up rows and down columns split over the ranks
+            moe_per_rank = self.moe_intermediate_size // tp_size
+            splits["moe_intermediate_size"] = (moe_per_rank, math.lcm(rows, cols))
         for name, (per_rank, block) in splits.items():
             if per_rank % block:
                 raise ValueError(

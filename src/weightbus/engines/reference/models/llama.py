@@ -209,6 +209,7 @@ def _moe_block(config: ModelConfig, routes: tuple[SlotRoute, ...]) -> SparseMoeB
         intermediate_size=config.moe_intermediate_size,
         routes=routes,
         expert_parallel=layout.expert_parallel,
+        quant=config.quantization,
     )
 
 
@@ -373,8 +374,8 @@ class LlamaForCausalLM(nn.Module):
         copies = []
         for hf_name, full_shape in hf_weight_shapes(self.config).items():
             if (expert := self._expert_target(hf_name)) is not None:
-                module_name, experts, index, projection = expert
-                param_attr, copy = experts.expert_copy(full_shape, index, projection)
+                module_name, experts, index, projection, scale = expert
+                param_attr, copy = experts.expert_copy(full_shape, index, projection, scale=scale)
                 if copy is not None:
                     copies.append((hf_name, f"{module_name}.{param_attr}", copy))
                 continue
@@ -445,9 +446,9 @@ class LlamaForCausalLM(nn.Module):
                 ):
                     continue
                 if (expert := self._expert_target(name)) is not None:
-                    _, experts, index, projection = expert
+                    _, experts, index, projection, scale = expert
                     try:
-                        experts.load_expert(tensor, index, projection)
+                        experts.load_expert(tensor, index, projection, scale=scale)
                     except ValueError as exc:
                         raise ValueError(f"tensor {name!r}: {exc}") from None
                     loaded.add(name)
@@ -466,14 +467,15 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(name)
         return loaded
 
-    def _expert_target(self, hf_name: str) -> tuple[str, FusedMoE, int, str] | None:
-        """`(module name, module, expert, projection)` of a per-expert Hugging Face name
-        (None: not an expert's tensor)."""
+    def _expert_target(self, hf_name: str) -> tuple[str, FusedMoE, int, str, bool] | None:
+        """`(module name, module, expert, projection, is a scale)` of a per-expert Hugging
+        Face name (None: not an expert's tensor)."""
         match = EXPERT_NAME.match(hf_name)
         if match is None or match.group(1) not in self._experts:
             return None
-        module_name, expert, projection = match.groups()
-        return module_name, self._experts[module_name], int(expert), projection
+        module_name, expert, projection, tensor = match.groups()
+        scale = tensor == "weight_scale_inv"
+        return module_name, self._experts[module_name], int(expert), projection, scale
 
     def _param_name(self, hf_name: str) -> tuple[str, str | int | None]:
         parts = hf_name.split(".")
