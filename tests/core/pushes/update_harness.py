@@ -28,9 +28,9 @@ def trained_copy(model: torch.nn.Module, seed: int, lr: float = 0.05) -> torch.n
     return trained.eval()
 
 
-def hf_greedy(model: torch.nn.Module) -> tuple[list[int], list[float]]:
-    """Greedy tokens after PROMPT and each token's logprob, from transformers."""
-    ids = torch.tensor([PROMPT])
+def hf_greedy(model: torch.nn.Module, prompt: list[int] = PROMPT) -> tuple[list[int], list[float]]:
+    """Greedy tokens after `prompt` and each token's logprob, from transformers."""
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
             ids,
@@ -39,16 +39,16 @@ def hf_greedy(model: torch.nn.Module) -> tuple[list[int], list[float]]:
             pad_token_id=0,
             attention_mask=torch.ones_like(ids),
         )
-        tokens = out[0, len(PROMPT) :].tolist()
+        tokens = out[0, len(prompt) :].tolist()
         logprobs = model(out).logits[0].float().log_softmax(-1)
-    positions = range(len(PROMPT) - 1, len(PROMPT) - 1 + len(tokens))
+    positions = range(len(prompt) - 1, len(prompt) - 1 + len(tokens))
     return tokens, [float(logprobs[p, t]) for p, t in zip(positions, tokens, strict=True)]
 
 
-def engine_greedy(engine: ServedEngine) -> dict:
-    """The engine's greedy completion of PROMPT (the first choice)."""
+def engine_greedy(engine: ServedEngine, prompt: list[int] = PROMPT) -> dict:
+    """The engine's greedy completion of `prompt` (the first choice)."""
     response = engine.complete(
-        prompt=PROMPT, max_tokens=NUM_GREEDY_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True
+        prompt=prompt, max_tokens=NUM_GREEDY_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True
     )
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]
