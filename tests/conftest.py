@@ -39,6 +39,7 @@ PROCESS_FIXTURES = frozenset(
         "tiny_tp2",  # `weightbus serve --tp 2` (test_engine_server.py)
         "observed",  # `weightbus serve`, pushed into over every transport (test_security.py)
         "tp2_results",  # two TP rank processes and a TCPStore (test_model_vs_hf.py)
+        "moe_ep2",  # `weightbus serve` of an MoE model at EP 2 (test_expert_replacement.py)
         "rig",  # uvicorn on a real port, a rank 0 on ZMQ sockets (test_admin_roundtrip.py)
         "namespaces",  # network namespaces via `ip` (tests/core/pushes/netns_harness.py)
         "tied_tp1",  # a vLLM server (tests/engines/vllm_backend/conftest.py)

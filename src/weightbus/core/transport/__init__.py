@@ -11,7 +11,7 @@ import importlib
 import logging
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -40,6 +40,7 @@ from weightbus.core.transport.parts.arena import DirectPlacement, ParamArena, di
 from weightbus.core.transport.parts.shared_memory import remove_stale_slots
 from weightbus.core.transport.sending import RankSender, Sending
 from weightbus.core.wire import ProtocolError
+from weightbus.core.wire.messages import SliceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class TransportEntry:
             rank runs when the publisher sets the transport up or tears it down, or None.
         setup_request: the type of that function's `request`: a `RankSetupRequest` subclass,
             or a tagged union of them.
+        checks_slices: sources accept `slices`, the rank's slice map now, to refuse a push
+            planned against the one its set-up registered (an engine's experts moved since).
     """
 
     sink: str
@@ -67,6 +70,7 @@ class TransportEntry:
     direct: bool = False
     rank_setup: str | None = None
     setup_request: str | None = None
+    checks_slices: bool = False
 
 
 _REGISTRY: dict[str, TransportEntry] = {
@@ -83,6 +87,7 @@ _REGISTRY: dict[str, TransportEntry] = {
         description="weightbus.core.transport.distributed.messages:DistDescription",
         rank_setup="weightbus.core.transport.distributed.setup:apply_rank_setup",
         setup_request="weightbus.core.transport.distributed.messages:WeightsGroupRequest",
+        checks_slices=True,
     ),
     "hf_dir": TransportEntry(
         sink="weightbus.core.transport.hf_dir:HfDirSink",
@@ -230,6 +235,7 @@ def open_source(
     rank: int = 0,
     tp_size: int = 1,
     direct: DirectPlacement | None = None,
+    slices: Sequence[SliceSpec] | None = None,
 ) -> BucketSource:
     """An engine-side source of transport `name` for the session `description` names.
 
@@ -237,17 +243,23 @@ def open_source(
         description: the typed description, or its JSON/msgpack form (decoded here).
         direct: this rank's `DirectPlacement` (parameters in shared memory) to offer;
             ignored by transports that cannot use it.
+        slices: this rank's slice map now, for transports that check it against the one
+            their set-up registered (`TransportEntry.checks_slices`); ignored by the others.
 
     Raises:
-        ValueError: unknown transport or invalid description (`ProtocolError`).
+        ValueError: unknown transport or invalid description (`ProtocolError`), or a slice
+            map that changed since the transport's set-up.
     """
     entry = _entry(name)
     if not isinstance(description, SourceDescription):
         description = decode_description(name, description)
     source_class = _load(entry.source)
+    options: dict[str, Any] = {"rank": rank, "tp_size": tp_size}
     if direct is not None and entry.direct:
-        return source_class(description, rank=rank, tp_size=tp_size, direct=direct)
-    return source_class(description, rank=rank, tp_size=tp_size)
+        options["direct"] = direct
+    if slices is not None and entry.checks_slices:
+        options["slices"] = list(slices)
+    return source_class(description, **options)
 
 
 def _setup_entry(name: str) -> TransportEntry:

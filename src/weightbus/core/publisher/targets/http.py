@@ -67,6 +67,17 @@ def request_json(
     return response.json() if response.content else {}
 
 
+class EngineExperts(msgspec.Struct, frozen=True, kw_only=True):
+    """A mixture-of-experts engine's live expert map (`GET /v1/experts`): `expert_map[r][s]`
+    is the expert that slot `s` of expert-parallel rank `r` holds; `hash` identifies it."""
+
+    expert_map: list[list[int]]
+    hash: str
+    placement: str
+    redundant_experts: int
+    num_experts: int
+
+
 def _engine_phases(body: object) -> EnginePhases | None:
     """The engine's phases from an answer's `engine_phases` (None when absent or malformed:
     they only report where the time went)."""
@@ -135,6 +146,20 @@ class HttpEngineTarget(EngineTarget):
             return msgspec.convert(answer["ranks"], list[list[SliceSpec]])
         except (KeyError, TypeError, msgspec.ValidationError) as exc:
             raise EngineRequestError(f"{self.url}: unreadable slice maps: {exc}") from None
+
+    def expert_map(self, timeout_s: float) -> EngineExperts | None:
+        """The engine's live expert map, read with the slice maps that follow it
+        (`GET /v1/weights/layout`); None for a dense model.
+
+        Raises:
+            EngineRequestError: no answer, another status, or an unreadable map.
+        """
+        answer = self._request("GET", "/v1/weights/layout", timeout_s)
+        try:
+            raw = answer.get("expert_map")
+            return None if raw is None else msgspec.convert(raw, EngineExperts)
+        except msgspec.ValidationError as exc:
+            raise EngineRequestError(f"{self.url}: unreadable expert map: {exc}") from None
 
     def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
         body = {"version": version, "fingerprint": fingerprint, "timeout_s": timeout_s}

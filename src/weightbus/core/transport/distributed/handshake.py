@@ -15,7 +15,9 @@ exactly the ranks that said ready:
                               later reads why and fails at once) and send UpdateAbort to every
                               rank that said ready
 
-A rank that cannot take part claims its key with a `RankRefusal` and sets `<session>/refused`.
+A rank that cannot take part claims its key with a `RankRefusal` and sets `<session>/refused`:
+its side of the group is broken (e.g. its slice map changed since the group formed), so the
+publisher marks the group broken too and its next push forms it anew.
 """
 
 import contextlib
@@ -191,7 +193,9 @@ def _await_ranks(
         refusal = _decode(held)
         if not isinstance(refusal, RankRefusal):
             raise ProtocolError(f"a refusal in the hand-shake is a {type(refusal).__name__}")
-        return f"{describe_rank(refusal.group_rank)} refused it: {refusal.reason}"
+        reason = f"{describe_rank(refusal.group_rank)} refused it: {refusal.reason}"
+        group.broken = group.broken or reason  # that rank's side of the group is unusable
+        return reason
 
     while True:
         reason = abandoned()

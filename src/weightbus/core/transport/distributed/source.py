@@ -1,6 +1,11 @@
 """`dist`, engine-rank side: after the hand-shake (`handshake.py`), a background thread
 receives up to `prefetch_depth` buckets ahead of the Receiver, into reused bucket buffers (in
-parts mode, only this rank's regions: `slices.receive_parts`)."""
+parts mode, only this rank's regions: `slices.receive_parts`).
+
+In parts mode the publisher cuts each rank's regions from the slice map the rank registered
+when the group formed (`RankLayout`); a rank whose slice map changed since (its engine's
+experts were re-placed) breaks the group and refuses the push, so nothing lands in the wrong
+slot and the publisher's next push forms the group anew."""
 
 import queue
 import time
@@ -12,6 +17,7 @@ from weightbus.core.plan import Plan, plan_buckets
 from weightbus.core.plan.assemble import ChunkAssembler, unpack_bucket
 from weightbus.core.transport.base import BucketSource, ReceivedBatch
 from weightbus.core.transport.distributed.group import (
+    WeightsGroup,
     expect_message,
     get_group,
     op_timeout,
@@ -23,20 +29,42 @@ from weightbus.core.transport.distributed.slices import receive_parts
 from weightbus.core.transport.parts.deadlines import remaining_s
 from weightbus.core.transport.parts.prefetch import Prefetcher
 from weightbus.core.wire import ProtocolError, UpdateBegin, UpdateEnd
-from weightbus.core.wire.messages import BucketSent
+from weightbus.core.wire.messages import BucketSent, SliceSpec
 
 # Receive buffers besides the prefetch queue's: the one being received, the one the Receiver
 # queued and the one it loads (when its prefetch thread holds one more, receiving waits).
 _BUFFERS_BESIDES_PREFETCH = 3
 
 
-class DistSource(BucketSource):
-    """Engine-rank side of `dist` for one session, on the live group the description names."""
+def _check_layout(group: WeightsGroup, slices: list[SliceSpec]) -> None:
+    """Break `group` when this rank's slice map is not the one it registered as the group
+    formed: the publisher would cut its parts from the old one."""
+    registered = group.layouts.get(group.group_rank)
+    if registered is not None and registered.slices != slices and group.broken is None:
+        group.broken = (
+            "this engine rank's slice map changed since the group formed (its expert map was "
+            "re-placed), so the group's layout of it is stale"
+        )
 
-    def __init__(self, description: DistDescription, *, rank: int = 0, tp_size: int = 1) -> None:
+
+class DistSource(BucketSource):
+    """Engine-rank side of `dist` for one session, on the live group the description names
+    (`slices`: this rank's slice map now, checked in parts mode against the one the group
+    registered)."""
+
+    def __init__(
+        self,
+        description: DistDescription,
+        *,
+        rank: int = 0,
+        tp_size: int = 1,
+        slices: list[SliceSpec] | None = None,
+    ) -> None:
         self.session_id, self.mode = description.session_id, description.mode
         self.prefetch_depth = description.prefetch_depth
         self.group = get_group(description.group_name)
+        if self.mode == "parts" and slices is not None:
+            _check_layout(self.group, slices)
         try:
             self.group.check_usable()
         except ValueError as exc:

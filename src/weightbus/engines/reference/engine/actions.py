@@ -18,6 +18,7 @@ class Action(enum.IntEnum):
     TRANSPORT_SETUP = 8  # start a transport's rank set-up or tear-down (payload: the request)
     ROLLBACK = 9  # swap the previous version, held in staging, back in
     SETUP_POLL = 10  # all-reduce "transport set-up done"; gather the outcomes when all done
+    PLACE_EXPERTS = 11  # move the experts to a new expert map now (payload: the request)
 
 
 TAG_BITS = {"kv_cache": 1, "weights": 2}

@@ -53,6 +53,9 @@ class ControlRequests:
         if self._update is not None or self._release is not None:
             self._reply_control(control.request_id, 409, "an update or release is in progress")
             return
+        if self._placing is not None:
+            self._reply_control(control.request_id, 409, "an expert re-placement is in progress")
+            return
         self._release = control
         self.status = "CLEARING"
         self.publish_state()
@@ -70,6 +73,10 @@ class ControlRequests:
             return
         if self._setup is not None:
             busy = f"another {self._setup.request.change} is in progress"
+            self._reply_control(message.request_id, 409, busy)
+            return
+        if self._placing is not None:
+            busy = "an expert re-placement is in progress"
             self._reply_control(message.request_id, 409, busy)
             return
         try:

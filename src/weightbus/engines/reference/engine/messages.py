@@ -2,12 +2,14 @@
 
 API server -> rank 0: `AddRequest`, `AbortRequest`, `Shutdown`, `UpdateWeights`, `Control`,
 `TransportSetup`, `Decide` (commit or abort a two-phase update), `Rollback`, `AskOutcome`
-(what became of a two-phase version: the fleet's peers resolving it without the trainer).
+(what became of a two-phase version: the fleet's peers resolving it without the trainer),
+`PlaceExperts` (move a mixture-of-experts model's experts to a new expert map).
 Rank 0 -> API server: `Ready` once, then `StepOutputs` after every step, `RequestError` when a
 request cannot run, `Aborted` when the engine ends requests itself (pause mode `abort`, memory
 release), `UpdateResult` answering `UpdateWeights`, `Decide` and `Rollback`, `ControlResult`
-answering `Control` (and `TransportSetup`), and `WeightsState` whenever the weights'
-version, status or memory changes (and once after Ready).
+answering `Control` (and `TransportSetup`, `PlaceExperts`), `WeightsState` whenever the
+weights' version, status or memory changes (and once after Ready), and `LayoutChanged` when
+the ranks' slice maps change (an expert re-placement; `Ready` carries the first ones).
 Decoding checks every field's type; unknown tags are rejected.
 """
 
@@ -43,6 +45,18 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
+class ExpertsInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A mixture-of-experts engine's live expert map (`GET /v1/experts`): `expert_map[r][s]`
+    is the expert that slot `s` of expert-parallel rank `r` holds; `placement` names the
+    placement that gives this map (`linear`, `round_robin`) or is `custom`."""
+
+    num_experts: int
+    expert_map: list[list[int]]
+    hash: str
+    placement: str
+    redundant_experts: int
+
+
 class Ready(msgspec.Struct, tag="ready", frozen=True):
     protocol_version: int
     tp_size: int
@@ -53,6 +67,16 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     # each rank's slice of every tensor (`GET /v1/weights/layout`: what a delta's publisher
     # digests per rank)
     rank_slices: list[list[SliceSpec]] = msgspec.field(default_factory=list)
+    experts: ExpertsInfo | None = None  # the live expert map (None: a dense model)
+
+
+class LayoutChanged(msgspec.Struct, tag="layout_changed", frozen=True, kw_only=True):
+    """The ranks' slice maps changed (the experts moved to the map `experts`): what
+    `GET /v1/weights/layout` and `GET /v1/experts` answer from now on. Sent before the
+    `ControlResult` that answers the `PlaceExperts`."""
+
+    rank_slices: list[list[SliceSpec]]
+    experts: ExpertsInfo
 
 
 class TokenOutput(msgspec.Struct, frozen=True):
@@ -171,6 +195,16 @@ class TransportSetup(msgspec.Struct, tag="transport_setup", frozen=True, kw_only
     request: dict[str, Any]
 
 
+class PlaceExperts(msgspec.Struct, tag="place_experts", frozen=True, kw_only=True):
+    """Move the experts to `expert_map` (`POST /v1/experts/place`, validated by the API
+    server against the live map): every rank moves its live and staging experts at the same
+    step boundary. Answered with a `ControlResult` (409 while a push, a transport set-up, a
+    rollback or a memory release is in flight)."""
+
+    request_id: str
+    expert_map: list[list[int]]
+
+
 class DraftInfo(msgspec.Struct, frozen=True, kw_only=True):
     """The draft model an engine serves: the version its weights came with, their fingerprint
     as a model of their own (names without `draft.`), and how rank 0 loaded them (bytes, the
@@ -284,6 +318,7 @@ ToEngine = (
     | Decide
     | Rollback
     | AskOutcome
+    | PlaceExperts
 )
 FromEngine = (
     Ready
@@ -294,6 +329,7 @@ FromEngine = (
     | WeightsState
     | Aborted
     | SettleWithPeers
+    | LayoutChanged
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -10,7 +10,8 @@ the controller answers the API server (`UpdateResult`, `ControlResult`, `Weights
 Two-phase updates (`UpdateWeights.two_phase`) and rollbacks follow `pending_update`: staged,
 answered "staged", swapped on the caller's `Decide` (or on the fleet's peers' word when the
 caller went silent: `peer_outcome`). `rollback.RollbackSlot` tracks the version the staging
-memory still holds after a swap.
+memory still holds after a swap. Expert re-placements of a mixture-of-experts model follow
+`expert_requests`.
 """
 
 import logging
@@ -24,6 +25,7 @@ from weightbus.core.wire.delta import DELTA_BASE_REFUSAL, DeltaSpec
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.actions import Action, StepAction, tags_to_mask
 from weightbus.engines.reference.engine.control_requests import ControlRequests
+from weightbus.engines.reference.engine.expert_requests import ExpertRequests
 from weightbus.engines.reference.engine.peer_outcome import PeerOutcome
 from weightbus.engines.reference.engine.pending_update import (
     PEER_RESOLUTION_S,
@@ -48,7 +50,7 @@ _WAITING = (
 )
 
 
-class UpdateController(ControlRequests, PeerOutcome):
+class UpdateController(ControlRequests, ExpertRequests, PeerOutcome):
     """Rank 0's view of the weights and of pending update/control requests.
 
     Args:
@@ -59,6 +61,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         wait_for_initial_weights: serve nothing (status WAITING) until a version is pushed.
         draft_fingerprint: the draft model's fingerprint at start-up (None: no draft).
         lora: the adapters the engine serves (`--lora-rank`, `--lora-targets`; None: none).
+        experts: the live expert map of a mixture-of-experts model (None: a dense model).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class UpdateController(ControlRequests, PeerOutcome):
         wait_for_initial_weights: bool = False,
         draft_fingerprint: str | None = None,
         lora: LoraShape | None = None,
+        experts: messages.ExpertsInfo | None = None,
     ) -> None:
         self.version = version
         self.step: int | None = None
@@ -103,6 +107,9 @@ class UpdateController(ControlRequests, PeerOutcome):
         # the transport set-up from acceptance until every rank ran it
         self._setup: SetupOrder | None = None
         self._setup_started = False
+        self.experts = experts
+        # the expert re-placement accepted, until every rank ran it (`ExpertRequests`)
+        self._placing: messages.PlaceExperts | None = None
 
     # --- what the scheduler may do this step ---
 
@@ -187,6 +194,8 @@ class UpdateController(ControlRequests, PeerOutcome):
             return "a memory release is in progress"
         if self._setup is not None:
             return self._setup.request.busy
+        if self._placing is not None:
+            return "an expert re-placement is in progress"
         return None
 
     def _conflict(self, order: UpdateOrder) -> str | None:
@@ -249,9 +258,9 @@ class UpdateController(ControlRequests, PeerOutcome):
             for request_id in self._pause_drains:
                 self._reply_control(request_id, 200, "generation paused (drain)")
             self._pause_drains.clear()
-        if self._discard_staging:
-            self._discard_staging = False
-            return StepAction(Action.ABORT)
+        first = self._first_action()
+        if first is not None:
+            return first
         if self._setup is not None and self._update is None:
             return self._setup_action(self._setup)
         if self._resume is not None:
@@ -263,6 +272,16 @@ class UpdateController(ControlRequests, PeerOutcome):
         if self._update is not None:
             return self._update_action(self._update, num_running)
         return StepAction()
+
+    def _first_action(self) -> StepAction | None:
+        """What runs before anything else: the discard of an aborted staged receive, then an
+        expert re-placement (accepted only while nothing else moves the weights)."""
+        if self._discard_staging:
+            self._discard_staging = False
+            return StepAction(Action.ABORT)
+        if self._placing is not None:
+            return self._placement_action(self._placing)
+        return None
 
     def _setup_action(self, order: SetupOrder) -> StepAction:
         if self._setup_started:  # the ranks run it in the background; generation goes on

@@ -8,6 +8,8 @@ The worker calls these at step boundaries, on every rank alike:
   `roll_back` swaps it back in (until the next staged receive writes there).
 - `load_in_place` receives straight into the live parameters (generation is paused).
 - `release` / `resume` free and re-allocate memory (`weights`, `kv_cache`).
+- `place_experts` moves a mixture-of-experts model's experts (live and staging alike) to a new
+  expert map, then refreshes what this rank derived from its slice map.
 
 A LoRA adapter push (`order.adapter`) carries the adapter's tensors only: the staging model
 first gets the live base (copied, unless it holds it already: after one adapter push the
@@ -40,10 +42,13 @@ from weightbus.core.transport import (
 )
 from weightbus.core.wire import UpdateOrder
 from weightbus.core.wire.adapter import is_adapter_name
+from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.delta_slices import ModelSlices, copy_parameters
 from weightbus.engines.reference.engine.draft_load import DraftLoads, draft_info
 from weightbus.engines.reference.engine.model_runner import ModelRunner
+from weightbus.engines.reference.engine.transport_setup import slice_specs
+from weightbus.engines.reference.models.experts import ExpertMap
 from weightbus.engines.reference.models.loader import create_model
 from weightbus.engines.reference.models.served import ServedModels
 
@@ -66,9 +71,12 @@ def expected_metas(served: ServedModels, dtype: torch.dtype) -> dict[str, Tensor
 
 
 def _new_served(served: ServedModels, dtype: torch.dtype) -> ServedModels:
-    """Unloaded models of `served`'s architectures (a staging copy)."""
-    draft = None if served.draft is None else create_model(served.draft.config, dtype)
-    return ServedModels(create_model(served.main.config, dtype), draft)
+    """Unloaded models of `served`'s architectures, their experts placed as `served`'s are
+    (a staging copy)."""
+    draft = served.draft
+    if draft is not None:
+        draft = create_model(draft.config, dtype, draft.expert_map)
+    return ServedModels(create_model(served.main.config, dtype, served.main.expert_map), draft)
 
 
 def _prepare_staging(
@@ -125,14 +133,14 @@ class _StagedReceive:
         self,
         receiver: Receiver,
         order: UpdateOrder,
-        direct: DirectPlacement | None,
+        offer: tuple[DirectPlacement | None, list[SliceSpec]],
         prepare: Callable[[], None],
         on_done: Callable[[], None],
     ) -> None:
         self.result: RankResult | None = None
         self._receiver = receiver
         self._order = order
-        self._direct = direct
+        self._direct, self._slices = offer
         self._prepare = prepare
         self._on_done = on_done
         self._thread = threading.Thread(target=self._run, name="staged-receive", daemon=True)
@@ -142,7 +150,7 @@ class _StagedReceive:
         tick = time.perf_counter()
         self._prepare()
         prepare_s = time.perf_counter() - tick
-        self.result = receive(self._receiver, self._order, self._direct)
+        self.result = receive(self._receiver, self._order, self._direct, self._slices)
         self.result.phases["base_copy_s"] = prepare_s
         self._on_done()
 
@@ -151,10 +159,14 @@ class _StagedReceive:
 
 
 def receive(
-    receiver: Receiver, order: UpdateOrder, direct: DirectPlacement | None = None
+    receiver: Receiver,
+    order: UpdateOrder,
+    direct: DirectPlacement | None = None,
+    slices: list[SliceSpec] | None = None,
 ) -> RankResult:
     """Open the order's transport source and receive one session through `receiver`
-    (offering `direct`, the target's parameters in shared memory, to transports that take it)."""
+    (offering `direct`, the target's parameters in shared memory, to transports that take it,
+    and `slices`, this rank's slice map now, to those that check it against their set-up's)."""
     try:
         source = open_source(
             order.transport,
@@ -162,6 +174,7 @@ def receive(
             rank=receiver.rank,
             tp_size=receiver.tp_size,
             direct=direct,
+            slices=slices,
         )
     except Exception as exc:  # noqa: BLE001 - any failure must become this rank's verdict
         result = RankResult()
@@ -212,7 +225,10 @@ class WeightsManager:
         self._staging: ServedModels | None = None
         self._staged: _StagedReceive | None = None
         self._shapes = {name: p.shape for name, p in self.served.named_parameters()}
-        self._copies = self.served.shard_copies()  # this rank's slice map, computed once
+        # this rank's slice map, computed once (again after an expert re-placement)
+        self._copies = self.served.shard_copies()
+        # the same as wire data, with the tensors this rank holds none of (`dist`'s layout)
+        self.slices = slice_specs(self.served)
         # what the draft's part of the latest receive loaded (`draft_info`)
         self._draft_loads = DraftLoads(self.served.load_weights)
         # (arena name, what a push carries: `_carried_kind`) -> its direct offer
@@ -296,7 +312,7 @@ class WeightsManager:
         self._staged = _StagedReceive(
             self._receiver(staging, order),
             order,
-            self._placement(self._staging_arena, order),
+            (self._placement(self._staging_arena, order), self.slices),
             prepare,
             self._on_staged_done,
         )
@@ -344,7 +360,7 @@ class WeightsManager:
         """Receive straight into the live parameters (re-allocated first if released)."""
         self.resume(["weights"])
         direct = self._placement(self._live_arena, order)
-        result = receive(self._receiver(self.served, order), order, direct)
+        result = receive(self._receiver(self.served, order), order, direct, self.slices)
         if order.adapter is None:
             self._staging_has_base = False  # the live base moved on
         if result.ok:
@@ -359,6 +375,44 @@ class WeightsManager:
         if order.adapter is not None:
             return None  # an adapter push carries no draft: the draft served stays
         return draft_info(order.version, self.expected, result, self._draft_loads)
+
+    # experts
+    def place_experts(self, expert_map: ExpertMap) -> RankResult:
+        """Move the experts of the live model, and of the staging model when there is one
+        (it may hold the rollback version: it stays valid), to `expert_map`: a collective,
+        every rank calls it with the same map. Then refresh what this rank derived from its
+        slice map (the slices a receive loads, the direct-write offers).
+
+        Returns:
+            This rank's result, never raising: on a failure, `touched` says whether experts
+            may have moved (the staging model, then out of step with the live one, is
+            dropped).
+        """
+        result = RankResult()
+        models = [self.served.main]
+        if self._staging is not None:
+            models.append(self._staging.main)
+        moved = 0
+        try:
+            for model in models:
+                model.place_experts(expert_map)
+                moved += 1
+        except (ValueError, RuntimeError) as exc:
+            result.fail(f"cannot place the experts: {exc}")
+            # a map that does not fit raises before anything moves
+            result.touched = moved > 0 or not isinstance(exc, ValueError)
+            self._drop_staging()
+        self._copies = self.served.shard_copies()
+        self.slices = slice_specs(self.served)
+        self._placements.clear()
+        return result
+
+    def _drop_staging(self) -> None:
+        """Forget the staging model and its arena (the next staged receive makes new ones)."""
+        if self._staging_arena is not None:
+            self._staging_arena.close()
+        self._staging = self._staging_arena = None
+        self._staging_has_base = False
 
     # memory
     def release(self, tags: list[str]) -> None:

@@ -35,6 +35,7 @@ from weightbus.core.log import setup_logging
 from weightbus.core.meta import DRAFT_PREFIX, dtype_from_name
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.actions import Action, StepAction, mask_to_tags
+from weightbus.engines.reference.engine.expert_placement import experts_info
 from weightbus.engines.reference.engine.model_runner import DraftSource, ModelInput, ModelRunner
 from weightbus.engines.reference.engine.sampler import SampleResult, sample
 from weightbus.engines.reference.engine.scheduler import Scheduler
@@ -45,11 +46,7 @@ from weightbus.engines.reference.engine.speculative import (
     emit,
     plan_step,
 )
-from weightbus.engines.reference.engine.transport_setup import (
-    SetupChange,
-    SetupOrder,
-    slice_specs,
-)
+from weightbus.engines.reference.engine.transport_setup import SetupChange, SetupOrder
 from weightbus.engines.reference.engine.update_control import UpdateController
 from weightbus.engines.reference.engine.verdicts import (
     all_flags,
@@ -61,6 +58,7 @@ from weightbus.engines.reference.engine.weights_manager import WeightsManager
 from weightbus.engines.reference.layers.attention import AttentionMetadata
 from weightbus.engines.reference.layers.parallel import destroy_tp_group, init_tp_group
 from weightbus.engines.reference.models.config import ModelConfig
+from weightbus.engines.reference.models.experts import ExpertMap
 from weightbus.engines.reference.models.loader import (
     expert_layout,
     lora_shape,
@@ -178,9 +176,13 @@ class Worker:
             shm_weights=config.shm_weights,
             on_staged_done=self._wake_up,
         )
-        # what this rank loads of each tensor, for `dist` parts (taken while weights exist)
-        self.slices = slice_specs(self.runner.served)
-        self.rank_slices = gather_slice_maps(self.slices)
+        # every rank's slice map (`GET /v1/weights/layout`; again after an expert re-placement)
+        self.rank_slices = gather_slice_maps(self.weights.slices)
+
+    def _live_experts(self) -> messages.ExpertsInfo | None:
+        """The live expert map, as rank 0 reports it (None: a dense model)."""
+        expert_map = self.runner.served.main.expert_map
+        return None if expert_map is None else experts_info(expert_map)
 
     def _draft_source(self) -> DraftSource | None:
         config = self.config
@@ -225,6 +227,7 @@ class Worker:
             wait_for_initial_weights=config.wait_for_initial_weights,
             draft_fingerprint=draft_fingerprint,
             lora=model_config.lora,
+            experts=self._live_experts(),
         )
 
     def _initial_fingerprints(self, model_config: ModelConfig) -> tuple[str, str | None]:
@@ -249,6 +252,7 @@ class Worker:
                 eos_token_ids=list(model_config.eos_token_ids),
                 weight_version=self.config.weight_version,
                 rank_slices=self.rank_slices,
+                experts=self.control.experts,
             )
         )
         self.control.publish_state()
@@ -376,6 +380,8 @@ class Worker:
             self.control.on_rollback(message)
         elif isinstance(message, messages.AskOutcome):
             self.control.on_ask_outcome(message)
+        elif isinstance(message, messages.PlaceExperts):
+            self.control.on_place_experts(message)
         elif isinstance(message, messages.AbortRequest):
             self.scheduler.abort(message.request_id)
         else:
@@ -506,6 +512,9 @@ class Worker:
         if action.action == Action.SETUP_POLL:
             self._poll_setup_change()
             return
+        if action.action == Action.PLACE_EXPERTS:
+            self._place_experts(action.payload)
+            return
         if action.payload:
             request = messages.decode_to_engine(action.payload)
             assert isinstance(request, messages.UpdateWeights)
@@ -526,7 +535,9 @@ class Worker:
         message = messages.decode_to_engine(payload)
         assert isinstance(message, messages.TransportSetup)
         order = SetupOrder.decode(message)  # rank 0 decoded it before sending the action
-        self.setup_change = SetupChange(order, self.config.tp_rank, self.tp_size, self.slices)
+        self.setup_change = SetupChange(
+            order, self.config.tp_rank, self.tp_size, self.weights.slices
+        )
 
     def _poll_setup_change(self) -> None:
         change = self.setup_change
@@ -539,6 +550,22 @@ class Worker:
         self.setup_change = None
         if self.is_driver:
             self.control.on_transport_setup_done(change.order, verdicts)
+
+    def _place_experts(self, payload: bytes) -> None:
+        """Move the experts to the requested map (every rank, now), refresh this rank's slice
+        map and gather every rank's; rank 0 answers."""
+        message = messages.decode_to_engine(payload)
+        assert isinstance(message, messages.PlaceExperts)
+        live = self.runner.served.main.expert_map
+        assert live is not None, "rank 0 accepted a re-placement on a dense model"
+        expert_map = ExpertMap(live.num_experts, tuple(map(tuple, message.expert_map)))
+        result = self.weights.place_experts(expert_map)
+        verdicts = gather_verdicts(message.request_id, result)
+        self.rank_slices = gather_slice_maps(self.weights.slices)
+        if self.is_driver:
+            experts = self._live_experts()
+            assert experts is not None
+            self.control.on_experts_placed(message, verdicts, self.rank_slices, experts)
 
     def _commit_staged(self) -> None:
         self.weights.commit_staged()

@@ -319,22 +319,42 @@ async def control(
         APIError: rank 0's error status and message, or 503/504 when the engine died or did
             not answer within `control_timeout_s`.
     """
-    client = _client(request)
     message = messages.Control(
         request_id=secrets.token_hex(16), action=action, mode=mode, tags=tags or []
     )
+    failed = f"{message.action} failed"
+    answer = await control_answer(request, message, config.control_timeout_s, failed)
+    return ControlResponse(action=message.action, message=answer)
+
+
+async def control_answer(
+    request: Request,
+    message: messages.Control | messages.TransportSetup | messages.PlaceExperts,
+    wait_s: float,
+    failed: str,
+) -> str:
+    """Send a message that rank 0 answers with a `ControlResult`; its message on a 200.
+
+    Args:
+        request: the HTTP request (its app holds the client).
+        message: the message, with a fresh `request_id`.
+        wait_s: bound of the wait for the answer.
+        failed: the error message when rank 0 refuses without one.
+
+    Raises:
+        APIError: rank 0's error status and message, or 503/504 when the engine died or did
+            not answer within `wait_s`.
+    """
     try:
-        result = await client.control(message, timeout_s=config.control_timeout_s)
+        result = await _client(request).control(message, timeout_s=wait_s)
     except EngineDeadError as exc:
         raise APIError(503, f"engine unavailable: {exc}") from None
     except TimeoutError:
-        raise APIError(
-            504, f"no answer from the engine within {config.control_timeout_s:.1f} s"
-        ) from None
+        raise APIError(504, f"no answer from the engine within {wait_s:.1f} s") from None
     status_code = _checked_status(result.status_code)
     if status_code != 200:
-        raise APIError(status_code, result.message or f"{message.action} failed")
-    return ControlResponse(action=message.action, message=result.message)
+        raise APIError(status_code, result.message or failed)
+    return result.message
 
 
 async def transport_setup(
@@ -361,16 +381,7 @@ async def transport_setup(
         request_id=secrets.token_hex(16), transport=transport, request=setup_request
     )
     wait_s = typed.wait_s() + config.update_margin_s
-    try:
-        result = await _client(request).control(message, timeout_s=wait_s)
-    except EngineDeadError as exc:
-        raise APIError(503, f"engine unavailable: {exc}") from None
-    except TimeoutError:
-        raise APIError(504, f"no answer from the engine within {wait_s:.1f} s") from None
-    status_code = _checked_status(result.status_code)
-    if status_code != 200:
-        raise APIError(status_code, result.message or f"the {typed.change} failed")
-    return result.message
+    return await control_answer(request, message, wait_s, f"the {typed.change} failed")
 
 
 def admin_router(config: AdminConfig) -> APIRouter:
@@ -427,11 +438,17 @@ def _add_state_routes(router: APIRouter) -> None:
 
     @router.get("/v1/weights/layout")
     async def weights_layout_route(request: Request) -> Response:
-        """Each rank's slice of every tensor: `{"tp_size": N, "ranks": [[[name, dim, start,
-        length], ...], ...]}` (a delta's publisher digests each rank's slice)."""
-        ready = _client(request).ready
-        assert ready is not None  # set at Ready, before the server accepts
-        layout = {"tp_size": ready.tp_size, "ranks": ready.rank_slices}
+        """Each rank's slice of every tensor now: `{"tp_size": N, "ranks": [[[name, dim,
+        start, length], ...], ...], "expert_map": ...}` (a delta's publisher digests each
+        rank's slice); `expert_map`: the live expert map they follow, as `GET /v1/experts`
+        answers it (null: a dense model)."""
+        client = _client(request)
+        assert client.ready is not None  # set at Ready, before the server accepts
+        layout = {
+            "tp_size": client.ready.tp_size,
+            "ranks": client.rank_slices,
+            "expert_map": client.experts,
+        }
         return Response(msgspec.json.encode(layout), media_type="application/json")
 
     @router.get("/v1/server_info")

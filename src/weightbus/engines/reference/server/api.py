@@ -29,6 +29,7 @@ from weightbus.engines.reference.server.body_limit import (
 from weightbus.engines.reference.server.completions import run_completion
 from weightbus.engines.reference.server.engine_client import EngineClient
 from weightbus.engines.reference.server.errors import APIError, error_response, validation_detail
+from weightbus.engines.reference.server.experts import add_expert_routes
 from weightbus.engines.reference.server.metrics import CONTENT_TYPE, Metrics
 from weightbus.engines.reference.server.peers import PeerResolver
 from weightbus.engines.reference.server.protocol import (
@@ -194,7 +195,9 @@ def create_app(config: AppConfig, hooks: EngineHooks) -> FastAPI:
     # added last = outermost: the token is checked before the body is read
     app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(TokenAuth, token=config.api_token)
-    app.include_router(admin_router(config.admin))
+    admin = admin_router(config.admin)
+    add_expert_routes(admin, config.admin)
+    app.include_router(admin)
     _add_public_routes(app, config)
     return app
 

@@ -8,7 +8,9 @@ The API server binds both sockets in a private directory; rank 0 connects. One b
   token counts add to `num_draft_tokens` / `num_accepted_tokens` (`/metrics`);
 - `UpdateResult` / `ControlResult` resolve the future that `update` / `control` await, keyed by
   the `update_id` / `request_id` the API server drew (a late or unknown id is logged, dropped);
-- `WeightsState` replaces the mirror `GET /v1/weights` reads (it starts from `Ready`).
+- `WeightsState` replaces the mirror `GET /v1/weights` reads (it starts from `Ready`);
+- `LayoutChanged` replaces the mirrors `GET /v1/weights/layout` and `GET /v1/experts` read
+  (`rank_slices`, `experts`: they start from `Ready`).
 """
 
 import asyncio
@@ -21,6 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from weightbus.core.wire.messages import SliceSpec
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.worker import ipc_addresses
 
@@ -75,6 +78,9 @@ class EngineClient:
         self._pump_task: asyncio.Task | None = None
         self.ready: messages.Ready | None = None
         self.weights: messages.WeightsState | None = None
+        # each rank's slice map and the live expert map (None: a dense model), from Ready on
+        self.rank_slices: list[list[SliceSpec]] = []
+        self.experts: messages.ExpertsInfo | None = None
         self.failure: str | None = None
         # called with rank 0's `SettleWithPeers` (the server's `PeerResolver.settle`)
         self.on_settle: Callable[[messages.SettleWithPeers], None] | None = None
@@ -111,6 +117,8 @@ class EngineClient:
             message = messages.decode_from_engine(await self._outputs.recv())
             if self.ready is None:
                 self.ready = _checked_ready(message)
+                if self.ready is not None:
+                    self.rank_slices, self.experts = self.ready.rank_slices, self.ready.experts
                 continue
             if not isinstance(message, messages.WeightsState):
                 logger.warning("ignoring %s before the first WeightsState", type(message).__name__)
@@ -147,6 +155,8 @@ class EngineClient:
                 _resolve(self._controls, message.request_id, message)
             case messages.WeightsState():
                 self._set_weights(message)
+            case messages.LayoutChanged():
+                self.rank_slices, self.experts = message.rank_slices, message.experts
             case messages.SettleWithPeers() if self.on_settle is not None:
                 self.on_settle(message)
             case _:
@@ -209,10 +219,13 @@ class EngineClient:
         return await self._call(self._updates, key, message, timeout_s)
 
     async def control(
-        self, message: messages.Control | messages.TransportSetup, *, timeout_s: float
+        self,
+        message: messages.Control | messages.TransportSetup | messages.PlaceExperts,
+        *,
+        timeout_s: float,
     ) -> messages.ControlResult:
-        """Send a `Control` or `TransportSetup` to rank 0; wait for the `ControlResult` of
-        its `request_id`.
+        """Send a `Control`, `TransportSetup` or `PlaceExperts` to rank 0; wait for the
+        `ControlResult` of its `request_id`.
 
         Args:
             message: the action, with a fresh `request_id`.

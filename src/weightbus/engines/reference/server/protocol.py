@@ -10,6 +10,7 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from weightbus.core.transport import (
@@ -27,6 +28,7 @@ from weightbus.core.wire.order import (
     VERSION_PATTERN,
     UpdateOrder,
 )
+from weightbus.engines.reference.engine.expert_placement import PLACEMENTS
 from weightbus.engines.reference.engine.messages import MemoryTag, WeightsStatus
 from weightbus.engines.reference.server.order_body import order_body_model
 
@@ -433,6 +435,42 @@ class DestroyWeightsGroupRequest(AdminRequest):
     `dist`)."""
 
     group_name: str = Field(DEFAULT_GROUP_NAME, pattern=GROUP_NAME_PATTERN)
+
+
+class PlaceExpertsRequest(AdminRequest):
+    """`POST /v1/experts/place` body: move the experts to `expert_map` (`expert_map[r][s]`: the
+    expert that slot `s` of expert-parallel rank `r` holds), or to the map `placement` gives
+    over the live map's experts, ranks and redundant slots. Exactly one of the two."""
+
+    expert_map: list[list[int]] | None = None
+    placement: str | None = Field(None, json_schema_extra={"enum": list(PLACEMENTS)})
+
+    @field_validator("placement")
+    @classmethod
+    def _check_placement(cls, placement: str | None) -> str | None:
+        if placement is not None and placement not in PLACEMENTS:
+            known = ", ".join(PLACEMENTS)
+            raise ValueError(f"unknown placement {placement!r}; known: {known}")
+        return placement
+
+    @model_validator(mode="after")
+    def _check_one(self) -> "PlaceExpertsRequest":
+        if (self.expert_map is None) == (self.placement is None):
+            raise ValueError("give exactly one of expert_map and placement")
+        return self
+
+
+class ExpertsResponse(BaseModel):
+    """`GET /v1/experts` (and the answer of `POST /v1/experts/place`): the live expert map of a
+    mixture-of-experts engine."""
+
+    expert_map: list[list[int]] = Field(
+        description="expert_map[r][s]: the expert that slot s of expert-parallel rank r holds"
+    )
+    hash: str = Field(description="xxh3-128 of the map")
+    placement: str = Field(description="the placement that gives this map, or custom")
+    redundant_experts: int = Field(description="slots beyond one per expert")
+    num_experts: int
 
 
 class ServerInfo(BaseModel):
