@@ -15,6 +15,7 @@ from fake_rank0 import AT_REST_FLEET_INFO, InProcessServer, wait_until, weights_
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightbus.engines.reference.engine import messages
+from weightbus.engines.reference.engine.expert_requests import NO_EXPERTS
 
 # a failing assertion in the scripted rank 0's thread fails the test
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
@@ -384,3 +385,13 @@ def test_initial_state_comes_from_ready(rig: InProcessServer) -> None:
         "history": [],
         **AT_REST_FLEET_INFO,
     }
+
+
+def test_a_dense_engine_has_no_expert_map(rig: InProcessServer) -> None:
+    # the scripted rank 0's Ready names no experts: the API server answers without asking it
+    response = rig.client.get("/v1/experts")
+    assert (response.status_code, response.json()["error"]["message"]) == (404, NO_EXPERTS)
+    placed = rig.client.post("/v1/experts/place", json={"placement": "linear"})
+    assert (placed.status_code, placed.json()["error"]["message"]) == (400, NO_EXPERTS)
+    assert rig.client.get("/v1/weights/layout").json()["expert_map"] is None
+    assert rig.rank0.received_of(messages.PlaceExperts) == []
