@@ -146,7 +146,9 @@ class DeltaState:
             raise ValueError(f"delta_max_ratio must be in (0, 1], got {max_ratio}")
         self.max_ratio, self.sparse = max_ratio, sparse
         self.base: RankBase | None = None
+        # engine URL -> its ranks' slice maps, and the expert map they follow (MoE engines)
         self._slice_maps: dict[str, list[list[SliceSpec]] | None] = {}
+        self._expert_maps: dict[str, str | None] = {}
         self._pending = _Pending()
         self._pool = ThreadPoolExecutor(max_workers=max(torch.get_num_threads(), 1))
 
@@ -278,8 +280,15 @@ class DeltaState:
 
     def _slice_map(self, target: EngineTarget, timeout_s: float) -> list[list[SliceSpec]] | None:
         if target.url not in self._slice_maps:
+            self._expert_maps[target.url] = target.expert_map_hash(timeout_s)
             self._slice_maps[target.url] = target.slice_maps(timeout_s)
         return self._slice_maps[target.url]
+
+    def forget_layouts(self) -> None:
+        """Read the engines' slice maps again at the next delta (an engine refused a delta's
+        base: its experts may have moved)."""
+        self._slice_maps.clear()
+        self._expert_maps.clear()
 
     def _specs(
         self,
@@ -308,6 +317,7 @@ class DeltaState:
                 fingerprint=fingerprint,
                 tensors=listed,
                 rank_digests=by_engine[url],
+                expert_map=self._expert_maps.get(url),
             )
             for url in maps
         }

@@ -487,6 +487,7 @@ def push_version(
         result, report = _push_delta(fleet, ranks, request, plan)
         if result is not None:
             return _with_delta(result, report, delta_s)
+        deltas.forget_layouts()  # a refused base may be experts that moved: read them again
         forced = msgspec.structs.replace(request.options, force=True)  # some may serve it already
         request = dataclasses.replace(request, options=forced)
     run = PushRun(fleet, ranks, request)

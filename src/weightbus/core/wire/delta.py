@@ -42,6 +42,7 @@ class DeltaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             sparse tensor after the change, in `tensors` order (the publisher computes them
             from the slice map the engine reported): how a rank that holds only a slice
             proves it applied the change exactly.
+        expert_map: the hash of the expert map those slice maps follow (None: a dense model).
     """
 
     base_version: Version
@@ -49,6 +50,9 @@ class DeltaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     fingerprint: Hex128
     tensors: list[DeltaTensor]
     rank_digests: list[list[Hex128]]
+    # the expert map the slice maps behind `rank_digests` follow (a mixture-of-experts engine's
+    # `GET /v1/weights/layout`); an engine whose experts moved since refuses the base (409)
+    expert_map: Hex128 | None = None
 
     def __post_init__(self) -> None:
         names = [tensor.name for tensor in self.tensors]

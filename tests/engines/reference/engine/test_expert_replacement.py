@@ -135,6 +135,34 @@ def test_a_push_after_a_replacement_fills_the_new_slots(moe_ep2, transport):
     assert _greedy(engine) == tokens
 
 
+def _nudged(weights: list, step: int) -> list:
+    """`weights` with a few elements of one expert changed: a version a delta carries."""
+    name = "model.layers.0.mlp.experts.5.gate_proj.weight"
+    out = [(n, t.clone() if n == name else t) for n, t in weights]
+    dict(out)[name][0, :4] += 0.125 * step
+    return out
+
+
+def test_a_delta_encoded_for_the_old_expert_map_is_refused_and_the_whole_version_goes(moe_ep2):
+    """A delta's slice digests follow the slice maps the publisher read: after a re-placement
+    the engine refuses its base naming both maps, the publisher pushes the whole version, and
+    reads the maps again for the next delta."""
+    engine, model_dir = moe_ep2
+    _place(engine, placement="linear")
+    base = _weights(model_dir, 6)
+    with Publisher([engine.url], transport="shm", delta="always", timeout_s=30) as pub:
+        pub.push(base, version="delta-a")
+        assert pub.push(_nudged(base, 1), version="delta-b").delta.sent
+        moved = _place(engine, placement="round_robin")
+        refused = pub.push(_nudged(base, 2), version="delta-c")
+        assert not refused.delta.sent
+        assert f"experts are placed as {moved['hash']} now" in refused.delta.reason
+        assert weights_state(engine)["fingerprint"] == refused.fingerprint
+        again = pub.push(_nudged(base, 3), version="delta-d")
+    assert again.delta.sent, again.delta.reason
+    assert weights_state(engine)["fingerprint"] == again.fingerprint
+
+
 def test_a_rollback_after_a_replacement_serves_the_previous_version(moe_ep2):
     """The staging memory holds the previous version: its experts move with the live ones."""
     engine, model_dir = moe_ep2

@@ -154,6 +154,15 @@ class EngineTarget(ABC):
         """
         return None
 
+    def expert_map_hash(self, timeout_s: float) -> str | None:
+        """The hash of the expert map a mixture-of-experts engine's slice maps follow (None,
+        the default: a dense model, or an engine that does not say).
+
+        Raises:
+            EngineRequestError: the engine did not answer.
+        """
+        return None
+
     def delta_refusal(self, base_version: str, base_fingerprint: str, timeout_s: float) -> str:
         """Why the engine cannot apply a delta on the base `base_fingerprint` ("": it can).
         By default: unless it serves the base (`weights`).

@@ -161,6 +161,10 @@ class HttpEngineTarget(EngineTarget):
         except msgspec.ValidationError as exc:
             raise EngineRequestError(f"{self.url}: unreadable expert map: {exc}") from None
 
+    def expert_map_hash(self, timeout_s: float) -> str | None:
+        experts = self.expert_map(timeout_s)
+        return None if experts is None else experts.hash
+
     def commit(self, version: str, fingerprint: str | None, timeout_s: float) -> EngineResult:
         body = {"version": version, "fingerprint": fingerprint, "timeout_s": timeout_s}
         answer = self._request("POST", "/v1/commit_weights", timeout_s + HTTP_MARGIN_S, json=body)

@@ -246,6 +246,12 @@ class UpdateController(ControlRequests, ExpertRequests, PeerOutcome):
         if delta.base_fingerprint != self.fingerprint:
             served = f"{self.version!r} ({self.fingerprint})"
             return f"{base} is not served here: this engine serves {served}"
+        live = None if self.experts is None else self.experts.hash
+        if delta.expert_map is not None and delta.expert_map != live:
+            return (
+                f"{base} was encoded for expert map {delta.expert_map}: this engine's experts "
+                f"are placed as {live} now"
+            )
         return None
 
     # --- the action of this step ---
