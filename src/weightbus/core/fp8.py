@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightbus.core.experts import is_fused_experts, split_fused_experts
 from weightbus.core.finite import NonFiniteWeightsError, describe_nonfinite
 from weightbus.core.meta import is_draft_name
 
@@ -261,7 +262,16 @@ def dequantized_state(
 
 def dequantized_model(model: torch.nn.Module, spec: Fp8Block) -> torch.nn.Module:
     """A copy of `model` (in eval mode) holding the weights a block-FP8 engine serves after a
-    push of it (`dequantized_state`); `model` itself is left as it is."""
+    push of it (`dequantized_state`); `model` itself is left as it is. Fused 3-D expert tensors
+    (transformers 5) are quantized per expert, as a push sends them (`core/experts.py`)."""
     served = copy.deepcopy(model).eval()
-    served.load_state_dict(dequantized_state(model.state_dict().items(), spec))
+    views: dict[str, torch.Tensor] = {}
+    for name, tensor in served.state_dict().items():
+        if is_fused_experts(name):
+            views.update(split_fused_experts(name, tensor))
+        else:
+            views[name] = tensor
+    with torch.no_grad():
+        for name, value in dequantized_state(views.items(), spec).items():
+            views[name].copy_(value)
     return served

@@ -7,14 +7,17 @@ pushed weights. Trainers push transformers 5's state dict (fused 3-D expert tens
 checkpoint's per-expert tensors: one fingerprint. Each engine rank receives exactly the bytes
 `weightbus plan` gives it: an expert-parallel rank only its experts (and each copy of a
 replicated expert, so no replica is left stale: the prompt routes tokens to both copies).
-Deltas, probes, a two-phase fleet and its rollback work as for dense models.
+Deltas, probes, a two-phase fleet and its rollback work as for dense models, and block-FP8
+pushes place each expert's scales with it.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from engine_harness import VOCAB_SIZE, ServedEngine, make_hf_model
+from safetensors.torch import save_file
 from update_harness import engine_greedy, hf_greedy, trained_copy
 
 from weightbus import Publisher
@@ -23,9 +26,11 @@ from weightbus.apps.capacity.sharding import EngineLayout
 from weightbus.apps.capacity.traffic import traffic
 from weightbus.core.checkpoint import iter_safetensors
 from weightbus.core.digest import fingerprint
+from weightbus.core.fp8 import Fp8Block, quantize_weights
 from weightbus.core.meta import metas_of
 from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
 from weightbus.core.publisher.probe import LogprobProbe
+from weightbus.core.publisher.targets import HttpEngineTarget
 from weightbus.core.weights import normalize_weights
 from weightbus.engines.reference.models.experts import linear_placement
 
@@ -173,3 +178,37 @@ def test_deltas_probes_and_a_fleet_rollback_work_for_moe(
         _assert_serves(engines, second)
         publisher.rollback()
     _assert_serves(engines, first)
+
+
+def test_block_fp8_experts_and_their_scales_reach_their_slots(
+    hf_moe: tuple, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An FP8 checkpoint (16x16 blocks: TP 2 splits attention on block edges) served at EP 2
+    with 2 redundant slots; pushes quantized in the publisher, each expert's scales landing in
+    its slots: the engine's teacher-forced logprobs are transformers' on the quantize-
+    dequantized weights (what the probe checks, or the push is rolled back)."""
+    path, model = hf_moe
+    block = Fp8Block(16, 16)
+    fp8_dir = tmp_path_factory.mktemp("fp8")
+    save_file(
+        dict(quantize_weights(iter_safetensors(str(path)), block)),
+        str(fp8_dir / "model.safetensors"),
+    )
+    config = json.loads((path / "config.json").read_text())
+    (fp8_dir / "config.json").write_text(
+        json.dumps(config | {"quantization_config": block.hf_config()})
+    )
+    flags = LAYOUTS["ep2_redundant"]
+    log_path = tmp_path_factory.mktemp("log") / "fp8.log"
+    engine = ServedEngine("--model", str(fp8_dir), *flags, log_path=log_path)
+    target = HttpEngineTarget(engine.url)
+    try:
+        for transport, seed in (("shm", SEEDS[0]), ("nixl", SEEDS[1])):
+            trained = trained_copy(model, seed=seed)
+            probe = LogprobProbe.of_quantized_model(trained, LONG_PROMPT, block)
+            with Publisher([engine.url], transport=transport, quantize=block) as publisher:
+                publisher.push(trained, version=f"moe-fp8-{transport}", probe=probe)
+            assert target.score(LONG_PROMPT) == pytest.approx(probe.logprobs, abs=LOGPROB_ATOL)
+    finally:
+        target.close()
+        engine.stop()
