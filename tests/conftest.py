@@ -40,6 +40,7 @@ PROCESS_FIXTURES = frozenset(
         "observed",  # `weightbus serve`, pushed into over every transport (test_security.py)
         "tp2_results",  # two TP rank processes and a TCPStore (test_model_vs_hf.py)
         "moe_ep2",  # `weightbus serve` of an MoE model at EP 2 (test_expert_replacement.py)
+        "moe_engines",  # `weightbus serve` of an MoE model, 4 layouts (test_moe_pushes.py)
         "rig",  # uvicorn on a real port, a rank 0 on ZMQ sockets (test_admin_roundtrip.py)
         "namespaces",  # network namespaces via `ip` (tests/core/pushes/netns_harness.py)
         "tied_tp1",  # a vLLM server (tests/engines/vllm_backend/conftest.py)

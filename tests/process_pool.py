@@ -2,6 +2,8 @@
 tests/conftest.py)."""
 
 import contextlib
+import shutil
+import tempfile
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -17,6 +19,9 @@ if TYPE_CHECKING:
 # Modules that borrow them besides (tests/apps: capacity/test_plan_matches_pushes.py,
 # test_demo.py) need not be named: one that runs after the last user stops them at its end.
 TINY_ENGINE_USERS = ("engine", "engines")
+# The fixtures that use the shared engines of the tiny Qwen3-MoE (`moe_engine`):
+# tests/core/pushes/test_moe_pushes.py and tests/engines/reference/engine/test_expert_replacement.py
+MOE_ENGINE_USERS = ("moe_engines", "moe_ep2")
 
 
 class SharedProcesses:
@@ -42,6 +47,7 @@ class SharedProcesses:
                 self._last_use[name] = i
         # key -> (the server, its users, what stops it)
         self._started: dict[Hashable, tuple[Any, frozenset[str], contextlib.ExitStack]] = {}
+        self._moe_dir: Path | None = None
 
     def get(
         self,
@@ -72,7 +78,7 @@ class SharedProcesses:
 
         @contextlib.contextmanager
         def start() -> Iterator[ServedEngine]:
-            name = "_".join(arg.strip("-") for arg in args) or "default"
+            name = "_".join(Path(arg).name.strip("-") for arg in args) or "default"
             served = ServedEngine(*args, log_path=log_dir / f"{name}.log")
             try:
                 yield served
@@ -84,6 +90,22 @@ class SharedProcesses:
     def tiny_engine(self, *args: str, log_dir: Path) -> "ServedEngine":
         """`weightbus serve *args` on the tiny model (no `--model`), for `TINY_ENGINE_USERS`."""
         return self.engine(*args, users=TINY_ENGINE_USERS, log_dir=log_dir)
+
+    def moe_engine(self, *args: str, log_dir: Path) -> "ServedEngine":
+        """`weightbus serve --model <the tiny Qwen3-MoE> *args`, for `MOE_ENGINE_USERS`: the
+        checkpoint is `moe_checkpoint()`, made once."""
+        model = str(self.moe_checkpoint())
+        return self.engine("--model", model, *args, users=MOE_ENGINE_USERS, log_dir=log_dir)
+
+    def moe_checkpoint(self) -> Path:
+        """The tiny Qwen3-MoE checkpoint the shared MoE engines start from (engine_harness's
+        `qwen3_moe` case, seed 0), saved once per session."""
+        if self._moe_dir is None:
+            from engine_harness import make_hf_model
+
+            self._moe_dir = Path(tempfile.mkdtemp(prefix="weightbus-test-moe-"))
+            make_hf_model("qwen3_moe", self._moe_dir)
+        return self._moe_dir
 
     def release_after(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         """Stop the servers no later test uses, once `item`'s module is done (its module-scoped
@@ -101,6 +123,8 @@ class SharedProcesses:
     def close_all(self) -> None:
         for key in list(self._started):
             self._close(key)
+        if self._moe_dir is not None:
+            shutil.rmtree(self._moe_dir, ignore_errors=True)
 
     def _close(self, key: Hashable) -> None:
         _, _, stack = self._started.pop(key)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import VOCAB_SIZE, ServedEngine, make_hf_model
+from engine_harness import VOCAB_SIZE, ServedEngine
 from safetensors.torch import save_file
 from update_harness import engine_greedy, hf_greedy, trained_copy
 
@@ -54,30 +54,34 @@ LONG_PROMPT = torch.randint(
 
 
 @pytest.fixture(scope="module")
-def hf_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    path = tmp_path_factory.mktemp("qwen3_moe")
-    return path, make_hf_model("qwen3_moe", path).eval()
+def hf_moe(shared_processes) -> tuple[Path, torch.nn.Module]:
+    """The shared MoE engines' checkpoint and transformers' model of it."""
+    path = shared_processes.moe_checkpoint()
+    from transformers import Qwen3MoeForCausalLM
+
+    return path, Qwen3MoeForCausalLM.from_pretrained(path).float().eval()
 
 
 @pytest.fixture(scope="module")
-def engines(hf_moe: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServedEngine]:
-    path, _ = hf_moe
+def moe_engines(
+    shared_processes, hf_moe: tuple, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, ServedEngine]:
+    """An engine per layout (shared with test_expert_replacement.py: `ep2_redundant`), its
+    experts placed linearly (what another module left may differ)."""
     log_dir = tmp_path_factory.mktemp("log")
-    started: dict[str, ServedEngine] = {}
-    try:
-        for name, flags in LAYOUTS.items():
-            started[name] = ServedEngine(
-                "--model", str(path), "--dtype", "float32", *flags, log_path=log_dir / f"{name}.log"
-            )
-        yield started
-    finally:
-        for engine in started.values():
-            engine.stop()
+    started = {
+        name: shared_processes.moe_engine(*flags, log_dir=log_dir)
+        for name, flags in LAYOUTS.items()
+    }
+    for name in ("ep2", "ep2_redundant"):
+        response = started[name].client.post("/v1/experts/place", json={"placement": "linear"})
+        assert response.status_code == 200, response.text
+    return started
 
 
-def _assert_serves(engines: dict[str, ServedEngine], model: torch.nn.Module) -> None:
+def _assert_serves(moe_engines: dict[str, ServedEngine], model: torch.nn.Module) -> None:
     tokens, logprobs = hf_greedy(model, LONG_PROMPT)
-    for name, engine in engines.items():
+    for name, engine in moe_engines.items():
         choice = engine_greedy(engine, LONG_PROMPT)
         assert choice["token_ids"] == tokens, name
         got = choice["logprobs"]["token_logprobs"]
@@ -139,21 +143,21 @@ def _routed_parities(model: torch.nn.Module, prompt: list[int]) -> dict[tuple[in
 
 @pytest.mark.parametrize("transport", ["shm", "nixl", "dist"])
 def test_trained_versions_serve_like_transformers_under_every_layout(
-    engines: dict[str, ServedEngine], hf_moe: tuple, transport: str
+    moe_engines: dict[str, ServedEngine], hf_moe: tuple, transport: str
 ) -> None:
     _, model = hf_moe
     trained = trained_copy(model, seed=SEEDS[("shm", "nixl", "dist").index(transport)])
-    urls = [engine.url for engine in engines.values()]
+    urls = [engine.url for engine in moe_engines.values()]
     with Publisher(urls, transport=transport, timeout_s=120) as publisher:
         if transport == "dist":
             publisher.init_weights_group("127.0.0.1", timeout_s=60)
         result = publisher.push(trained, version=f"moe-{transport}-{id(trained)}", force=True)
     assert result.fingerprint == fingerprint(trained)
-    _assert_serves(engines, trained)
+    _assert_serves(moe_engines, trained)
     if transport != "shm":
         return
     # each EP rank received its experts (each copy of a replicated one) and its dense share
-    by_url = {engine.url: name for name, engine in engines.items()}
+    by_url = {engine.url: name for name, engine in moe_engines.items()}
     got = {by_url[e.url]: e.rank_nbytes for e in result.engines}
     assert got["ep2"] == _expert_bytes_planned(trained, 0)
     assert got["ep2_redundant"] == _expert_bytes_planned(trained, 2)
@@ -161,23 +165,23 @@ def test_trained_versions_serve_like_transformers_under_every_layout(
 
 
 def test_deltas_probes_and_a_fleet_rollback_work_for_moe(
-    engines: dict[str, ServedEngine], hf_moe: tuple
+    moe_engines: dict[str, ServedEngine], hf_moe: tuple
 ) -> None:
     _, model = hf_moe
     first, second = trained_copy(model, seed=SEEDS[3]), trained_copy(model, seed=SEEDS[3])
     with torch.no_grad():  # a small step: a few elements of one expert and the router
         second.model.layers[0].mlp.experts.gate_up_proj[5, :3] += 0.25
         second.model.layers[2].mlp.gate.weight[1, :4] -= 0.125
-    urls = [engine.url for engine in engines.values()]
+    urls = [engine.url for engine in moe_engines.values()]
     with Publisher(urls, transport="shm", delta="always", timeout_s=120) as publisher:
         publisher.push(first, version=f"moe-base-{id(first)}", force=True)
         probe = LogprobProbe.of_model(second, LONG_PROMPT, LOGPROB_ATOL * 10)
         result = publisher.push(second, version=f"moe-delta-{id(second)}", probe=probe)
         assert result.delta.sent, result.delta.reason
         assert result.two_phase
-        _assert_serves(engines, second)
+        _assert_serves(moe_engines, second)
         publisher.rollback()
-    _assert_serves(engines, first)
+    _assert_serves(moe_engines, first)
 
 
 def test_block_fp8_experts_and_their_scales_reach_their_slots(

@@ -12,11 +12,10 @@ maps before a re-placement is refused by the ranks, and the next push forms the 
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_harness import ServedEngine, make_hf_model
+from engine_harness import ServedEngine
 from update_harness import weights_state
 
 from weightbus import Publisher, PushError
@@ -34,17 +33,14 @@ CUSTOM = [[7, 5, 3, 1, 0], [6, 4, 2, 0, 1]]
 
 
 @pytest.fixture(scope="module")
-def moe_ep2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServedEngine, Path]]:
-    """The engine and its checkpoint directory (transformers' Qwen3-MoE, 8 experts, top 2)."""
-    model_dir = tmp_path_factory.mktemp("qwen3_moe")
-    make_hf_model("qwen3_moe", model_dir)
+def moe_ep2(
+    shared_processes, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[ServedEngine, Path]:
+    """The engine and its checkpoint directory (transformers' Qwen3-MoE, 8 experts, top 2):
+    the one test_moe_pushes.py shares (`shared_processes.moe_engine`)."""
     flags = ("--tp", "2", "--expert-parallel", "--redundant-experts", "2")
-    log_path = tmp_path_factory.mktemp("log") / "moe_ep2.log"
-    engine = ServedEngine("--model", str(model_dir), *flags, log_path=log_path)
-    try:
-        yield engine, model_dir
-    finally:
-        engine.stop()
+    engine = shared_processes.moe_engine(*flags, log_dir=tmp_path_factory.mktemp("log"))
+    return engine, shared_processes.moe_checkpoint()
 
 
 def _weights(model_dir: Path, seed: int) -> list:
