@@ -30,14 +30,13 @@ from safetensors.torch import save_file
 
 from weightbus.apps.bench.dist import Baseline
 from weightbus.apps.bench.moe_weights import MoeShape, moe_config, moe_shape, moe_weights
-from weightbus.apps.bench.plan import FLOORS, _fixed_costs, _hardware, _shared_buffer
+from weightbus.apps.bench.plan import FLOORS, fixed_costs, floor_operations, measured_hardware
 from weightbus.apps.bench.timing import measure_interleaved, write_json
 from weightbus.apps.capacity.forecast import Scenario, forecast
 from weightbus.apps.capacity.shapes import ModelTensors
 from weightbus.apps.capacity.sharding import EngineLayout
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.apps.tables import print_table
-from weightbus.core.digest import tensor_digest
 from weightbus.core.meta import metas_of
 from weightbus.core.publisher import Publisher, PushResult
 from weightbus.core.units import format_bytes, parse_bytes
@@ -124,22 +123,15 @@ def _measure(args: argparse.Namespace, workdir: Path, fixed: dict[str, float]) -
     (folder / "model.safetensors").unlink()
     planned = {
         path: forecast(model, Scenario(engine=_layout(args), transport=path,
-                                       hardware=_hardware(dict.fromkeys(FLOORS, 1.0), 0.0),
+                                       hardware=measured_hardware(dict.fromkeys(FLOORS, 1.0), 0.0),
                                        cross_node=path != "shm", verify=False)).traffic
         for path, _ in ROWS.values() if path
     }  # fmt: skip
     share = max(planned["dist-parts"].receive_bytes)
     baseline = Baseline(args.tp, [t for _, t in weights])
-    source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
-    floor_buffer = _shared_buffer(folder, model_bytes)
     pushers = _Pushers(url)
     try:
-        ops = [
-            ("memcpy into shared memory", model_bytes, lambda: floor_buffer.copy_(source)),
-            ("xxh3, one thread", model_bytes, lambda: [tensor_digest(t) for _, t in weights]),
-            ("gloo broadcast", model_bytes, baseline.single),
-            ("gloo send, each peer", share * args.tp, lambda: baseline.send_each(share)),
-        ]
+        ops = floor_operations(weights, baseline, share, args.tp, folder)
         ops += [(row, model_bytes, lambda r=row: pushers.push(r, weights)) for row in ROWS]
         rows = {m.name: m for m in measure_interleaved(ops, args.repeat)}
     finally:
@@ -149,7 +141,7 @@ def _measure(args: argparse.Namespace, workdir: Path, fixed: dict[str, float]) -
     floors = {name: rows[name].gb_per_s for name in FLOORS}
     predicted = {
         row: forecast(model, Scenario(engine=_layout(args), transport=path,
-                                      hardware=_hardware(floors, fixed[path]),
+                                      hardware=measured_hardware(floors, fixed[path]),
                                       cross_node=path != "shm", verify=False)).timing
         for row, (path, _) in ROWS.items() if path
     }  # fmt: skip
@@ -209,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(
         prefix="weightbus-bench-", dir=shm if shm.is_dir() else None
     ) as tmp:
-        fixed = _fixed_costs(args, Path(tmp))
+        fixed = fixed_costs(args, Path(tmp))
         result = _measure(args, Path(tmp), fixed)
     _print(result, args)
     if args.json:

@@ -19,6 +19,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,7 +82,7 @@ class _Pushers:
         self.dist.close()
 
 
-def _fixed_costs(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+def fixed_costs(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     """Median push time of a tiny model per path: the fixed cost of a push."""
     weights = llama_weights(_TINY_BYTES, torch.bfloat16)
     proc, url = start_engine(
@@ -109,6 +110,23 @@ def _shared_buffer(folder: Path, nbytes: int) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def floor_operations(
+    weights: list, baseline: Baseline, share: int, tp: int, folder: Path
+) -> list[tuple[str, int, Callable[[], object]]]:
+    """The `FLOORS` as operations for `measure_interleaved`: memcpy of the model into shared
+    memory (a file in `folder`), its xxh3 on one thread, a gloo broadcast of it to the
+    `baseline` peers, and `share` bytes sent to each of the `tp` peers at once."""
+    model_bytes = sum(t.nbytes for _, t in weights)
+    source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
+    floor_buffer = _shared_buffer(folder, model_bytes)
+    return [
+        ("memcpy into shared memory", model_bytes, lambda: floor_buffer.copy_(source)),
+        ("xxh3, one thread", model_bytes, lambda: [tensor_digest(t) for _, t in weights]),
+        ("gloo broadcast", model_bytes, baseline.single),
+        ("gloo send, each peer", share * tp, lambda: baseline.send_each(share)),
+    ]
+
+
 def _measure_size(size: int, fixed: dict, args: argparse.Namespace, workdir: Path) -> dict:
     weights = llama_weights(size, torch.bfloat16)
     model_bytes = sum(t.nbytes for _, t in weights)
@@ -120,16 +138,9 @@ def _measure_size(size: int, fixed: dict, args: argparse.Namespace, workdir: Pat
     proc, url = start_engine(str(folder), args.tp, extra=["--dtype", "bfloat16"])
     (folder / "model.safetensors").unlink()
     baseline = Baseline(args.tp, [t for _, t in weights])
-    source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
-    floor_buffer = _shared_buffer(folder, model_bytes)
     pushers = _Pushers(url)
     try:
-        ops = [
-            ("memcpy into shared memory", model_bytes, lambda: floor_buffer.copy_(source)),
-            ("xxh3, one thread", model_bytes, lambda: [tensor_digest(t) for _, t in weights]),
-            ("gloo broadcast", model_bytes, baseline.single),
-            ("gloo send, each peer", share * args.tp, lambda: baseline.send_each(share)),
-        ]
+        ops = floor_operations(weights, baseline, share, args.tp, folder)
         ops += [(path, model_bytes, lambda p=pushers.by_path[path]: p(weights)) for path in PATHS]
         rows = {m.name: m for m in measure_interleaved(ops, args.repeat)}
     finally:
@@ -138,7 +149,9 @@ def _measure_size(size: int, fixed: dict, args: argparse.Namespace, workdir: Pat
         stop_engine(proc)
     floors = {name: rows[name].gb_per_s for name in FLOORS}
     predicted = {
-        path: forecast(model, _scenario(path, args.tp, _hardware(floors, fixed[path]))).timing
+        path: forecast(
+            model, _scenario(path, args.tp, measured_hardware(floors, fixed[path]))
+        ).timing
         for path in PATHS
     }
     return {
@@ -150,7 +163,7 @@ def _measure_size(size: int, fixed: dict, args: argparse.Namespace, workdir: Pat
     }
 
 
-def _hardware(floors: dict[str, float], push_s: float) -> Hardware:
+def measured_hardware(floors: dict[str, float], push_s: float) -> Hardware:
     return Hardware(
         name="this machine, measured",
         nic_gb_per_s=floors["gloo send, each peer"],
@@ -211,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(
         prefix="weightbus-bench-", dir=shm if shm.is_dir() else None
     ) as tmp:
-        fixed = _fixed_costs(args, Path(tmp))
+        fixed = fixed_costs(args, Path(tmp))
         print(f"fixed cost of a push (tiny model): {fixed}")
         for size in (parse_bytes(s) for s in args.sizes.split(",")):
             result = _measure_size(size, fixed, args, Path(tmp))
