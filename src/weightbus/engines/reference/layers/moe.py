@@ -28,6 +28,7 @@ from weightbus.core.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Block, dequantize
 from weightbus.core.plan.shard import ShardCopy, check_full_shape
 from weightbus.engines.reference.layers.activation import SiluAndMul
 from weightbus.engines.reference.layers.parallel import all_reduce, divide, exchange, get_tp
+from weightbus.engines.reference.layers.replicated import Replicated
 
 # `model.layers.L.mlp.experts.E.gate_proj.weight` (or `.weight_scale_inv`): module, expert,
 # projection, tensor
@@ -62,7 +63,7 @@ def _new_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(Replicated, nn.Module):
     """`mlp.gate`: softmax over the experts in float32, the top `top_k`, renormalised when
     `norm_topk_prob` (transformers' `Qwen3MoeTopKRouter`). Replicated on every rank."""
 
@@ -72,16 +73,6 @@ class TopKRouter(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.weight = _new_param(num_experts, hidden_size)
         self.weight.weight_loader = self.weight_loader
-
-    def shard_copy(
-        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: None = None
-    ) -> ShardCopy:
-        """Replicated: the whole tensor."""
-        check_full_shape(full_shape, tuple(param.shape))
-        return ShardCopy.whole(tuple(param.shape))
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        self.shard_copy(param, tuple(loaded.shape)).apply(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(weights, expert ids)` of every token, `[num_tokens, top_k]` each."""

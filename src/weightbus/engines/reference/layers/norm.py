@@ -3,10 +3,10 @@
 import torch
 from torch import nn
 
-from weightbus.core.plan.shard import ShardCopy, check_full_shape
+from weightbus.engines.reference.layers.replicated import Replicated
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Replicated, nn.Module):
     """`weight * x / sqrt(mean(x^2) + eps)`, replicated on every rank."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -14,16 +14,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-
-    def shard_copy(
-        self, param: nn.Parameter, full_shape: tuple[int, ...], shard_id: None = None
-    ) -> ShardCopy:
-        """Replicated: the whole tensor."""
-        check_full_shape(full_shape, tuple(param.shape))
-        return ShardCopy.whole(tuple(param.shape))
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        self.shard_copy(param, tuple(loaded.shape)).apply(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same op order as transformers' LlamaRMSNorm, so float32 results agree bit for bit.
