@@ -114,6 +114,39 @@ def test_demo_with_lora_pushes_only_the_adapter_onto_the_served_base(tmp_path):
     assert "adapter:        rank 8, " in result.stdout
 
 
+def test_demo_with_qwen3_moe_sends_each_engine_rank_only_its_experts(tmp_path):
+    """transformers' Qwen3MoeForCausalLM (fused 3-D experts) into an engine at TP 2 with
+    expert parallelism: each rank holds 4 of the 8 experts and receives only those, plus its
+    share of the dense weights."""
+    result, record = _demo("--model", "qwen3-moe", "--steps", "3", "--seed", "7", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_demo_passed(record, result.stdout, num_steps=3)
+    assert (record["model"], record["tp"]) == ("qwen3-moe", 2)
+    assert "--tp 2 --expert-parallel" in result.stdout
+    assert "engine: TP 2, expert parallel: 4 experts per rank" in result.stdout
+    model_bytes, expert_bytes = record["full_model_bytes"], record["expert_bytes"]
+    assert 0 < expert_bytes < model_bytes
+    [rank_bytes] = record["steps"][-1]["push_rank_bytes"]  # one engine, by rank
+    assert len(rank_bytes) == 2
+    assert all(0 < nbytes < model_bytes for nbytes in rank_bytes)
+    assert "(last push, by rank); the whole model is " in result.stdout
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--engine", "http://127.0.0.1:9"], ["--engine", "vllm"], ["--trainer-ranks", "2"]],
+    ids=["engine-url", "vllm", "trainer-ranks"],
+)
+def test_demo_refuses_qwen3_moe_with_what_it_cannot_combine(flags, capsys):
+    from weightbus.apps.cli import main
+
+    assert main(["demo", "--model", "qwen3-moe", *flags]) == 2
+    assert capsys.readouterr().err == (
+        "weightbus demo: error: --model qwen3-moe trains for the engines the demo starts, in one "
+        f"process: leave out {flags[0]}\n"
+    )
+
+
 @pytest.mark.parametrize(
     "flags",
     [

@@ -108,6 +108,10 @@ def test_the_spec_reads_a_peft_config_and_the_adapter_config_json_peft_writes(al
             "adapter: layer_replication is not supported (got [[0, 1]])",
         ),
         (
+            {"target_parameters": {"mlp.experts.gate_up_proj"}},
+            "adapter: target_parameters is not supported (got {'mlp.experts.gate_up_proj'})",
+        ),
+        (
             {"target_modules": ["q_proj", "lm_head"]},
             (
                 "adapter: target_modules ['lm_head'] are not decoder projections an engine "
@@ -135,6 +139,7 @@ def test_options_that_are_off_or_only_describe_training_pass():
         "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "modules_to_save": [],
         "bias": "none", "lora_dropout": 0.1, "init_lora_weights": "gaussian",
         "peft_version": "0.21.2", "task_type": "CAUSAL_LM",
+        "target_parameters": set(),  # peft 0.21's LoraConfig on a Qwen3-MoE model
     }  # fmt: skip
     assert adapter_spec(config, BASE).target_modules == ["q_proj"]
 

@@ -46,7 +46,7 @@ _FIELD_NAMES = {
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
     "trainable_token_indices": "trainable tokens (trainable_token_indices)",
 }
-_OFF = (None, False, "", "none", {}, [], ())
+_OFF = (None, False, "", "none", {}, [], (), set())  # peft: set() on MoE models
 
 
 def _config_value(config: Any, name: str, default: Any = None) -> Any:

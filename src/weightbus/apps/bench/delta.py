@@ -47,12 +47,11 @@ from weightbus.apps.bench.dist import write_model
 from weightbus.apps.bench.llama_weights import llama_weights
 from weightbus.apps.bench.timing import write_json
 from weightbus.apps.demo.onpolicy import GROUP_SIZE, MAX_TOKENS, NUM_PROMPTS, rollouts_of
-from weightbus.apps.demo.trainer import Trainer
+from weightbus.apps.demo.trainer import Trainer, tiny_hf_config
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.apps.tables import print_table
 from weightbus.core.publisher import Publisher, PushResult
 from weightbus.core.units import format_bytes, parse_bytes
-from weightbus.engines.reference.models.config import tiny_config
 
 # Part 1: the demo's batch (`weightbus demo` defaults) and the learning rates compared
 DEMO_LR, RL_LR = 3e-3, 1e-6
@@ -123,7 +122,7 @@ def _unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) 
 
 
 def _training_run(name: str, lr: float, frozen: bool, steps: int) -> list[StepChange]:
-    trainer = Trainer(tiny_config(), seed=0, lr=lr)
+    trainer = Trainer(tiny_hf_config(), seed=0, lr=lr)
     if frozen:  # no gradient: Adam leaves the tensor alone
         trainer.model.get_input_embeddings().weight.requires_grad_(False)
     before = _bf16_bits(trainer.model)

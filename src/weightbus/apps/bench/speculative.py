@@ -21,7 +21,7 @@ import torch
 from weightbus.apps.demo.draft import DraftRun
 from weightbus.apps.demo.rollout import RolloutClient
 from weightbus.apps.demo.task import prompts
-from weightbus.apps.demo.trainer import Trainer
+from weightbus.apps.demo.trainer import Trainer, tiny_hf_config
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.core.publisher import Publisher
 from weightbus.engines.reference.models.config import tiny_config
@@ -79,7 +79,7 @@ def run_speculation(args: argparse.Namespace) -> int:
     """The comparison; prints one row per step and the greedy batch-1 figures."""
     torch.set_num_threads(1)  # the engines need the cores more than the tiny trainer
     logging.getLogger("weightbus.core.publisher").setLevel(logging.WARNING)  # a line per push
-    trainer = Trainer(tiny_config(), seed=0, lr=args.lr)
+    trainer = Trainer(tiny_hf_config(), seed=0, lr=args.lr)
     draft = DraftRun(tiny_config(), seed=1, temperature=1.0, num_speculative_tokens=args.num_spec)
     draft.warm_up(trainer.model, prompts(4), args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="weightbus-bench-spec-") as tmp:

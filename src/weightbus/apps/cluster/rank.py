@@ -66,11 +66,11 @@ class _Trainer:
     """The demo's trainer: its RL step, and its weights as a bf16 engine serves them."""
 
     def __init__(self, spec: dict) -> None:
-        from weightbus.apps.demo.trainer import Trainer
+        from weightbus.apps.demo.trainer import Trainer, hf_llama_config
         from weightbus.engines.reference.models.config import tiny_config
 
         config = dataclasses.replace(tiny_config(), **spec["trainer"])
-        self.trainer = Trainer(config, seed=0, lr=spec["lr"])
+        self.trainer = Trainer(hf_llama_config(config), seed=0, lr=spec["lr"])
         if spec["frozen_embeddings"]:  # no gradient: Adam leaves the tensor alone
             self.trainer.model.get_input_embeddings().weight.requires_grad_(False)
         self.steps = 0

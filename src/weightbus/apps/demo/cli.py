@@ -6,6 +6,8 @@ prompt, logprobs), the engine's logprobs checked against the trainer's for the s
 model, a `Publisher.push` of the new weights, and the engine's fingerprint checked against the
 trainer's (the push's answer and `GET /v1/weights`). With `--lora` the trainer trains a peft
 LoRA adapter on the frozen model and each push carries the adapter alone (`apps/demo/lora.py`).
+`--model qwen3-moe` trains a tiny Qwen3-MoE instead of the tiny Llama, served with expert
+parallelism: each push sends every engine rank only the experts it holds.
 """
 
 import argparse
@@ -33,13 +35,15 @@ from weightbus.apps.demo.records import (
 )
 from weightbus.apps.demo.rollout import RolloutClient
 from weightbus.apps.demo.task import prompts, render
-from weightbus.apps.demo.trainer import Trainer
+from weightbus.apps.demo.trainer import DEMO_MODELS, Trainer, hf_llama_config
 from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.core.fp8 import Fp8Block
 from weightbus.core.publisher import Publisher, PushError, PushResult
 from weightbus.core.publisher.delta import DELTA_MODES
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.transport import transport_names
-from weightbus.engines.reference.models.config import tiny_config
+from weightbus.engines.reference.models.config import ModelConfig, tiny_config
+from weightbus.engines.reference.models.experts import ExpertLayout
 
 TOKEN_ENV = "WEIGHTBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a secret
 
@@ -50,7 +54,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--steps", type=int, default=30, help="RL steps (default 30)")
     parser.add_argument(
-        "--tp", type=int, default=None, help="TP size of the started engine (2; 1 with --fp8)"
+        "--model",
+        default="tiny",
+        choices=list(DEMO_MODELS),
+        help="the trainer's model: tiny (a Llama) or qwen3-moe (a tiny Qwen3-MoE: 8 experts, "
+        "top 2, served at TP 2 with --expert-parallel, so each push sends every engine rank "
+        "only its experts)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="TP size of the started engine (2; 1 with --fp8); with --model qwen3-moe any TP "
+        "above 1 adds --expert-parallel (EP = TP)",
     )
     parser.add_argument("--seed", type=int, default=0, help="initial weights and sampling")
     parser.add_argument("--transport", default="shm", choices=transport_names())
@@ -75,7 +91,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--lr",
         type=float,
         default=None,
-        help=f"Adam learning rate (3e-3; {DEFAULT_LORA_LR:g} with --lora)",
+        help=f"Adam learning rate (3e-3; 1e-2 with --model qwen3-moe; {DEFAULT_LORA_LR:g} with "
+        "--lora)",
     )
     parser.add_argument(
         "--delta",
@@ -110,9 +127,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--lora",
         action="store_true",
-        help="train a peft LoRA adapter on the frozen model (every projection) and push the "
-        "adapter alone each step; the engine serves it unmerged (weightbus serve --lora-rank; "
-        "an --engine URL must serve with --lora-rank too)",
+        help="train a peft LoRA adapter on the frozen model (every projection; the attention "
+        "projections of qwen3-moe, whose experts take none) and push the adapter alone each "
+        "step; the engine serves it unmerged (weightbus serve --lora-rank; an --engine URL must "
+        "serve with --lora-rank too)",
     )
     parser.add_argument(
         "--lora-rank", type=int, default=DEFAULT_RANK, help=f"adapter rank ({DEFAULT_RANK})"
@@ -124,8 +142,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.tp is None:
         args.tp = 1 if args.fp8 else 2
+    args.expert_parallel = _served_config(args).expert_layout.expert_parallel
     if args.lr is None:
-        args.lr = DEFAULT_LORA_LR if args.lora else 3e-3
+        args.lr = DEFAULT_LORA_LR if args.lora else DEMO_MODELS[args.model].lr
     for name in ("steps", "tp", "samples", "max_tokens", "replicas", "trainer_ranks", "lora_rank"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -151,6 +170,7 @@ def _check_args(args: argparse.Namespace) -> None:
             "and --trainer-ranks"
         )
     _check_lora_args(args)
+    _check_model_args(args)
     prompts(args.prompts)
 
 
@@ -165,6 +185,30 @@ def _check_lora_args(args: argparse.Namespace) -> None:
         )
     if args.delta == "always":
         raise ValueError("--lora pushes the adapter whole every step: leave out --delta always")
+
+
+def _served_config(args: argparse.Namespace) -> ModelConfig:
+    """The `--model` checkpoint as the engines the demo starts serve it: a mixture-of-experts
+    model expert parallel above TP 1, block FP8 with --fp8."""
+    config = ModelConfig.from_hf_dict(DEMO_MODELS[args.model].hf_config().to_dict())
+    config.expert_layout = ExpertLayout(expert_parallel=bool(config.num_experts) and args.tp > 1)
+    config.quantization = Fp8Block() if args.fp8 else None
+    return config
+
+
+def _check_model_args(args: argparse.Namespace) -> None:
+    if args.engine is None:
+        _served_config(args).validate_tp(args.tp)  # names --tp and what does not split
+    if args.model == "tiny":
+        return
+    # a running engine serves its own model (`weightbus serve --model tiny`; vLLM's MoE: next);
+    # the FSDP2 trainer shards the tiny Llama
+    others = {"--engine": args.engine is not None, "--trainer-ranks": args.trainer_ranks > 1}
+    if refused := [flag for flag, given in others.items() if given]:
+        raise ValueError(
+            f"--model {args.model} trains for the engines the demo starts, in one process: "
+            f"leave out {', '.join(refused)}"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,10 +233,9 @@ def run(args: argparse.Namespace) -> int:
         return run_sharded(args)
     trainer = _trainer(args)
     transport = f"{args.transport}, fp8-block" if args.fp8 else args.transport
-    record = DemoRecord(transport=transport, tp=None if args.engine else args.tp)
+    record = DemoRecord(transport=transport, tp=None if args.engine else args.tp, model=args.model)
     if args.lora:
         record.lora_rank = args.lora_rank
-        record.full_model_bytes = sum(t.nbytes for t in trainer.weights().values())
     draft = _draft_run(args, trainer)
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
         proc = None
@@ -201,13 +244,16 @@ def run(args: argparse.Namespace) -> int:
             trainer.save(Path(tmp))
             extra = _draft_flags(args, draft, Path(tmp) / "draft")
             extra += ["--quantization", "fp8-block"] if args.fp8 else []
-            extra += ["--lora-rank", str(args.lora_rank)] if args.lora else []
+            extra += _lora_flags(args)
+            extra += ["--expert-parallel"] if args.expert_parallel else []
             print(
                 f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}"
                 + (" --draft-model <draft's HF dir> ..." if draft else "")
                 + (" --quantization fp8-block" if args.fp8 else "")
-                + (f" --lora-rank {args.lora_rank}" if args.lora else "")
+                + "".join(f" {flag}" for flag in _lora_flags(args))
+                + (" --expert-parallel" if args.expert_parallel else "")
             )
+            _print_expert_layout(args)
             proc, url = start_engine(tmp, args.tp, extra=extra)
         try:
             client = RolloutClient(url, max_tokens=args.max_tokens, temperature=args.temperature)
@@ -226,11 +272,37 @@ def run(args: argparse.Namespace) -> int:
     return finish(record, args)
 
 
+def _lora_flags(args: argparse.Namespace) -> list[str]:
+    """With --lora: the engine's adapter flags (its targets where the model adapts fewer than
+    every projection)."""
+    if not args.lora:
+        return []
+    targets = DEMO_MODELS[args.model].lora_targets
+    flags = ["--lora-rank", str(args.lora_rank)]
+    return flags if targets is None else [*flags, "--lora-targets", ",".join(targets)]
+
+
+def _print_expert_layout(args: argparse.Namespace) -> None:
+    """One line naming how the engine holds a mixture-of-experts model's experts."""
+    num_experts = _served_config(args).num_experts
+    if not num_experts:
+        return
+    if args.expert_parallel:
+        held = f"expert parallel: {num_experts // args.tp} experts per rank"
+    else:
+        held = f"all {num_experts} experts on its one rank"
+    print(f"engine: TP {args.tp}, {held}")
+
+
 def _trainer(args: argparse.Namespace) -> Trainer:
-    """The tiny Llama's trainer; with --lora, of a LoRA adapter on it (base frozen)."""
+    """The --model trainer; with --lora, of a LoRA adapter on it (base frozen)."""
+    model = DEMO_MODELS[args.model]
     if args.lora:
-        return LoraTrainer(tiny_config(), seed=args.seed, lr=args.lr, rank=args.lora_rank)
-    return Trainer(tiny_config(), seed=args.seed, lr=args.lr)
+        return LoraTrainer(
+            model.hf_config(), seed=args.seed, lr=args.lr, rank=args.lora_rank,
+            targets=model.lora_targets,
+        )  # fmt: skip
+    return Trainer(model.hf_config(), seed=args.seed, lr=args.lr)
 
 
 def _draft_run(args: argparse.Namespace, trainer: Trainer) -> DraftRun | None:
@@ -261,7 +333,7 @@ def _run_vllm(args: argparse.Namespace) -> int:
     from weightbus.apps.demo.vllm_engine import VllmRolloutClient, start_vllm, vllm_demo_config
     from weightbus.engines.vllm.target import VllmEngineTarget
 
-    trainer = Trainer(vllm_demo_config(), seed=args.seed, lr=args.lr)
+    trainer = Trainer(hf_llama_config(vllm_demo_config()), seed=args.seed, lr=args.lr)
     record = DemoRecord(transport=args.transport, tp=args.tp)
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
         print(f"starting vLLM: api_server --model <trainer's HF dir> --tp {args.tp} "
@@ -289,12 +361,13 @@ def _run_ray(args: argparse.Namespace) -> int:
     from weightbus.apps.ray import RayFleet, RayFleetConfig
     from weightbus.engines.reference.server.launcher import ServeConfig
 
-    trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
-    record = DemoRecord(transport=f"{args.transport} (Ray)", tp=args.tp)
+    trainer = _trainer(args)
+    record = DemoRecord(transport=f"{args.transport} (Ray)", tp=args.tp, model=args.model)
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
         trainer.save(Path(tmp))
         num_cpus = args.replicas * args.tp
         print(f"starting Ray ({num_cpus} CPUs) and {args.replicas} replica(s) of TP {args.tp}")
+        _print_expert_layout(args)
         ray.init(
             num_cpus=num_cpus,
             include_dashboard=False,
@@ -305,7 +378,10 @@ def _run_ray(args: argparse.Namespace) -> int:
         fleet = None
         try:
             config = RayFleetConfig(
-                engine=ServeConfig(model=tmp, tp_size=args.tp), num_replicas=args.replicas
+                engine=ServeConfig(
+                    model=tmp, tp_size=args.tp, expert_parallel=args.expert_parallel
+                ),
+                num_replicas=args.replicas,
             )
             fleet = RayFleet.start(config)
             for replica in fleet.replicas:
@@ -346,6 +422,9 @@ def _run_steps(
         record=record,
         draft=draft,
     )
+    weights = loop.weights()
+    record.full_model_bytes = sum(t.nbytes for t in weights.values())
+    record.expert_bytes = sum(t.nbytes for name, t in weights.items() if ".experts." in name)
     try:
         version = loop.initial_version(engine_started)
         for step in range(1, args.steps + 1):
@@ -459,6 +538,7 @@ class _Loop:
             fingerprint_matched=matched,
             push_delta=result.delta is not None and result.delta.sent,
             push_adapter=result.adapter is not None,
+            push_rank_bytes=[list(engine.rank_nbytes) for engine in result.engines],
             changed_fraction=None if result.delta is None else result.delta.changed_fraction,
             draft_acceptance=acceptance,
             draft_in_step=None if draft is None else draft.in_step,

@@ -8,6 +8,7 @@ on-policy logprobs of the peft model.
 """
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,7 +16,9 @@ from weightbus.apps.demo.trainer import Trainer
 from weightbus.core.lora import adapter_spec, adapter_tensors, base_weights
 from weightbus.core.publisher import Publisher, PushResult
 from weightbus.core.wire.adapter import served_fingerprint
-from weightbus.engines.reference.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DEFAULT_RANK = 8
 # lora_alpha = 2 r: the update `B @ A` is scaled by 2 whatever the rank
@@ -25,14 +28,23 @@ DEFAULT_LORA_LR = 2e-2
 
 
 class LoraTrainer(Trainer):
-    """The demo's trainer with a LoRA adapter of rank `rank` on every projection of the tiny
-    Llama (peft's `all-linear`): Adam trains `lora_A` and `lora_B`, the base stays as
-    initialised. peft starts B at zero, so the initial policy is the base.
+    """The demo's trainer with a LoRA adapter of rank `rank` on the projections `targets`
+    (None: every projection, peft's `all-linear`): Adam trains `lora_A` and `lora_B`, the base
+    stays as initialised. peft starts B at zero, so the initial policy is the base.
     """
 
-    def __init__(self, config: ModelConfig, *, seed: int, lr: float, rank: int) -> None:
+    def __init__(
+        self,
+        hf_config: "PretrainedConfig",
+        *,
+        seed: int,
+        lr: float,
+        rank: int,
+        targets: tuple[str, ...] | None = None,
+    ) -> None:
         self.rank = rank
-        super().__init__(config, seed=seed, lr=lr)
+        self.targets = targets
+        super().__init__(hf_config, seed=seed, lr=lr)
 
     def _policy(self, model: torch.nn.Module) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
@@ -40,7 +52,7 @@ class LoraTrainer(Trainer):
         config = LoraConfig(
             r=self.rank,
             lora_alpha=ALPHA_PER_RANK * self.rank,
-            target_modules="all-linear",
+            target_modules="all-linear" if self.targets is None else list(self.targets),
             lora_dropout=0.0,
         )
         return get_peft_model(model, config)

@@ -27,6 +27,8 @@ class StepRecord:
     fingerprint_matched: bool
     push_delta: bool = False  # the push carried changes only (`PushResult.delta`)
     push_adapter: bool = False  # --lora: the push carried the LoRA adapter alone
+    # by engine, the bytes that reached each of its ranks (`PushResult.engines[i].rank_nbytes`)
+    push_rank_bytes: list[list[int]] = field(default_factory=list)
     changed_fraction: float | None = None  # of the elements, against the last push
     # --draft: the engine's acceptance rate over the step's rollouts, and the expected rates
     # of the draft kept in step and of the draft frozen at step 0 under the updated policy
@@ -41,8 +43,10 @@ class DemoRecord:
     tp: int | None
     steps: list[StepRecord] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    model: str = "tiny"  # --model
     lora_rank: int | None = None  # --lora: the adapter's rank
-    full_model_bytes: int | None = None  # --lora: what a whole push of the served model sends
+    full_model_bytes: int | None = None  # what a whole push of the served model sends
+    expert_bytes: int = 0  # of `full_model_bytes`: the experts' (a mixture-of-experts model)
 
 
 class DemoCheckError(RuntimeError):
@@ -107,6 +111,7 @@ def _summarize(record: DemoRecord) -> None:
             f"median {format_bytes(push_bytes)} and {push_s:.3f} s each"
         )
         _summarize_adapter(record, push_bytes)
+        _summarize_ranks(record)
         deltas = sum(s.push_delta for s in steps)
         print(f"  deltas:         {deltas}/{len(steps)} pushes sent as changes to the last one")
         print(f"  fingerprints:   {matched}/{len(steps)} matched the trainer's")
@@ -127,6 +132,23 @@ def _summarize_adapter(record: DemoRecord, push_bytes: float) -> None:
         f"whole model is {format_bytes(record.full_model_bytes)} "
         f"({record.full_model_bytes / push_bytes:.1f}x the bytes)"
     )
+
+
+def _summarize_ranks(record: DemoRecord) -> None:
+    """The bytes each engine rank received on the last push, beside the whole model's: under
+    TP a rank gets its slices, under expert parallelism only its own experts."""
+    last = record.steps[-1]
+    if record.full_model_bytes is None or not any(last.push_rank_bytes):
+        return
+    engines = [", ".join(format_bytes(n) for n in ranks) for ranks in last.push_rank_bytes]
+    if len(set(engines)) == 1:
+        received = engines[0] + (f" in each of {len(engines)} engines" if len(engines) > 1 else "")
+    else:
+        received = "; ".join(f"engine {i}: {ranks}" for i, ranks in enumerate(engines))
+    model = format_bytes(record.full_model_bytes)
+    if record.expert_bytes:
+        model += f", {format_bytes(record.expert_bytes)} of it experts"
+    print(f"  rank bytes:     {received} (last push, by rank); the whole model is {model}")
 
 
 def _summarize_draft(steps: list[StepRecord]) -> None:

@@ -27,10 +27,9 @@ import torch
 import torch.distributed as dist
 
 from weightbus.apps.demo.task import Rollout, prompts, render
-from weightbus.apps.demo.trainer import Trainer
+from weightbus.apps.demo.trainer import Trainer, tiny_hf_config
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.core.units import format_bytes
-from weightbus.engines.reference.models.config import tiny_config
 from weightbus.engines.vllm.launch import free_port
 
 _RECORD = "record.json"
@@ -42,7 +41,7 @@ def run_sharded(args: argparse.Namespace) -> int:
     from weightbus.apps.demo.records import DemoRecord, StepRecord, finish
 
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
-        Trainer(tiny_config(), seed=args.seed, lr=args.lr).save(Path(tmp) / "model")
+        Trainer(tiny_hf_config(), seed=args.seed, lr=args.lr).save(Path(tmp) / "model")
         print(
             f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}; "
             f"{args.trainer_ranks} trainer processes (FSDP2, gloo CPU mesh)"
@@ -118,7 +117,7 @@ class _RankLoop:
 
         self.args = args
         self.rank = dist.get_rank()
-        self.trainer = Trainer(tiny_config(), seed=args.seed, lr=args.lr)
+        self.trainer = Trainer(tiny_hf_config(), seed=args.seed, lr=args.lr)
         self.initial_fingerprint = fingerprint(self.trainer.model.state_dict().items())
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in self.trainer.model.model.layers:
