@@ -23,6 +23,7 @@ RUNS = ("lr 1e-6", "lr 1e-6, frozen embeddings")
 def bench(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "cluster.json"
     command = [sys.executable, "-m", "weightbus", "bench", "cluster", "--size", "8MiB"]
+    command += ["--cases", "senders", "replicas", "deltas"]  # experts: test_bench_experts.py
     command += ["--trainer-hosts", "1", "2", "--engine-hosts", "2", "--replicas", "1", "2"]
     # one push per row (no warm-up): these checks are of bytes and fingerprints, never of times
     command += ["--delta-model", "tiny", "--delta-steps", "1", "--repeat", "1", "--warmups", "0"]

@@ -5,6 +5,8 @@ trainer group's gloo runs over the hosts' links). Its argument (JSON) says what 
 
 - `{"checkpoint": DIR}`: the checkpoint's Llama, sharded with FSDP2's `fully_shard` over the
   trainer's ranks (each rank fills its own rows from the checkpoint: never the whole model);
+- `{"tensors": DIR}`: the checkpoint's tensors as it names them, whole, in one process (a
+  Qwen3-MoE's per-expert tensors, which transformers' own model class fuses);
 - `{"trainer": CONFIG, "lr": LR, "frozen_embeddings": BOOL}`: the demo's RL trainer (fp32 Adam)
   on that model config, one process; its weights are pushed cast to bf16.
 
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from weightbus.core.publisher import Publisher
 
@@ -98,10 +101,15 @@ class Rank:
         self.publishers: dict[str, Publisher] = {}
         self.trainer = _Trainer(spec) if "trainer" in spec else None
         self.model = fsdp_model(spec["checkpoint"]) if "checkpoint" in spec else None
+        self.tensors = (
+            load_file(Path(spec["tensors"]) / "model.safetensors") if "tensors" in spec else None
+        )
 
     def weights(self) -> Any:
         if self.trainer is not None:
             return self.trainer.weights()
+        if self.tensors is not None:
+            return self.tensors
         assert self.model is not None
         if dist.get_world_size() == 1:  # a plain publisher takes the whole (local) tensors
             return {name: p.to_local() for name, p in self.model.state_dict().items()}

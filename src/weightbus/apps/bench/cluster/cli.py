@@ -1,9 +1,10 @@
 """`weightbus bench cluster`: a cluster on this machine (`weightbus.apps.cluster`: one network
 namespace per host, each link rate-limited both ways), and the figures only links show, same
 run: senders scaling with their links (`senders`), one push to R replicas (`replicas`), deltas on
-a slow link (`deltas`), each beside `weightbus plan`'s prediction (profile `cpu-cluster` at the
-link's measured payload rate). Exits 1 when a push fails or an engine does not serve the pushed
-fingerprint; 2 when this process may not make namespaces (one line says why)."""
+a slow link (`deltas`), an MoE's experts each to its rank (`experts`), each beside `weightbus
+plan`'s prediction (profile `cpu-cluster` at the link's measured payload rate). Exits 1 when a
+push fails or an engine does not serve the pushed fingerprint; 2 when this process may not make
+namespaces (one line says why)."""
 
 import argparse
 import logging
@@ -11,16 +12,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from weightbus.apps.bench.cluster import deltas, replicas, senders
-from weightbus.apps.bench.cluster.common import Row, write_checkpoint
-from weightbus.apps.bench.cluster.report import plot, print_rows, verdicts
+from weightbus.apps.bench.cluster import deltas, experts, replicas, senders
+from weightbus.apps.bench.cluster.common import Row, write_checkpoint, write_moe_checkpoint
+from weightbus.apps.bench.cluster.report import plot, print_experts, print_rows, verdicts
 from weightbus.apps.bench.timing import write_json
 from weightbus.apps.cluster import start_cluster, unavailable
 from weightbus.apps.cluster.hosts import bit_rate_arg
 from weightbus.apps.cluster.linkrate import measure
 from weightbus.core.units import byte_size_arg, format_bytes
 
-CASES = {"senders": senders, "replicas": replicas, "deltas": deltas}
+CASES = {"senders": senders, "replicas": replicas, "deltas": deltas, "experts": experts}
 _PROBE_S = 1.0  # the link probe sends about this long at the link's rate
 
 
@@ -64,6 +65,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the deltas case's trainer: a 53 M-parameter Llama (bench) or the demo's tiny one",
     )
     parser.add_argument("--delta-steps", type=int, default=3, help="RL steps per training run")
+    parser.add_argument(
+        "--moe-size",
+        type=byte_size_arg,
+        default="256MiB",
+        help="the experts case's Qwen3-MoE, at least this (bf16; whole layers: 297 MiB)",
+    )
+    parser.add_argument(
+        "--moe-experts", type=int, default=16, help="the experts case's routed experts per layer"
+    )
+    parser.add_argument(
+        "--expert-paths",
+        nargs="+",
+        default=list(experts.PATHS),
+        choices=list(experts.PATHS),
+        help="the experts case's paths (`dist parts, TP`: into the engine at TP 2 without EP)",
+    )
     parser.add_argument("--bucket-bytes", type=byte_size_arg, default="16MiB")
     parser.add_argument(
         "--repeat", type=int, default=2, help="timed pushes per row (median), after the warm-ups"
@@ -79,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, help="also draw throughput against T and R (PNG)")
 
 
-def _case(name: str, rate: int, args, workdir: Path, checkpoint) -> tuple[list[Row], float]:
+def _case(name: str, rate: int, args, workdir: Path, source) -> tuple[list[Row], float]:
     module = CASES[name]
     with start_cluster(module.hosts_needed(args), rate) as made:
         probe_bytes = max(4 << 20, int(rate / 8 * _PROBE_S))
@@ -89,7 +106,6 @@ def _case(name: str, rate: int, args, workdir: Path, checkpoint) -> tuple[list[R
             f"measured payload {link / 1e6:.0f} Mbit/s",
             file=sys.stderr,
         )
-        source = workdir if name == "deltas" else checkpoint
         return module.run(made, source, link, args), link
 
 
@@ -101,17 +117,20 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict] = {}
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wb-bench-cluster-", dir="/dev/shm") as tmp:
-        checkpoint = write_checkpoint(Path(tmp) / "model", args.size)
         runs = [(name, args.link) for name in args.cases if name != "deltas"]
         runs += [("deltas", rate) for rate in args.delta_links if "deltas" in args.cases]
+        written: dict = {}
         for name, rate in runs:
-            case_rows, link = _case(name, rate, args, Path(tmp), checkpoint)
+            source = _source(name, Path(tmp), args, written)
+            case_rows, link = _case(name, rate, args, Path(tmp), source)
             result = results.setdefault(name, {"link_bits_per_s": [], "rows": []})
             result["link_bits_per_s"].append(link)
             result["rows"] += [r.as_dict() for r in case_rows]
             rows += case_rows
             size = format_bytes(case_rows[0].model_bytes)
             print_rows(f"{name}: links {link / 1e6:.0f} Mbit/s payload, model {size}", case_rows)
+            if name == "experts":
+                print_experts(case_rows)
     lines = verdicts(rows)
     print("\n" + "\n".join(lines))
     failures = [f"{r.case} {r.path}: {f}" for r in rows for f in r.failures]
@@ -125,6 +144,20 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(rows, args.plot)
     return 1 if failures else 0
+
+
+def _source(name: str, workdir: Path, args: argparse.Namespace, written: dict):
+    """What case `name` pushes: the deltas case's trainer saves its own model in `workdir`, the
+    experts case pushes a Qwen3-MoE, the others a Llama of `--size` (each written once, into
+    `written`)."""
+    if name == "deltas":
+        return workdir
+    kind = "moe" if name == "experts" else "model"
+    if kind not in written:
+        write = write_moe_checkpoint if kind == "moe" else write_checkpoint
+        size = (args.moe_size, args.moe_experts) if kind == "moe" else (args.size,)
+        written[kind] = write(workdir / kind, *size)
+    return written[kind]
 
 
 def _settings(args: argparse.Namespace) -> dict:

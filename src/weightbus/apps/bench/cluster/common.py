@@ -13,6 +13,7 @@ import torch
 
 from weightbus.apps.bench.dist import write_model
 from weightbus.apps.bench.llama_weights import hf_config, llama_shape, llama_weights
+from weightbus.apps.bench.moe_weights import moe_config, moe_shape, moe_weights
 from weightbus.apps.capacity.forecast import Scenario, forecast
 from weightbus.apps.capacity.profiles import hardware
 from weightbus.apps.capacity.shapes import ModelTensors
@@ -20,7 +21,7 @@ from weightbus.apps.cluster.hosts import Cluster, Host
 from weightbus.apps.cluster.ranks import TrainerRanks
 from weightbus.core.digest import fingerprint
 from weightbus.core.meta import TensorMeta, metas_of
-from weightbus.core.publisher.targets import HttpEngineTarget
+from weightbus.core.publisher.targets import EngineWeights, HttpEngineTarget
 
 GB = 1e9
 T = TypeVar("T")
@@ -49,6 +50,21 @@ def write_checkpoint(directory: Path, size: int) -> Checkpoint:
     return Checkpoint(directory, model, fingerprint(weights))
 
 
+def write_moe_checkpoint(directory: Path, size: int, num_experts: int, seed: int = 0) -> Checkpoint:
+    """A Qwen3-MoE of at least `size` bytes (bf16, `num_experts` experts, top 4; per-expert
+    tensors, as checkpoints name them; random weights from `seed`) in `directory`."""
+    from safetensors.torch import save_file
+
+    shape = moe_shape(size, num_experts)
+    weights = moe_weights(shape, seed)
+    directory.mkdir(parents=True)
+    config = moe_config(shape)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(dict(weights), str(directory / "model.safetensors"))
+    model = ModelTensors(f"qwen3-moe {size >> 20} MiB", tuple(metas_of(weights)), config)
+    return Checkpoint(directory, model, fingerprint(weights))
+
+
 def read_checkpoint(directory: Path) -> Checkpoint:
     """A checkpoint's tensors as a bf16 engine serves them (from its safetensors header and
     config; no tensor is read); no fingerprint."""
@@ -65,14 +81,19 @@ def read_checkpoint(directory: Path) -> Checkpoint:
 
 def served(urls: Sequence[str], token: str) -> list[str]:
     """The fingerprint each engine says it serves (asked over the gateway)."""
-    prints = []
+    return [weights.fingerprint for weights in served_weights(urls, token)]
+
+
+def served_weights(urls: Sequence[str], token: str) -> list[EngineWeights]:
+    """The version and fingerprint each engine says it serves (asked over the gateway)."""
+    answers = []
     for url in urls:
         target = HttpEngineTarget(url, token=token)
         try:
-            prints.append(target.weights(_READ_TIMEOUT_S).fingerprint)
+            answers.append(target.weights(_READ_TIMEOUT_S))
         finally:
             target.close()
-    return prints
+    return answers
 
 
 def start_engines(
@@ -114,8 +135,10 @@ class Row:
     predicted_bottleneck: str = ""
     predicted_sent_bytes: list[int] = field(default_factory=list)
     predicted_engine_nic_bytes: int = 0
+    predicted_rank_bytes: list[int] = field(default_factory=list)  # by engine TP rank
     predicted_nic_bytes: int = 0  # the planner's busiest NIC, one direction
     failures: list[str] = field(default_factory=list)
+    version: str = ""  # the last push's
 
     @property
     def median_s(self) -> float:
@@ -148,6 +171,7 @@ def timed_pushes(
     for index in range(warmups + repeat):
         version = f"{row.case}-{row.path}-{row.trainer_hosts}-{row.engine_hosts}-{index}"
         seconds, moved = during(hosts, lambda v=version: push(v))
+        row.version = version
         if index >= warmups:
             row.seconds.append(seconds)
             row.host_bytes = moved
@@ -172,10 +196,11 @@ def measure_pushes(
 
 
 def check_served(row: Row, urls: Sequence[str], token: str, expected: str) -> None:
-    """A failure on `row` unless every engine serves `expected`."""
-    prints = served(urls, token)
-    if set(prints) != {expected}:
-        row.failures.append(f"engines serve {prints}, expected {expected}")
+    """A failure on `row` unless every engine serves its last push (`row.version`) with
+    fingerprint `expected`."""
+    answers = [(w.version, w.fingerprint) for w in served_weights(urls, token)]
+    if set(answers) != {(row.version, expected)}:
+        row.failures.append(f"engines serve {answers}, expected {(row.version, expected)}")
 
 
 def cluster_hardware(link_bits_per_s: float):
@@ -192,4 +217,5 @@ def predict(row: Row, checkpoint: Checkpoint, link_bits_per_s: float, **scenario
     row.predicted_bottleneck = planned.timing.bottleneck
     row.predicted_sent_bytes = list(planned.traffic.trainer_send_bytes)
     row.predicted_engine_nic_bytes = planned.traffic.nic_receive_bytes
+    row.predicted_rank_bytes = list(planned.traffic.receive_bytes)
     row.predicted_nic_bytes = round(planned.timing.wire_s * link_bits_per_s / 8)

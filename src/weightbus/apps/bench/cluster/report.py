@@ -3,6 +3,8 @@
 from pathlib import Path
 
 from weightbus.apps.bench.cluster.common import Row
+from weightbus.apps.bench.cluster.experts import PATHS as EXPERT_PATHS
+from weightbus.apps.bench.cluster.experts import speedups
 from weightbus.apps.tables import print_table
 from weightbus.core.units import format_bytes
 
@@ -11,6 +13,8 @@ TARGET_OF_LINKS = (
 )
 TARGET_PLAN_ERROR = 0.2  # the planner within 20% of the measured time
 TARGET_DELTA_SPEEDUP = 5.0  # deltas: lr 1e-6, whole push time over delta push time
+TARGET_EXPERT_SPEEDUP = 1.6  # experts: EP 2, every byte to every rank over each expert to its rank
+TARGET_EXPERT_PLAN_ERROR = 0.1  # experts: the planner within 10% of measured bytes and times
 
 
 def print_rows(title: str, rows: list[Row]) -> None:
@@ -47,6 +51,46 @@ def print_rows(title: str, rows: list[Row]) -> None:
     print_table(headers, table)
 
 
+def print_experts(rows: list[Row]) -> None:
+    """The experts case's bytes: into the engine's NIC and per engine rank, measured beside
+    `weightbus plan`'s."""
+    headers = [
+        "path",
+        "engine",
+        "engine NIC in",
+        "planned",
+        "error",
+        "bytes per engine rank",
+        "planned per rank",
+        "error",
+    ]
+    table = []
+    for row in rows:
+        layout = EXPERT_PATHS[row.path][0]
+        received = row.host_bytes["engine0"][1]
+        measured = row.engine_rank_bytes[0]
+        table.append([
+            row.path,
+            f"TP {layout.tp}, EP {layout.ep}" if layout.ep > 1 else f"TP {layout.tp}",
+            format_bytes(received),
+            format_bytes(row.predicted_engine_nic_bytes),
+            f"{(row.predicted_engine_nic_bytes - received) / received:+.1%}",
+            " / ".join(format_bytes(n) for n in measured),
+            " / ".join(format_bytes(n) for n in row.predicted_rank_bytes),
+            f"{rank_bytes_error(row):+.2%}",
+        ])  # fmt: skip
+    print_table(headers, table)
+    for routed, whole, ratio in speedups(rows):
+        print(f"{routed} vs {whole}: {ratio:.2f}x faster")
+
+
+def rank_bytes_error(row: Row) -> float:
+    """The planner's bytes per engine rank against those the ranks counted: the largest
+    relative error over the ranks."""
+    pairs = zip(row.predicted_rank_bytes, row.engine_rank_bytes[0], strict=True)
+    return max(((planned - got) / got for planned, got in pairs), key=abs)
+
+
 def plan_error(row: Row) -> float:
     return (row.predicted_s - row.median_s) / row.median_s
 
@@ -65,12 +109,29 @@ def verdicts(rows: list[Row]) -> list[str]:
                     f">= {TARGET_OF_LINKS}",
                 )
             )
+        target = TARGET_EXPERT_PLAN_ERROR if row.case == "experts" else TARGET_PLAN_ERROR
         lines.append(
             _verdict(
                 f"plan {row.case} {row.path} T={row.trainer_hosts} E/R={row.engine_hosts}: "
                 f"{plan_error(row):+.0%}",
-                abs(plan_error(row)) <= TARGET_PLAN_ERROR,
-                f"within {TARGET_PLAN_ERROR:.0%}",
+                abs(plan_error(row)) <= target,
+                f"within {target:.0%}",
+            )
+        )
+        if row.case == "experts":
+            lines.append(
+                _verdict(
+                    f"plan experts {row.path} bytes per engine rank: {rank_bytes_error(row):+.2%}",
+                    abs(rank_bytes_error(row)) <= TARGET_EXPERT_PLAN_ERROR,
+                    f"within {TARGET_EXPERT_PLAN_ERROR:.0%}",
+                )
+            )
+    for routed, whole, ratio in speedups(rows):
+        lines.append(
+            _verdict(
+                f"experts {routed} vs {whole}: {ratio:.2f}x faster",
+                ratio >= TARGET_EXPERT_SPEEDUP,
+                f">= {TARGET_EXPERT_SPEEDUP}x",
             )
         )
     deltas = {row.path: row for row in rows if row.case == "deltas"}
