@@ -13,7 +13,9 @@ ways, interleaved with the floors that bound them:
 
 Each row's bytes per engine rank (what the ranks' sources counted) stand beside the planner's
 (`weightbus plan`, `apps/capacity/`), and each time beside the planner's prediction from the
-floors measured here (as `weightbus bench plan` does for dense models).
+floors measured here (as `weightbus bench plan` does for dense models) plus the row's fixed
+cost, measured on a tiny twin of the model (the same layers, experts and tensors, a few MiB):
+an MoE push's per-tensor work is part of its cost.
 """
 
 import argparse
@@ -22,7 +24,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -30,7 +32,7 @@ from safetensors.torch import save_file
 
 from weightbus.apps.bench.dist import Baseline
 from weightbus.apps.bench.moe_weights import MoeShape, moe_config, moe_shape, moe_weights
-from weightbus.apps.bench.plan import FLOORS, fixed_costs, floor_operations, measured_hardware
+from weightbus.apps.bench.plan import FLOORS, floor_operations, measured_hardware
 from weightbus.apps.bench.timing import measure_interleaved, write_json
 from weightbus.apps.capacity.forecast import Scenario, forecast
 from weightbus.apps.capacity.shapes import ModelTensors
@@ -113,8 +115,27 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _measure(args: argparse.Namespace, workdir: Path, fixed: dict[str, float]) -> dict:
+def _fixed_costs(shape: MoeShape, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    """Median push time per row of a tiny twin of `shape` (its layers, experts and tensors,
+    hidden 128, experts of 32: a few MiB): the cost of a push that bandwidths do not explain,
+    its per-tensor work included (the planner's `push_s` for each row)."""
+    twin = replace(shape, hidden_size=128, moe_intermediate_size=32, vocab_size=256)
+    weights = moe_weights(twin)
+    folder = _write_model(twin, weights, workdir / "twin")
+    proc, url = start_engine(str(folder), args.tp, extra=_engine_flags(args))
+    pushers = _Pushers(url)
+    try:
+        ops = [(row, 0, lambda r=row: pushers.push(r, weights)) for row in ROWS]
+        rows = measure_interleaved(ops, max(5, args.repeat))
+    finally:
+        pushers.close()
+        stop_engine(proc)
+    return {m.name: m.median_s for m in rows}
+
+
+def _measure(args: argparse.Namespace, workdir: Path) -> dict:
     shape = moe_shape(parse_bytes(args.size), args.experts, args.top_k)
+    fixed = _fixed_costs(shape, args, workdir)
     weights = moe_weights(shape)
     model_bytes = sum(t.nbytes for _, t in weights)
     model = ModelTensors("qwen3-moe", tuple(metas_of(weights)), moe_config(shape))
@@ -141,7 +162,7 @@ def _measure(args: argparse.Namespace, workdir: Path, fixed: dict[str, float]) -
     floors = {name: rows[name].gb_per_s for name in FLOORS}
     predicted = {
         row: forecast(model, Scenario(engine=_layout(args), transport=path,
-                                      hardware=measured_hardware(floors, fixed[path]),
+                                      hardware=measured_hardware(floors, fixed[row]),
                                       cross_node=path != "shm", verify=False)).timing
         for row, (path, _) in ROWS.items() if path
     }  # fmt: skip
@@ -201,8 +222,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(
         prefix="weightbus-bench-", dir=shm if shm.is_dir() else None
     ) as tmp:
-        fixed = fixed_costs(args, Path(tmp))
-        result = _measure(args, Path(tmp), fixed)
+        result = _measure(args, Path(tmp))
     _print(result, args)
     if args.json:
         predicted = {row: timing.as_dict() for row, timing in result["predicted"].items()}
