@@ -2,7 +2,8 @@
 not the cores, are the bound), checked for outcomes, never times: every engine serves the pushed
 fingerprint (the bench fails otherwise), every trainer rank sends the bytes `weightbus plan`
 says it does, and the busiest NIC carries the planner's bytes (gloo's binomial broadcast, TP
-slices behind one NIC, FSDP shards to every replica, a delta's encoding)."""
+slices behind one NIC, FSDP shards to every replica, a delta's encoding); and each expert of an
+MoE reaches only the engine rank that holds it (EP 2), as the planner says."""
 
 import json
 import subprocess
@@ -17,13 +18,16 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() 
 # control messages, digests' exchange between trainer ranks, frame headers (GSO: few)
 _OVERHEAD, _CONTROL_BYTES = 1.05, 1 << 20
 RUNS = ("lr 1e-6", "lr 1e-6, frozen embeddings")
+EXPERT_PATHS = ("dist parts", "dist broadcast", "nixl")
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "cluster.json"
     command = [sys.executable, "-m", "weightbus", "bench", "cluster", "--size", "8MiB"]
-    command += ["--cases", "senders", "replicas", "deltas"]  # experts: test_bench_experts.py
+    command += ["--cases", "senders", "replicas", "deltas", "experts"]
+    command += ["--moe-size", "48MiB", "--moe-experts", "4"]  # 49 MiB: 4 experts, top 4
+    command += ["--expert-paths", *EXPERT_PATHS]  # EP 2 (the TP 2 row: the bench's alone)
     command += ["--trainer-hosts", "1", "2", "--engine-hosts", "2", "--replicas", "1", "2"]
     # one push per row (no warm-up): these checks are of bytes and fingerprints, never of times
     command += ["--delta-model", "tiny", "--delta-steps", "1", "--repeat", "1", "--warmups", "0"]
@@ -87,3 +91,17 @@ def test_a_delta_carries_a_fraction_of_a_whole_push(bench):
         delta, whole = rows[f"200 Mbit/s, {run}: delta"], rows[f"200 Mbit/s, {run}: whole"]
         assert whole["sent_bytes"] == [whole["model_bytes"]]
         assert 0 < delta["sent_bytes"][0] < whole["model_bytes"] / 4
+
+
+def test_each_expert_reaches_only_the_engine_ranks_that_hold_it(bench):
+    rows = {row["path"]: row for row in _rows(bench, "experts")}
+    assert set(rows) == set(EXPERT_PATHS)
+    for path, row in rows.items():
+        assert row["engine_rank_bytes"] == [row["predicted_rank_bytes"]], path
+        received, expected = row["host_bytes"]["engine0"][1], row["predicted_engine_nic_bytes"]
+        assert expected <= received <= _OVERHEAD * expected + _CONTROL_BYTES, (path, received)
+    # every byte to every rank, against each rank its experts and its dense share
+    assert rows["dist broadcast"]["engine_rank_bytes"] == [[rows["nixl"]["model_bytes"]] * 2]
+    for path in ("dist parts", "nixl"):
+        ranks = rows[path]["engine_rank_bytes"][0]
+        assert sum(ranks) < _OVERHEAD * rows[path]["model_bytes"], path
