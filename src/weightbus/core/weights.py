@@ -47,14 +47,19 @@ def named_pairs(weights: Any) -> Iterator[tuple[str, Any]]:
         pairs = weights
     for name, value in pairs:
         # a DTensor's experts are split by the trainer layouts (not here)
-        if (
-            isinstance(value, torch.Tensor)
-            and not hasattr(value, "placements")
-            and is_fused_experts(name)
-        ):
+        if isinstance(value, torch.Tensor) and not is_dtensor(value) and is_fused_experts(name):
             yield from split_fused_experts(name, value)
         else:
             yield name, value
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether `value` is a DTensor (a sharded trainer's parameter)."""
+    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
+        return False  # a plain tensor: torch.distributed's tensor module is not loaded for it
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def named_sources(

@@ -17,7 +17,13 @@ import torch
 from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.plan.bucket import byte_view
 from weightbus.core.trainer.boxes import Box
-from weightbus.core.weights import NameMap, declares_tie, named_sources, tied_head_names
+from weightbus.core.weights import (
+    NameMap,
+    declares_tie,
+    is_dtensor,
+    named_sources,
+    tied_head_names,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,14 +156,6 @@ def _local_shape_and_offset(shape: tuple[int, ...], mesh: Any, placements: tuple
     return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 
-def _is_dtensor(value: Any) -> bool:
-    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
-        return False  # a plain tensor: torch.distributed's tensor module is not loaded for it
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
 def holding(name: str, source: Source) -> Holding:
     """The holding of one source under its final name.
 
@@ -170,7 +168,7 @@ def holding(name: str, source: Source) -> Holding:
         local = source.tensor.detach()
         box = Box.of_offsets(name, shape, tuple(local.shape), tuple(source.offset))
         return Holding(TensorMeta(name, local.dtype, shape), box, local)
-    if _is_dtensor(source):
+    if is_dtensor(source):
         return _dtensor_holding(name, source)
     if isinstance(source, torch.Tensor):
         return whole_holding(name, source)
@@ -180,7 +178,7 @@ def holding(name: str, source: Source) -> Holding:
 def _memory_of(source: Any) -> torch.Tensor | None:
     if isinstance(source, DeclaredShard):
         return source.tensor
-    if _is_dtensor(source):
+    if is_dtensor(source):
         return source.to_local()
     return source if isinstance(source, torch.Tensor) else None
 

@@ -143,6 +143,11 @@ class DirectTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # the others): it takes none of their bytes
     absent: list[TensorName] = msgspec.field(default_factory=list)
 
+    def named(self) -> set[str]:
+        """The tensors the offer names: those the rank holds a slice of, and those it holds
+        none of (`absent`)."""
+        return {copy.hf_name for copy in self.copies} | set(self.absent)
+
 
 @register
 class ReceiverHello(Message, kw_only=True):

@@ -129,7 +129,7 @@ class NixlSource(RankSessionSource):
         if not header.direct:
             raise ProtocolError("a nixl session must write into the ranks' parameters")
         self._plan = plan_buckets([meta.to_meta() for meta in header.tensors], header.bucket_bytes)
-        held = {copy.hf_name for copy in hello.target.copies} | set(hello.target.absent)
+        held = hello.target.named()
         self._whole = [inbox_entries(bucket, held) for bucket in self._plan.buckets]
         self._offer_inbox(inbox_slot_bytes(self._whole))
         # sent before begin() returns: the Receiver marks the target touched right after

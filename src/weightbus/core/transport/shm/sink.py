@@ -252,7 +252,7 @@ class ShmSink(BucketSink):
         if not self.direct or any(offer is None for offer in offers):
             return None
         metas = {meta.name: meta for meta in session.plan.metas}
-        if any(_named(offer) != metas.keys() for offer in offers):
+        if any(offer.named() != metas.keys() for offer in offers):
             return None  # not the parameters' tensors (a delta's payload): the slots carry it
         for offer in offers:
             key = (offer.file, offer.layout_hash, session.plan.plan_hash)
@@ -332,8 +332,3 @@ class ShmSink(BucketSink):
         self._socket.close(linger=0)
         self._context.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-def _named(offer: DirectTarget) -> set[str]:
-    """The tensors a rank's offer names: those it holds a slice of and those it holds none of."""
-    return {copy.hf_name for copy in offer.copies} | set(offer.absent)
