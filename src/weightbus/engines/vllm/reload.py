@@ -3,13 +3,16 @@
 vLLM's CPU (and quantized) layers post-process their weights after loading (repacked GEMM
 weights, scales): a plain `model.load_weights` into a running model either fails (parameters
 emptied by the repack) or leaves the repacked copy stale. The layerwise reload re-runs that
-processing per layer; `retie_tied_heads` fixes the one layer it misses.
+processing per layer; `retie_tied_heads` and `experts.prepare_reloaded` (fused MoE layers:
+the kernel's own preparation, which the reload skips) fix the layers it misses.
 """
 
 import logging
 from collections.abc import Iterable
 
 import torch
+
+from weightbus.engines.vllm.experts import expert_tensor, prepare_reloaded
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +24,13 @@ def reload_weights(
     *,
     retie_heads: bool = True,
 ) -> set[str]:
-    """Load `(hf_name, tensor)` pairs with vLLM's layerwise reload; returns the names the model
-    loaded. Layers that receive nothing keep their weights (vLLM puts them back)."""
+    """Load `(hf_name, tensor)` pairs with vLLM's layerwise reload, then prepare the fused MoE
+    layers it touched for their kernel as start-up does; returns the names the model loaded.
+    Layers that receive nothing keep their weights (vLLM puts them back).
+
+    Raises:
+        UnpreparableError: a touched MoE layer's preparation is not known (names the layer).
+    """
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -33,6 +41,9 @@ def reload_weights(
         loaded = set(model.load_weights(pairs))
     finally:
         finalize_layerwise_reload(model, model_config)
+    prepared = prepare_reloaded(model, loaded)
+    if prepared:
+        logger.debug("prepared %d MoE layers for their kernel", len(prepared))
     if retie_heads:
         retie_tied_heads(model)
     return loaded
@@ -42,12 +53,16 @@ def unloaded(model: torch.nn.Module, names: Iterable[str], loaded: set[str]) -> 
     """The checkpoint names among `names` whose parameter vLLM did not report loaded.
 
     vLLM reports its own parameter names: fused ones (`qkv_proj` for `q_proj`, `k_proj`,
-    `v_proj`) come from the model's `packed_modules_mapping`.
+    `v_proj`) come from the model's `packed_modules_mapping`, an expert's matrices are its
+    MoE layer's `w13_weight` (gate, up) and `w2_weight` (down).
     """
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     fused_of = {part: fused for fused, parts in packed.items() for part in parts}
 
     def vllm_name(name: str) -> str:
+        expert = expert_tensor(model, name)
+        if expert is not None:
+            return expert.param_name
         parts = name.split(".")
         return ".".join(fused_of.get(part, part) for part in parts)
 

@@ -6,9 +6,11 @@ q, k, v of `QKVParallelLinear`, with k and v shared by `num_kv_head_replicas` ra
 are fewer KV heads than ranks; gate and up of `MergedColumnParallelLinear`), a
 `RowParallelLinear` the same range of columns, a `VocabParallelEmbedding` (and the LM head) its
 `shard_indices` rows; replicated layers (norms, `ReplicatedLinear`) and row-parallel biases keep
-everything. This module reads those figures from the live layers, so a worker receives only
-its part (`SliceSpec`) and stages it where vLLM's loader will read it. A parallel layer this
-module does not know is received whole for that tensor only (`SliceMap.whole`: logged and
+everything; a fused MoE layer each expert's TP rows (gate, up) or columns (down), or, under
+expert parallelism, whole experts it holds and nothing of the others (`experts.py`). This
+module reads those figures from the live layers, so a worker receives only its part
+(`SliceSpec`) and stages it where vLLM's loader will read it. A parallel layer this module
+does not know is received whole for that tensor only (`SliceMap.whole`: logged and
 reported), which is always correct, only larger. A server started with `--enable-lora` wraps
 its layers (`MergedQKVParallelLinearWithLoRA`, ...): the part is its `base_layer`'s, whose
 loaders vLLM's load goes through.
@@ -22,6 +24,7 @@ import torch
 
 from weightbus.core.meta import TensorMeta
 from weightbus.core.wire.messages import SliceSpec
+from weightbus.engines.vllm.experts import expert_slice, expert_tensor
 
 logger = logging.getLogger("vllm.weightbus")
 
@@ -31,7 +34,8 @@ class SliceMap:
     """A worker's part of each checkpoint tensor (tensors absent from `slices` whole).
 
     Attributes:
-        slices: name -> the rows (or columns) this worker loads, for tensors it loads a part of.
+        slices: name -> the rows (or columns) this worker loads, for tensors it loads a part of
+            (length 0: none of it, an expert another expert-parallel rank holds).
         whole: tensors of parallel layers this module cannot map, received whole.
     """
 
@@ -50,10 +54,14 @@ def worker_slice_map(model: torch.nn.Module, metas: Mapping[str, TensorMeta]) ->
                 enumerate(parts)}  # fmt: skip
     result = SliceMap()
     for name, meta in metas.items():
-        module, part = _module_of(model, name, fused_of)
         try:
-            spec = _slice(name, meta.shape, module, part)
-        except _UnmappedError as exc:
+            expert = expert_tensor(model, name)
+            if expert is not None:
+                spec = expert_slice(name, meta.shape, expert)
+            else:
+                module, part = _module_of(model, name, fused_of)
+                spec = _slice(name, meta.shape, module, part)
+        except (_UnmappedError, ValueError) as exc:
             result.whole.append(name)
             logger.warning("weightbus: %s is received whole: %s", name, exc)
             continue

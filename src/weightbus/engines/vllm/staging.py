@@ -30,6 +30,7 @@ from weightbus.core.transport import (
     remove_stale_slots,
 )
 from weightbus.core.wire.messages import SliceSpec
+from weightbus.engines.vllm.experts import expert_block
 
 # a child of vLLM's logger: vLLM configures handlers for its own tree only
 logger = logging.getLogger("vllm.weightbus")
@@ -147,9 +148,16 @@ class StagingBuffers:
         if arena is None or (shared and not arena.shared):
             return None
         if self._placement is None:
-            copies = [(name, name, self._copy(name)) for name in self._buffers]
-            self._placement = direct_placement(arena, copies)
+            # an expert another expert-parallel rank holds: no bytes, no region
+            absent = [name for name in self._buffers if self._absent(name)]
+            copies = [(name, name, self._copy(name)) for name in self._buffers
+                      if not self._absent(name)]  # fmt: skip
+            self._placement = direct_placement(arena, copies, absent)
         return self._placement
+
+    def _absent(self, name: str) -> bool:
+        spec = self.slices.get(name)
+        return spec is not None and spec.length == 0
 
     def _copy(self, name: str) -> ShardCopy:
         spec = self.slices.get(name)
@@ -243,9 +251,14 @@ def _written_ranges(meta: TensorMeta, spec: SliceSpec) -> list[tuple[int, int]]:
 
 def load_group(name: str) -> str:
     """The block a checkpoint tensor is loaded with: its module's parent
-    (`model.layers.0.self_attn` for `...self_attn.q_proj.weight`). vLLM fuses tensors only
-    inside such a block (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`), so loading or
-    skipping whole blocks never hands vLLM part of a fused parameter."""
+    (`model.layers.0.self_attn` for `...self_attn.q_proj.weight`), for an expert's matrix its
+    MoE block (`model.layers.0.mlp` for `...mlp.experts.17.gate_proj.weight`: every expert of
+    a layer lands in one fused parameter). vLLM fuses tensors only inside such a block (q/k/v
+    into `qkv_proj`, gate/up into `gate_up_proj`, experts into `w13_weight` and `w2_weight`),
+    so loading or skipping whole blocks never hands vLLM part of a fused parameter."""
+    block = expert_block(name)
+    if block is not None:
+        return block
     parts = name.split(".")
     return ".".join(parts[:-2]) if len(parts) > 2 else name
 

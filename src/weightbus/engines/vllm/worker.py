@@ -37,6 +37,7 @@ from weightbus.core.meta import DRAFT_PREFIX, TensorMeta, is_draft_name
 from weightbus.core.receiver import RankResult, Receiver
 from weightbus.core.transport import decode_setup_request, open_source, rank_setup
 from weightbus.core.wire.messages import SliceSpec
+from weightbus.engines.vllm.experts import UnpreparableError, moe_layers, unpreparable
 from weightbus.engines.vllm.messages import (
     UNTOUCHED,
     VllmDecision,
@@ -117,6 +118,7 @@ class WeightbusWeightTransferEngine(
         self._received_bytes = 0  # what the last push's transport brought this rank
         self._main_metas: dict[str, TensorMeta] | None = None
         self._draft_metas: dict[str, TensorMeta] | None = None  # `draft.` names
+        self._unpreparable: list[str] | None = None  # MoE layers a load could not prepare
 
     # typed parsing (vLLM's default is `cls(**dict)`)
     # (vLLM parses on every rank: an unreadable info is raised by the last rank only, as every
@@ -331,6 +333,7 @@ class WeightbusWeightTransferEngine(
         try:
             if info.two_phase or info.delta is not None:
                 self._refuse_with_draft("a two-phase push" if info.two_phase else "a delta")
+            self._refuse_unpreparable()
             buffers = self._versions.receiving(base, expected)
         except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: out of memory
             buffers, refusal = StagingBuffers(), str(exc)
@@ -367,6 +370,15 @@ class WeightbusWeightTransferEngine(
                 f"{what} into a vLLM server that serves a draft model is not supported: push "
                 "both models whole, one-phase"
             )
+
+    def _refuse_unpreparable(self) -> None:
+        """Raises: UnpreparableError: the served model has fused MoE layers whose preparation
+        for their kernel weightbus cannot redo after loading (each named, with why)."""
+        if self._unpreparable is None:
+            layers = moe_layers(self._default_model, self._metas_of_main())
+            self._unpreparable = unpreparable(layers)
+        if self._unpreparable:
+            raise UnpreparableError("; ".join(self._unpreparable))
 
     @property
     def _drafting(self) -> bool:
