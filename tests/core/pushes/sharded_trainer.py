@@ -6,16 +6,21 @@ order and writes one JSON line per action to `<out>/rank<r>.jsonl`; after each `
 `save`, rank 0 writes the gathered weights (for the test's checks only) to `<out>/<version>.pt`.
 
 Actions: `train` (steps), `push` (version; `direct`: False packs the slots; `transport`:
-`shm`, `nixl`, `dist` or `disk`; `quantize`: "fp8-block"),
+`shm`, `nixl`, `dist` or `disk`; `quantize`: "fp8-block"; `experts`, for an MoE model whose
+fused expert tensors FSDP2 cut by expert: `fsdp` (the model as is, the default), `declared`
+(each rank's experts as `DeclaredShard`s of the fused tensors) or `per_expert` (the
+checkpoint's per-expert tensors of the rank's experts); a push never gathers a DTensor),
 `nan` (rank `on` holds a NaN), `raise` (rank `on` passes a non-tensor), `kill` (rank `on` dies
 by SIGKILL as its copies start; over `dist`, as it packs its first parts).
 """
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from weightbus.core.publisher import Publisher
+from weightbus.core.publisher import DeclaredShard, Publisher
 from weightbus.core.transport.shm.sender import ShmRankSender
 
 
@@ -66,14 +71,62 @@ def _push(publisher: Publisher, model: torch.nn.Module, action: dict, rank: int)
             DistRankSender._pack = die  # as its first bucket's parts are packed
         else:
             ShmRankSender._copy = die
+    if action.get("experts", "fsdp") != "fsdp":
+        weights = _expert_weights(model.state_dict(), action["experts"])
     options = dict(action.get("options", {}))
-    result = publisher.push(weights, version=action["version"], **options)
+    with _no_gather():
+        result = publisher.push(weights, version=action["version"], **options)
     return {
         "fingerprint": result.fingerprint,
         "quantization": result.quantization,
         "sent_bytes": result.rank_sent_bytes,
         "rank_nbytes": [e.rank_nbytes for e in result.engines],
     }
+
+
+def _expert_weights(state: dict, form: str) -> dict:
+    """The state dict with each fused expert DTensor as this rank's experts, declared
+    (`DeclaredShard` at its first expert) or as the checkpoint's per-expert tensors."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    weights = {}
+    for name, value in state.items():
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            weights[name] = value
+            continue
+        local = value.to_local()
+        _, offset = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+        if form == "declared":
+            weights[name] = DeclaredShard(local, tuple(value.shape), tuple(offset))
+            continue
+        prefix, kind = name.rsplit(".", 1)
+        half = value.shape[1] // 2
+        for index in range(local.shape[0]):
+            expert = f"{prefix}.{offset[0] + index}"
+            if kind == "down_proj":
+                weights[f"{expert}.down_proj.weight"] = local[index]
+            else:
+                weights[f"{expert}.gate_proj.weight"] = local[index, :half]
+                weights[f"{expert}.up_proj.weight"] = local[index, half:]
+    return weights
+
+
+@contextlib.contextmanager
+def _no_gather() -> Iterator[None]:
+    """DTensor gathers raise while a push runs: no rank materialises what it does not hold."""
+    from torch.distributed.tensor import DTensor
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a push gathered a DTensor")
+
+    saved = DTensor.full_tensor, DTensor.redistribute
+    DTensor.full_tensor = DTensor.redistribute = refuse
+    try:
+        yield
+    finally:
+        DTensor.full_tensor, DTensor.redistribute = saved
 
 
 def _publisher(args: dict, direct: bool, transport: str, quantize: str | None) -> Publisher:

@@ -12,11 +12,11 @@ pushes place each expert's scales with it.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import VOCAB_SIZE, ServedEngine
+from engine_harness import ServedEngine
+from moe_harness import LAYOUTS, LONG_PROMPT, NUM_EXPERTS, SEEDS
 from safetensors.torch import save_file
 from update_harness import engine_greedy, hf_greedy, trained_copy
 
@@ -37,46 +37,6 @@ from weightbus.engines.reference.models.experts import linear_placement
 pytestmark = pytest.mark.e2e
 
 LOGPROB_ATOL = 1e-4
-# name -> serve flags: the layouts of the experts the issue names
-LAYOUTS = {
-    "tp1": ("--tp", "1"),
-    "tp2": ("--tp", "2"),
-    "ep2": ("--tp", "2", "--expert-parallel"),
-    "ep2_redundant": ("--tp", "2", "--expert-parallel", "--redundant-experts", "2"),
-}
-NUM_EXPERTS = 8
-SEEDS = (1, 2, 3, 4)  # the trained versions pushed here
-# 40 tokens, drawn with a seed chosen so that both copies of each replicated expert get prompt
-# tokens in every MoE layer of every version pushed here (checked below)
-LONG_PROMPT = torch.randint(
-    0, VOCAB_SIZE, (40,), generator=torch.Generator().manual_seed(5)
-).tolist()
-
-
-@pytest.fixture(scope="module")
-def hf_moe(shared_processes) -> tuple[Path, torch.nn.Module]:
-    """The shared MoE engines' checkpoint and transformers' model of it."""
-    path = shared_processes.moe_checkpoint()
-    from transformers import Qwen3MoeForCausalLM
-
-    return path, Qwen3MoeForCausalLM.from_pretrained(path).float().eval()
-
-
-@pytest.fixture(scope="module")
-def moe_engines(
-    shared_processes, hf_moe: tuple, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, ServedEngine]:
-    """An engine per layout (shared with test_expert_replacement.py: `ep2_redundant`), its
-    experts placed linearly (what another module left may differ)."""
-    log_dir = tmp_path_factory.mktemp("log")
-    started = {
-        name: shared_processes.moe_engine(*flags, log_dir=log_dir)
-        for name, flags in LAYOUTS.items()
-    }
-    for name in ("ep2", "ep2_redundant"):
-        response = started[name].client.post("/v1/experts/place", json={"placement": "linear"})
-        assert response.status_code == 200, response.text
-    return started
 
 
 def _assert_serves(moe_engines: dict[str, ServedEngine], model: torch.nn.Module) -> None:

@@ -44,9 +44,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--trainer-layout",
         default="owners",
-        choices=("owners", "fsdp"),
+        choices=("owners", "fsdp", "ep"),
         help="owners: each trainer rank holds whole tensors (replicas, pipeline stages); fsdp: "
-        "every tensor's rows over the ranks (FSDP2, a Publisher on every rank; docs/sharded.md)",
+        "every tensor's rows over the ranks (FSDP2, a Publisher on every rank; docs/sharded.md); "
+        "ep: the experts over the ranks, the rest as fsdp (docs/moe.md)",
     )
     plan.add_argument("--transport", default="nixl", choices=TRANSPORTS)
     plan.add_argument("--hardware", default="h100", choices=sorted(PROFILES))

@@ -217,6 +217,12 @@ def check_block_alignment(
             )
 
 
+def expert_index(name: str) -> int | None:
+    """The routed expert a tensor belongs to (`...experts.17.gate_proj.weight`: 17), or None."""
+    expert = _EXPERT.search(name)
+    return None if expert is None else int(expert[1])
+
+
 def num_experts(config: dict[str, Any]) -> int:
     """Routed experts per MoE layer (0 for a dense model or an unknown config key)."""
     for key in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"):

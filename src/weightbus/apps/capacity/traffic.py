@@ -22,6 +22,8 @@ from weightbus.apps.capacity.sharding import (
     EngineLayout,
     check_block_alignment,
     check_layout,
+    expert_index,
+    num_experts,
     rank_shares,
     unmatched_modules,
 )
@@ -107,7 +109,9 @@ def traffic(
     `trainer_layout`: `owners` (each trainer rank holds and sends whole tensors, the least
     loaded first: replicas splitting the sending, pipeline stages) or `fsdp` (every tensor
     `Shard(0)` over the ranks, FSDP2's uneven chunks: each rank sends its rows of every
-    tensor, as a Publisher on every rank does).
+    tensor, as a Publisher on every rank does) or `ep` (expert parallel: the experts cut over
+    the ranks as FSDP2 cuts transformers 5's fused expert tensors, each expert's tensors sent
+    whole by the rank holding it; the other tensors as `fsdp`).
 
     Raises:
         ValueError: an unknown transport, counts < 1, or a layout the model does not allow
@@ -141,10 +145,12 @@ def traffic(
             _row_chunks(rows, sizes, trainer_ranks),
             _row_chunks(rows, costs, trainer_ranks),
         )
+    elif trainer_layout == "ep":
+        own, senders = _expert_chunks(model, sizes, costs, trainer_ranks)
     elif trainer_layout == "owners":
         own, senders = _spread(sizes, costs, trainer_ranks)
     else:
-        raise ValueError(f"unknown trainer layout {trainer_layout!r}; choose owners or fsdp")
+        raise ValueError(f"unknown trainer layout {trainer_layout!r}; choose owners, fsdp or ep")
     # sharded: trainer ranks send their own buckets at the same time; else they take turns
     in_turn = buckets if pattern != "sharded" else -(-max(own) // bucket_bytes)
     return Traffic(
@@ -165,11 +171,7 @@ def traffic(
         rank_copy_bytes=tuple(_copies(transport) * share for share in share_bytes),
         trainer_own_bytes=own,
         trainer_send_bytes=senders,
-        trainer_exchange_bytes=(
-            _digest_exchange(model.metas, trainer_ranks)
-            if trainer_layout == "fsdp"
-            else (0,) * trainer_ranks
-        ),
+        trainer_exchange_bytes=_exchange(model, trainer_layout, trainer_ranks),
         pack_bytes=_packed(transport, own, senders),
         trainer_hash_bytes=max(own) + _checked(transport, max(senders), verify),
         rank_hash_bytes=_rank_hashes(transport, share_bytes, receive, verify),
@@ -233,6 +235,16 @@ def binomial_nic_copies(replicas: int, tp: int, engine_ranks_per_nic: int) -> in
     return max([*out.values(), *into.values(), 0])
 
 
+def _exchange(model: ModelTensors, trainer_layout: str, ranks: int) -> tuple[int, ...]:
+    """Per trainer rank, the digest exchange of the tensors whose rows are cut over the ranks
+    (`fsdp`: all; `ep`: all but the experts, held whole)."""
+    if trainer_layout == "fsdp":
+        return _digest_exchange(model.metas, ranks)
+    if trainer_layout == "ep":
+        return _digest_exchange([m for m in model.metas if expert_index(m.name) is None], ranks)
+    return (0,) * ranks
+
+
 def _digest_exchange(metas, ranks: int) -> tuple[int, ...]:
     """Per trainer rank, the bytes it sends so that every leaf of a digest tree cut by an FSDP2
     row boundary is hashed whole: at each boundary inside a leaf, the rank holding the smaller
@@ -285,6 +297,32 @@ def _spread(
         heapq.heappush(loads, (load + cost, rank))
     sent = {rank: load for load, rank in loads}
     return tuple(own), tuple(sent[rank] for rank in range(senders))
+
+
+def _expert_chunks(
+    model: ModelTensors, sizes: list[int], costs: list[int], ranks: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per trainer rank, the bytes it holds and sends when the experts are cut over the ranks
+    (expert e on rank `e // ceil(E / ranks)`, `torch.chunk`'s rule) and every other tensor's
+    rows as `fsdp`."""
+    experts = max(num_experts(model.config), 1)
+    step = -(-experts // ranks)
+    own, sent = [0] * ranks, [0] * ranks
+    dense: list[tuple[int, int, int]] = []
+    for meta, size, cost in zip(model.metas, sizes, costs, strict=True):
+        expert = expert_index(meta.name)
+        if expert is None:
+            dense.append((meta.shape[0] if meta.shape else 1, size, cost))
+            continue
+        own[expert // step] += size
+        sent[expert // step] += cost
+    rows = [count for count, _, _ in dense]
+    dense_own = _row_chunks(rows, [size for _, size, _ in dense], ranks)
+    dense_sent = _row_chunks(rows, [cost for _, _, cost in dense], ranks)
+    return (
+        tuple(a + b for a, b in zip(own, dense_own, strict=True)),
+        tuple(a + b for a, b in zip(sent, dense_sent, strict=True)),
+    )
 
 
 def _row_chunks(rows: list[int], amounts: list[int], ranks: int) -> tuple[int, ...]:

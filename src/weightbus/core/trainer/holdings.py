@@ -3,7 +3,10 @@
 Three kinds of source, in any mix (`holdings_of`): a plain tensor (held whole); a DTensor on a
 1-D or 2-D mesh, `Shard(d)` and `Replicate` placements, uneven shards included (its box from
 torch's `compute_local_shape_and_global_offset`); a `DeclaredShard`, a plain local tensor with
-the full shape and offset the trainer states (Megatron-style tensor parallelism).
+the full shape and offset the trainer states (Megatron-style tensor parallelism). A fused expert
+tensor held in part (a DTensor or a `DeclaredShard` of the experts a rank holds: expert
+parallelism) is held as the boxes of each expert's matrices it covers
+(`weightbus.core.experts.fused_blocks`).
 """
 
 import functools
@@ -14,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from weightbus.core.experts import fused_blocks, is_fused_experts
 from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.plan.bucket import byte_view
 from weightbus.core.trainer.boxes import Box
@@ -29,10 +33,12 @@ from weightbus.core.weights import (
 @dataclass(frozen=True, slots=True)
 class DeclaredShard:
     """A plain tensor that is the block of `full_shape` starting at `offset` (one start per
-    dimension; only the first two dimensions may be cut).
+    dimension; only the first two dimensions may be cut, any of a fused expert tensor's three).
 
     Megatron's column-parallel weight on TP rank r of t: `DeclaredShard(local, full_shape,
-    (r * local.shape[0], 0))`; row-parallel: `(0, r * local.shape[1])`.
+    (r * local.shape[0], 0))`; row-parallel: `(0, r * local.shape[1])`. An expert-parallel rank
+    holding experts `[first, first + n)` of a fused `mlp.experts.gate_up_proj` `[E, 2I, H]`:
+    `DeclaredShard(local, (E, 2I, H), (first, 0, 0))`.
     """
 
     tensor: torch.Tensor
@@ -131,7 +137,8 @@ def whole_holding(name: str, tensor: torch.Tensor) -> Holding:
     return Holding(TensorMeta(name, tensor.dtype, shape), Box.whole(shape), tensor)
 
 
-def _dtensor_holding(name: str, tensor: torch.Tensor) -> Holding:
+def _dtensor_block(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A DTensor's local tensor and its offset in the whole."""
     from torch.distributed.tensor import Partial
 
     if any(isinstance(placement, Partial) for placement in tensor.placements):
@@ -143,8 +150,7 @@ def _dtensor_holding(name: str, tensor: torch.Tensor) -> Holding:
         raise ValueError(
             f"tensor {name!r}: local shape {tuple(local.shape)}, expected {local_shape}"
         )
-    box = Box.of_offsets(name, shape, tuple(local_shape), tuple(offset))
-    return Holding(TensorMeta(name, tensor.dtype, shape), box, local)
+    return local, tuple(offset)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -156,23 +162,37 @@ def _local_shape_and_offset(shape: tuple[int, ...], mesh: Any, placements: tuple
     return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 
-def holding(name: str, source: Source) -> Holding:
-    """The holding of one source under its final name.
+def holdings(name: str, source: Source) -> list[Holding]:
+    """The holdings of one source under its final name: one, or a fused expert tensor's
+    per-expert boxes.
 
     Raises:
         TypeError: not a tensor or `DeclaredShard`.
-        ValueError: a shard outside its tensor or cut along a dimension after the second.
+        ValueError: a shard outside its tensor or cut along a dimension after the second (the
+            third too for fused experts).
     """
     if isinstance(source, DeclaredShard):
-        shape = tuple(source.full_shape)
-        local = source.tensor.detach()
-        box = Box.of_offsets(name, shape, tuple(local.shape), tuple(source.offset))
-        return Holding(TensorMeta(name, local.dtype, shape), box, local)
-    if is_dtensor(source):
-        return _dtensor_holding(name, source)
-    if isinstance(source, torch.Tensor):
-        return whole_holding(name, source)
-    raise TypeError(f"weight {name!r} is a {type(source).__name__}, not a tensor or DeclaredShard")
+        shape, local, offset = tuple(source.full_shape), source.tensor.detach(), source.offset
+    elif is_dtensor(source):
+        shape = tuple(source.shape)
+        local, offset = _dtensor_block(name, source)
+    elif isinstance(source, torch.Tensor):
+        return [whole_holding(name, source)]
+    else:
+        raise TypeError(
+            f"weight {name!r} is a {type(source).__name__}, not a tensor or DeclaredShard"
+        )
+    if is_fused_experts(name):
+        return [
+            Holding(
+                TensorMeta(block.name, local.dtype, block.shape),
+                Box.of_offsets(block.name, block.shape, tuple(block.view.shape), block.offset),
+                block.view,
+            )
+            for block in fused_blocks(name, shape, local, tuple(offset))
+        ]
+    box = Box.of_offsets(name, shape, tuple(local.shape), tuple(offset))
+    return [Holding(TensorMeta(name, local.dtype, shape), box, local)]
 
 
 def _memory_of(source: Any) -> torch.Tensor | None:
@@ -195,10 +215,11 @@ def holdings_of(weights: Any, name_map: NameMap | None = None) -> tuple[list[Hol
             its head holds one that differs from its embeddings in the same box.
     """
     held = [
-        holding(name, source)
+        each
         for name, source in named_sources(
             weights, name_map, memory_of=_memory_of, kinds="a tensor or DeclaredShard"
         )
+        for each in holdings(name, source)
     ]
     for each in held:
         dtype_name(each.meta.dtype)  # raises ValueError on an unsupported dtype

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
+from weightbus.core.experts import missing_experts
 from weightbus.core.meta import TensorMeta, dtype_from_name, dtype_name
 from weightbus.core.plan import Plan, plan_buckets
 from weightbus.core.trainer.boxes import Box
@@ -38,8 +39,8 @@ class TrainerLayout:
     """Every tensor of the model, in order, and which ranks hold which box of it.
 
     Raises:
-        ValueError: ranks disagree on a tensor's dtype or shape, or no rank holds some part of
-            a tensor (each named).
+        ValueError: ranks disagree on a tensor's dtype or shape, no rank holds some part of
+            a tensor, or an expert between the experts held (each named).
     """
 
     by_rank: tuple[tuple[HeldMeta, ...], ...]
@@ -56,6 +57,11 @@ class TrainerLayout:
                         f"{list(meta.shape)}, another rank as {first.dtype} {list(first.shape)}"
                     )
                 holders.setdefault(meta.name, []).append((rank, meta.box))
+        missing = missing_experts(metas)
+        if missing:
+            shown = ", ".join(repr(name) for name in missing[:3])
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ValueError(f"no trainer rank holds expert tensor {shown}{more}")
         object.__setattr__(self, "_held", metas)
         object.__setattr__(self, "_holders", holders)
         for name, meta in metas.items():
