@@ -1,7 +1,7 @@
 """Expert-parallel trainers: 2 FSDP2 ranks (real processes, a gloo mesh, AdamW steps) each
 holding half of the tiny Qwen3-MoE's experts (transformers 5's fused expert tensors cut by
 expert) push into engines at EP 2 (with and without redundant slots) and TP 2, in one
-two-phase fleet.
+two-phase fleet, over `shm` direct and `dist` parts.
 
 Each rank sends each expert it holds straight to the engine ranks (slots) serving it, and
 nothing it does not hold: no DTensor is gathered during a push (the trainer makes a gather
@@ -34,7 +34,7 @@ FLEET = {  # engine -> its layout in `weightbus plan`
     "ep2_redundant": EngineLayout(2, 2, "linear", 2),
     "tp2": EngineLayout(2),
 }
-FORMS = ("fsdp", "declared", "per_expert")
+FORMS = {"fsdp": "shm", "declared": "dist", "per_expert": "shm"}  # experts' form -> transport
 LOGPROB_ATOL = 1e-4
 
 
@@ -53,11 +53,9 @@ def test_expert_parallel_ranks_send_each_expert_from_its_holder(moe_engines, hf_
     path, model = hf_moe
     fleet = [moe_engines[name].url for name in FLEET]
     actions = []
-    for form in FORMS:
-        actions += [
-            {"kind": "train", "steps": 1},
-            {"kind": "push", "version": f"ep-{form}", "experts": form, "save": True},
-        ]
+    for form, transport in FORMS.items():
+        push = {"version": f"ep-{form}", "experts": form, "transport": transport, "save": True}
+        actions += [{"kind": "train", "steps": 1}, {"kind": "push", **push}]
     actions.append({"kind": "kill", "version": "ep-killed", "on": 1})
     records = run_trainers(2, str(path), fleet, actions, tmp_path, timeout_s=8)
     assert all(all(r["ok"] for r in rank[:3]) for rank in records), records
