@@ -56,6 +56,10 @@ CONTROL_MARGIN_S = 10.0
 # How often `--exit-with-parent` checks the parent where pidfds are missing. (Not a parent-death
 # signal: that fires when the parent's spawning *thread* exits, not the parent.)
 PARENT_POLL_S = 0.5
+# How long the ranks left after a failure (a rank died, or start-up failed) may take to exit on
+# their own before SIGTERM. An idle rank sees the dead peer in its next collective and exits at
+# once; one mid-update waits on it until the TP group's timeout: longer is a wait for nothing.
+FAILED_STOP_GRACE_S = 2.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -333,8 +337,11 @@ class Launcher:
         return "; ".join(exited) or None
 
     def stop_workers(self) -> None:
-        """Wait for the workers to exit after Shutdown; terminate, then kill, stragglers."""
+        """Wait for the workers to exit after Shutdown (`shutdown_timeout_s`; after a failure,
+        at most `FAILED_STOP_GRACE_S`: the TP group lost a rank); terminate, then kill,
+        stragglers."""
         timeout_s = self.config.shutdown_timeout_s
+        grace_s = timeout_s if self.stop_requested else min(timeout_s, FAILED_STOP_GRACE_S)
         for stop in (None, subprocess.Popen.terminate, subprocess.Popen.kill):
             alive = [p for p in self.procs if p.poll() is None]
             if not alive:
@@ -343,9 +350,10 @@ class Launcher:
                 if stop is not None:
                     logger.warning("worker pid %d still running: %s", proc.pid, stop.__name__)
                     stop(proc)
+            deadline = time.monotonic() + (grace_s if stop is None else timeout_s)
             for proc in alive:
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=timeout_s)
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Stop the workers and remove what the launcher created."""
