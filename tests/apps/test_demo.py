@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from helpers import assert_demo_passed
+from weightbus.core.units import format_bytes
 
 # every test runs `weightbus demo` and engine processes (tiers: tests/conftest.py)
 pytestmark = pytest.mark.e2e
@@ -22,16 +23,6 @@ def _demo(*args: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:
         check=False,
     )
     return result, json.loads(out.read_text())
-
-
-def test_demo_with_an_fsdp2_trainer_on_two_processes_pushes_without_a_gather(tmp_path):
-    """The single-process trainer runs in the tests below (a running engine, deltas, a draft)."""
-    result, record = _demo(
-        "--trainer-ranks", "2", "--steps", "3", "--tp", "2", "--seed", "3", tmp_path=tmp_path
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert_demo_passed(record, result.stdout, num_steps=3)
-    assert result.stdout.count("(no gather)") == 3
 
 
 def test_demo_on_a_running_engine_pushes_the_initial_weights_first(tmp_path, shared_processes):
@@ -114,36 +105,64 @@ def test_demo_with_lora_pushes_only_the_adapter_onto_the_served_base(tmp_path):
     assert "adapter:        rank 8, " in result.stdout
 
 
-def test_demo_with_qwen3_moe_sends_each_engine_rank_only_its_experts(tmp_path):
-    """transformers' Qwen3MoeForCausalLM (fused 3-D experts) into an engine at TP 2 with
-    expert parallelism: each rank holds 4 of the 8 experts and receives only those, plus its
-    share of the dense weights."""
-    result, record = _demo("--model", "qwen3-moe", "--steps", "3", "--seed", "7", tmp_path=tmp_path)
+def test_demo_with_qwen3_moe_on_two_expert_parallel_trainer_ranks(tmp_path, capsys):
+    """transformers' Qwen3MoeForCausalLM (fused 3-D experts) trained with FSDP2 on two
+    processes, which cuts the fused experts by expert: each trainer rank holds 4 of the 8
+    experts and sends them (no gather) into an engine at TP 2 with expert parallelism, where
+    each rank holds 4 experts and receives only those, plus its share of the dense weights.
+    (The single-process trainer runs in the tests above; the sharded loop is the same for the
+    tiny Llama, whose FSDP2 pushes tests/core/pushes/test_layout_matrix.py checks.)"""
+    result, record = _demo(
+        "--model", "qwen3-moe", "--trainer-ranks", "2", "--steps", "3", "--seed", "7",
+        tmp_path=tmp_path,
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert_demo_passed(record, result.stdout, num_steps=3)
     assert (record["model"], record["tp"]) == ("qwen3-moe", 2)
-    assert "--tp 2 --expert-parallel" in result.stdout
+    assert "--tp 2 --expert-parallel; 2 trainer processes" in result.stdout
     assert "engine: TP 2, expert parallel: 4 experts per rank" in result.stdout
     model_bytes, expert_bytes = record["full_model_bytes"], record["expert_bytes"]
     assert 0 < expert_bytes < model_bytes
-    [rank_bytes] = record["steps"][-1]["push_rank_bytes"]  # one engine, by rank
-    assert len(rank_bytes) == 2
-    assert all(0 < nbytes < model_bytes for nbytes in rank_bytes)
+    # each trainer rank sends what `weightbus plan --trainer-layout ep` plans, every step
+    planned = _planned_trainer_sends(tmp_path, capsys)
+    assert record["planned_trainer_rank_bytes"] == planned
+    for step in record["steps"]:
+        assert step["push_trainer_rank_bytes"] == planned, step["step"]
+        [rank_bytes] = step["push_rank_bytes"]  # one engine, by rank
+        assert len(rank_bytes) == 2
+        assert all(0 < nbytes < model_bytes for nbytes in rank_bytes)
+    sent = " / ".join(format_bytes(nbytes) for nbytes in planned)
+    each_step = f"trainer ranks sent {sent} (no gather); engine ranks received "
+    assert result.stdout.count(each_step) == 3
+    summary = f"trainer ranks:  sent {sent} (last push, by rank, no gather); weightbus plan: "
+    assert summary + sent in result.stdout
     assert "(last push, by rank); the whole model is " in result.stdout
 
 
+def _planned_trainer_sends(tmp_path, capsys) -> list[int]:
+    """Each trainer rank's bytes, as `weightbus plan --model <the demo's qwen3-moe> --dtype
+    float32 --engine-tp 2 --engine-ep 2 --trainer-ranks 2 --trainer-layout ep --transport shm`
+    plans them."""
+    from weightbus.apps.cli import main
+    from weightbus.apps.demo.trainer import DEMO_MODELS
+
+    DEMO_MODELS["qwen3-moe"].hf_config().to_json_file(tmp_path / "config.json")
+    flags = {"--dtype": "float32", "--engine-tp": "2", "--engine-ep": "2", "--trainer-ranks": "2",
+             "--trainer-layout": "ep", "--transport": "shm"}  # fmt: skip
+    assert main(["plan", "--model", str(tmp_path), *sum(flags.items(), ()), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["traffic"]["trainer_send_bytes"]
+
+
 @pytest.mark.parametrize(
-    "flags",
-    [["--engine", "http://127.0.0.1:9"], ["--engine", "vllm"], ["--trainer-ranks", "2"]],
-    ids=["engine-url", "vllm", "trainer-ranks"],
+    "flags", [["--engine", "http://127.0.0.1:9"], ["--engine", "vllm"]], ids=["engine-url", "vllm"]
 )
 def test_demo_refuses_qwen3_moe_with_what_it_cannot_combine(flags, capsys):
     from weightbus.apps.cli import main
 
     assert main(["demo", "--model", "qwen3-moe", *flags]) == 2
     assert capsys.readouterr().err == (
-        "weightbus demo: error: --model qwen3-moe trains for the engines the demo starts, in one "
-        f"process: leave out {flags[0]}\n"
+        "weightbus demo: error: --model qwen3-moe trains for the engines the demo starts: leave "
+        "out --engine\n"
     )
 
 

@@ -7,7 +7,8 @@ model, a `Publisher.push` of the new weights, and the engine's fingerprint check
 trainer's (the push's answer and `GET /v1/weights`). With `--lora` the trainer trains a peft
 LoRA adapter on the frozen model and each push carries the adapter alone (`apps/demo/lora.py`).
 `--model qwen3-moe` trains a tiny Qwen3-MoE instead of the tiny Llama, served with expert
-parallelism: each push sends every engine rank only the experts it holds.
+parallelism: each push sends every engine rank only the experts it holds; with `--trainer-ranks N`
+FSDP2 splits its experts over the trainer processes, each sending the experts it holds.
 """
 
 import argparse
@@ -34,16 +35,15 @@ from weightbus.apps.demo.records import (
     print_step,
 )
 from weightbus.apps.demo.rollout import RolloutClient
+from weightbus.apps.demo.served import print_expert_layout, served_config
 from weightbus.apps.demo.task import prompts, render
 from weightbus.apps.demo.trainer import DEMO_MODELS, Trainer, hf_llama_config
 from weightbus.apps.launch import start_engine, stop_engine
-from weightbus.core.fp8 import Fp8Block
 from weightbus.core.publisher import Publisher, PushError, PushResult
 from weightbus.core.publisher.delta import DELTA_MODES
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.transport import transport_names
-from weightbus.engines.reference.models.config import ModelConfig, tiny_config
-from weightbus.engines.reference.models.experts import ExpertLayout
+from weightbus.engines.reference.models.config import tiny_config
 
 TOKEN_ENV = "WEIGHTBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a secret
 
@@ -115,7 +115,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="train with FSDP2 on this many processes, each pushing its own shards "
-        "(a Publisher on the trainer's group, over shm; docs/sharded.md)",
+        "(a Publisher on the trainer's group, over shm; docs/sharded.md); with --model "
+        "qwen3-moe FSDP2 splits the experts over the ranks and each sends the experts it holds",
     )
     parser.add_argument(
         "--fp8",
@@ -142,7 +143,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.tp is None:
         args.tp = 1 if args.fp8 else 2
-    args.expert_parallel = _served_config(args).expert_layout.expert_parallel
+    args.expert_parallel = served_config(args).expert_layout.expert_parallel
     if args.lr is None:
         args.lr = DEFAULT_LORA_LR if args.lora else DEMO_MODELS[args.model].lr
     for name in ("steps", "tp", "samples", "max_tokens", "replicas", "trainer_ranks", "lora_rank"):
@@ -187,27 +188,13 @@ def _check_lora_args(args: argparse.Namespace) -> None:
         raise ValueError("--lora pushes the adapter whole every step: leave out --delta always")
 
 
-def _served_config(args: argparse.Namespace) -> ModelConfig:
-    """The `--model` checkpoint as the engines the demo starts serve it: a mixture-of-experts
-    model expert parallel above TP 1, block FP8 with --fp8."""
-    config = ModelConfig.from_hf_dict(DEMO_MODELS[args.model].hf_config().to_dict())
-    config.expert_layout = ExpertLayout(expert_parallel=bool(config.num_experts) and args.tp > 1)
-    config.quantization = Fp8Block() if args.fp8 else None
-    return config
-
-
 def _check_model_args(args: argparse.Namespace) -> None:
     if args.engine is None:
-        _served_config(args).validate_tp(args.tp)  # names --tp and what does not split
-    if args.model == "tiny":
-        return
-    # a running engine serves its own model (`weightbus serve --model tiny`; vLLM's MoE: next);
-    # the FSDP2 trainer shards the tiny Llama
-    others = {"--engine": args.engine is not None, "--trainer-ranks": args.trainer_ranks > 1}
-    if refused := [flag for flag, given in others.items() if given]:
+        served_config(args).validate_tp(args.tp)  # names --tp and what does not split
+    # a running engine serves its own model (`weightbus serve --model tiny`; vLLM's MoE: next)
+    if args.model != "tiny" and args.engine is not None:
         raise ValueError(
-            f"--model {args.model} trains for the engines the demo starts, in one process: "
-            f"leave out {', '.join(refused)}"
+            f"--model {args.model} trains for the engines the demo starts: leave out --engine"
         )
 
 
@@ -253,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
                 + "".join(f" {flag}" for flag in _lora_flags(args))
                 + (" --expert-parallel" if args.expert_parallel else "")
             )
-            _print_expert_layout(args)
+            print_expert_layout(args)
             proc, url = start_engine(tmp, args.tp, extra=extra)
         try:
             client = RolloutClient(url, max_tokens=args.max_tokens, temperature=args.temperature)
@@ -280,18 +267,6 @@ def _lora_flags(args: argparse.Namespace) -> list[str]:
     targets = DEMO_MODELS[args.model].lora_targets
     flags = ["--lora-rank", str(args.lora_rank)]
     return flags if targets is None else [*flags, "--lora-targets", ",".join(targets)]
-
-
-def _print_expert_layout(args: argparse.Namespace) -> None:
-    """One line naming how the engine holds a mixture-of-experts model's experts."""
-    num_experts = _served_config(args).num_experts
-    if not num_experts:
-        return
-    if args.expert_parallel:
-        held = f"expert parallel: {num_experts // args.tp} experts per rank"
-    else:
-        held = f"all {num_experts} experts on its one rank"
-    print(f"engine: TP {args.tp}, {held}")
 
 
 def _trainer(args: argparse.Namespace) -> Trainer:
@@ -367,7 +342,7 @@ def _run_ray(args: argparse.Namespace) -> int:
         trainer.save(Path(tmp))
         num_cpus = args.replicas * args.tp
         print(f"starting Ray ({num_cpus} CPUs) and {args.replicas} replica(s) of TP {args.tp}")
-        _print_expert_layout(args)
+        print_expert_layout(args)
         ray.init(
             num_cpus=num_cpus,
             include_dashboard=False,

@@ -29,6 +29,8 @@ class StepRecord:
     push_adapter: bool = False  # --lora: the push carried the LoRA adapter alone
     # by engine, the bytes that reached each of its ranks (`PushResult.engines[i].rank_nbytes`)
     push_rank_bytes: list[list[int]] = field(default_factory=list)
+    # --trainer-ranks: the bytes each trainer rank sent (`PushResult.rank_sent_bytes`)
+    push_trainer_rank_bytes: list[int] = field(default_factory=list)
     changed_fraction: float | None = None  # of the elements, against the last push
     # --draft: the engine's acceptance rate over the step's rollouts, and the expected rates
     # of the draft kept in step and of the draft frozen at step 0 under the updated policy
@@ -47,6 +49,9 @@ class DemoRecord:
     lora_rank: int | None = None  # --lora: the adapter's rank
     full_model_bytes: int | None = None  # what a whole push of the served model sends
     expert_bytes: int = 0  # of `full_model_bytes`: the experts' (a mixture-of-experts model)
+    # --trainer-ranks: each rank's bytes as `weightbus plan --trainer-layout fsdp` (ep for an
+    # MoE) plans a push into the engine
+    planned_trainer_rank_bytes: list[int] = field(default_factory=list)
 
 
 class DemoCheckError(RuntimeError):
@@ -112,6 +117,7 @@ def _summarize(record: DemoRecord) -> None:
         )
         _summarize_adapter(record, push_bytes)
         _summarize_ranks(record)
+        _summarize_trainer_ranks(record)
         deltas = sum(s.push_delta for s in steps)
         print(f"  deltas:         {deltas}/{len(steps)} pushes sent as changes to the last one")
         print(f"  fingerprints:   {matched}/{len(steps)} matched the trainer's")
@@ -149,6 +155,18 @@ def _summarize_ranks(record: DemoRecord) -> None:
     if record.expert_bytes:
         model += f", {format_bytes(record.expert_bytes)} of it experts"
     print(f"  rank bytes:     {received} (last push, by rank); the whole model is {model}")
+
+
+def _summarize_trainer_ranks(record: DemoRecord) -> None:
+    """With --trainer-ranks: what each trainer rank sent on the last push, beside the plan."""
+    sent = record.steps[-1].push_trainer_rank_bytes
+    if not sent:
+        return
+    planned = " / ".join(format_bytes(n) for n in record.planned_trainer_rank_bytes)
+    print(
+        f"  trainer ranks:  sent {' / '.join(format_bytes(n) for n in sent)} (last push, by "
+        f"rank, no gather); weightbus plan: {planned}"
+    )
 
 
 def _summarize_draft(steps: list[StepRecord]) -> None:

@@ -1,14 +1,16 @@
 """`weightbus demo --trainer-ranks N`: the RL loop with an FSDP2 trainer on N processes.
 
 The demo process starts the engine from the trainer's initial checkpoint and N trainer
-processes (one gloo group). Every rank builds the same `transformers` model, shards it with
-FSDP2's `fully_shard` on a CPU mesh, and runs every step: rank 0 samples the rollouts from the
-engine and hands them to the others over the group (msgpack, no pickle); every rank takes the
-same update (FSDP2 all-gathers the parameters for its forward and reduce-scatters the
-gradients); then every rank pushes its own shards with a `Publisher` on the group, no gather.
-Rank 0
-checks the engine's version and fingerprint and prints the step, and writes the run's record
-for the demo process to summarize.
+processes (one gloo group). Every rank builds the same `transformers` model (`--model`), shards
+it with FSDP2's `fully_shard` on a CPU mesh, and runs every step: rank 0 samples the rollouts
+from the engine and hands them to the others over the group (msgpack, no pickle); every rank
+takes the same update (FSDP2 all-gathers the parameters for its forward and reduce-scatters
+the gradients); then every rank pushes its own shards with a `Publisher` on the group, no
+gather. A Qwen3-MoE's fused expert tensors are cut by expert, so each rank holds and sends
+whole experts (expert parallel), into an engine at TP N with `--expert-parallel`. Rank 0 checks
+the engine's version and fingerprint, prints the step with what each trainer rank sent (beside
+`weightbus plan`'s figure) and each engine rank received, and writes the run's record for the
+demo process to summarize.
 """
 
 import argparse
@@ -26,8 +28,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from weightbus.apps.demo.served import print_expert_layout
 from weightbus.apps.demo.task import Rollout, prompts, render
-from weightbus.apps.demo.trainer import Trainer, tiny_hf_config
+from weightbus.apps.demo.trainer import DEMO_MODELS, Trainer
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.core.units import format_bytes
 from weightbus.engines.vllm.launch import free_port
@@ -41,19 +44,24 @@ def run_sharded(args: argparse.Namespace) -> int:
     from weightbus.apps.demo.records import DemoRecord, StepRecord, finish
 
     with tempfile.TemporaryDirectory(prefix="weightbus-demo-") as tmp:
-        Trainer(tiny_hf_config(), seed=args.seed, lr=args.lr).save(Path(tmp) / "model")
-        print(
-            f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}; "
-            f"{args.trainer_ranks} trainer processes (FSDP2, gloo CPU mesh)"
+        Trainer(DEMO_MODELS[args.model].hf_config(), seed=args.seed, lr=args.lr).save(
+            Path(tmp) / "model"
         )
-        proc, url = start_engine(str(Path(tmp) / "model"), args.tp)
+        extra = ["--expert-parallel"] if args.expert_parallel else []
+        print(
+            f"starting an engine: weightbus serve --model <trainer's HF dir> --tp {args.tp}"
+            f"{''.join(f' {flag}' for flag in extra)}; {args.trainer_ranks} trainer processes "
+            "(FSDP2, gloo CPU mesh)"
+        )
+        print_expert_layout(args)
+        proc, url = start_engine(str(Path(tmp) / "model"), args.tp, extra=extra)
         try:
             codes = _run_ranks(args, url, Path(tmp))
         finally:
             stop_engine(proc)
         path = Path(tmp) / _RECORD
         if not path.exists():
-            record = DemoRecord(transport="shm", tp=args.tp)
+            record = DemoRecord(transport="shm", tp=args.tp, model=args.model)
             record.failures.append(f"trainer rank 0 exited with {codes[0]} before its record")
         else:
             raw = json.loads(path.read_text())
@@ -117,8 +125,16 @@ class _RankLoop:
 
         self.args = args
         self.rank = dist.get_rank()
-        self.trainer = Trainer(tiny_hf_config(), seed=args.seed, lr=args.lr)
-        self.initial_fingerprint = fingerprint(self.trainer.model.state_dict().items())
+        self.trainer = Trainer(DEMO_MODELS[args.model].hf_config(), seed=args.seed, lr=args.lr)
+        state = self.trainer.model.state_dict()
+        self.initial_fingerprint = fingerprint(state.items())
+        self.record = DemoRecord(
+            transport="shm", tp=args.tp, model=args.model,
+            full_model_bytes=sum(t.nbytes for t in state.values()),
+            expert_bytes=sum(t.nbytes for name, t in state.items() if ".experts." in name),
+            planned_trainer_rank_bytes=planned_sends(self.trainer.model, args),
+        )  # fmt: skip
+        del state
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in self.trainer.model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -133,7 +149,6 @@ class _RankLoop:
             self.client = RolloutClient(
                 args.url, max_tokens=args.max_tokens, temperature=args.temperature
             )
-        self.record = DemoRecord(transport="shm", tp=args.tp)
 
     def run(self) -> None:
         from weightbus.apps.demo.records import DemoCheckError
@@ -207,14 +222,42 @@ class _RankLoop:
             push_bytes=result.nbytes,
             fingerprint=result.fingerprint,
             fingerprint_matched=matched,
+            push_rank_bytes=[list(engine.rank_nbytes) for engine in result.engines],
+            push_trainer_rank_bytes=list(result.rank_sent_bytes),
         )
         self.record.steps.append(entry)
         print_step(entry, self.args.steps, render(rollouts[0].token_ids))
         sent = " / ".join(format_bytes(nbytes) for nbytes in result.rank_sent_bytes)
-        print(f"          trainer ranks sent {sent} (no gather)", flush=True)
+        [received] = [" / ".join(format_bytes(n) for n in e.rank_nbytes) for e in result.engines]
+        print(
+            f"          trainer ranks sent {sent} (no gather); engine ranks received {received}",
+            flush=True,
+        )
         if not matched:
             raise DemoCheckError(f"step {step}: the engine serves {state}, not {new_version!r}")
         return new_version
+
+
+def planned_sends(model: torch.nn.Module, args: argparse.Namespace) -> list[int]:
+    """Each trainer rank's bytes in a push of `model` (not yet sharded) into the engine, as
+    `weightbus plan --trainer-ranks N --trainer-layout fsdp` (`ep` for an MoE: its experts cut
+    by expert, as FSDP2 cuts the fused expert tensors) plans them."""
+    from weightbus.apps.capacity.shapes import ModelTensors
+    from weightbus.apps.capacity.sharding import EngineLayout
+    from weightbus.apps.capacity.traffic import traffic
+    from weightbus.core.meta import metas_of
+    from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
+    from weightbus.core.weights import normalize_weights
+
+    metas = tuple(metas_of(normalize_weights(model)))
+    tensors = ModelTensors(args.model, metas, model.config.to_dict())
+    experts = any(".experts." in meta.name for meta in metas)
+    plan = traffic(
+        tensors, EngineLayout(args.tp, args.tp if args.expert_parallel else 1), "shm",
+        trainer_ranks=args.trainer_ranks, trainer_layout="ep" if experts else "fsdp",
+        bucket_bytes=DEFAULT_BUCKET_BYTES,
+    )  # fmt: skip
+    return list(plan.trainer_send_bytes)
 
 
 def main() -> None:
