@@ -44,7 +44,7 @@ PROCESS_FIXTURES = frozenset(
         "rig",  # uvicorn on a real port, a rank 0 on ZMQ sockets (test_admin_roundtrip.py)
         "namespaces",  # network namespaces via `ip` (tests/core/pushes/netns_harness.py)
         "tied_tp1",  # a vLLM server (tests/engines/vllm_backend/conftest.py)
-        "untied_tp2",  # a vLLM server, TP 2 (tests/engines/vllm_backend/conftest.py)
+        "moe_tp2",  # a vLLM server of a Qwen3-MoE, TP 2 (tests/engines/vllm_backend/conftest.py)
         "ray_cluster",  # a Ray cluster of three nodes (tests/apps/ray_fleet/conftest.py)
         "shared_processes",  # servers shared by several modules (tests/process_pool.py)
     }

