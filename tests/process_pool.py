@@ -22,6 +22,12 @@ TINY_ENGINE_USERS = ("engine", "engines")
 # The fixtures that use the shared engines of the tiny Qwen3-MoE (`moe_engine`):
 # tests/core/pushes/test_moe_pushes.py and tests/engines/reference/engine/test_expert_replacement.py
 MOE_ENGINE_USERS = ("moe_engines", "moe_ep2")
+# Fixtures of later modules that use one of those engines, by its flags: that engine alone stays
+# up until their last test (tests/integrations/test_trl.py trains an MoE policy into the one at
+# EP 2 with redundant slots, test_expert_replacement.py's)
+MOE_ENGINE_LATER_USERS = {
+    ("--tp", "2", "--expert-parallel", "--redundant-experts", "2"): ("moe_policy_engine",),
+}
 
 
 class SharedProcesses:
@@ -92,10 +98,12 @@ class SharedProcesses:
         return self.engine(*args, users=TINY_ENGINE_USERS, log_dir=log_dir)
 
     def moe_engine(self, *args: str, log_dir: Path) -> "ServedEngine":
-        """`weightbus serve --model <the tiny Qwen3-MoE> *args`, for `MOE_ENGINE_USERS`: the
-        checkpoint is `moe_checkpoint()`, made once."""
+        """`weightbus serve --model <the tiny Qwen3-MoE> *args`, for `MOE_ENGINE_USERS` (and
+        `MOE_ENGINE_LATER_USERS` of these flags): the checkpoint is `moe_checkpoint()`, made
+        once."""
         model = str(self.moe_checkpoint())
-        return self.engine("--model", model, *args, users=MOE_ENGINE_USERS, log_dir=log_dir)
+        users = MOE_ENGINE_USERS + MOE_ENGINE_LATER_USERS.get(args, ())
+        return self.engine("--model", model, *args, users=users, log_dir=log_dir)
 
     def moe_checkpoint(self) -> Path:
         """The tiny Qwen3-MoE checkpoint the shared MoE engines start from (engine_harness's

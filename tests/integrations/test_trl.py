@@ -1,20 +1,22 @@
 """Hugging Face TRL's GRPOTrainer generating through `weightbus.integrations.trl` with a TP-2
 reference engine: each step's completions come from the policy pushed at that step (versions,
 fingerprints, the engine's logprobs against transformers on those weights), off-policy steps are
-reported, two TRL processes push with a ShardedPublisher, and the example trains the demo's
-task with the reward rising."""
+reported, two TRL processes train a Qwen3-MoE policy into an engine at EP 2, each with a
+`Publisher(group=...)`, and the example trains the demo's task with the reward rising."""
 
 import copy
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import ServedEngine
+from engine_harness import VOCAB_SIZE, ServedEngine
 from trl_harness import (
+    LOGPROB_ATOL,
     NUM_GENERATIONS,
     PROMPTS,
     check_rollouts_came_from_their_step,
@@ -23,7 +25,14 @@ from trl_harness import (
 from vllm_harness import make_vllm_model
 
 from weightbus import Publisher
+from weightbus.apps.capacity.shapes import ModelTensors
+from weightbus.apps.capacity.sharding import EngineLayout
+from weightbus.apps.capacity.traffic import traffic
 from weightbus.core.finite import NonFiniteWeightsError
+from weightbus.core.meta import metas_of
+from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
+from weightbus.core.weights import normalize_weights
+from weightbus.engines.vllm.launch import write_word_tokenizer
 from weightbus.integrations.trl import (
     EngineCompletionError,
     OffPolicyRolloutsError,
@@ -33,6 +42,8 @@ from weightbus.integrations.trl import rollouts as rollouts_module
 
 REPO = Path(__file__).resolve().parents[2]
 COMPLETIONS_PER_STEP = len(PROMPTS) * NUM_GENERATIONS
+# test_expert_replacement.py's engine: 8 experts in 2 ranks x 5 slots (2 held twice)
+EP2_REDUNDANT = ("--tp", "2", "--expert-parallel", "--redundant-experts", "2")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +58,21 @@ def engine(qwen2, tmp_path_factory: pytest.TempPathFactory):
     served = ServedEngine("--model", str(qwen2[0]), "--tp", "2", log_path=log_path)
     yield served
     served.stop()
+
+
+@pytest.fixture(scope="module")
+def moe_policy_engine(
+    shared_processes, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[ServedEngine, Path]:
+    """transformers' tiny Qwen3-MoE (fused experts, 8 of them, top 2) served at TP 2 with
+    `--expert-parallel` and 2 redundant slots (shared with test_expert_replacement.py:
+    tests/process_pool.py), and a copy of its checkpoint with the word-level tokenizer TRL
+    reads."""
+    engine = shared_processes.moe_engine(*EP2_REDUNDANT, log_dir=tmp_path_factory.mktemp("log"))
+    path = tmp_path_factory.mktemp("qwen3_moe") / "model"
+    shutil.copytree(shared_processes.moe_checkpoint(), path)
+    write_word_tokenizer(path, VOCAB_SIZE)
+    return engine, path
 
 
 def _history(engine: ServedEngine) -> dict[str, str]:
@@ -146,11 +172,16 @@ def test_a_diverged_policy_is_refused_and_a_dead_engine_is_named(engine, qwen2, 
         silent.close()
 
 
-def test_two_trl_processes_push_with_a_sharded_publisher(engine, qwen2, tmp_path):
+def test_two_trl_processes_train_an_moe_policy_into_an_expert_parallel_engine(
+    moe_policy_engine, tmp_path
+):
     """accelerate on 2 CPU processes (DDP over gloo: accelerate runs FSDP on accelerators
-    only): each process sends part of the model, nothing is gathered, and both see the same
-    versions and fingerprints, those of the weights TRL held at each step."""
-    path, base = qwen2
+    only, so each process holds the whole policy) trains a Qwen3-MoE: each process sends part
+    of the model, nothing is gathered, each expert reaches only the engine ranks holding it,
+    and both processes see the same versions and fingerprints, those of the weights TRL held at
+    each step; every completion came from its step's policy (its version, and transformers'
+    logprobs on those weights)."""
+    engine, path = moe_policy_engine
     script = Path(__file__).with_name("trl_ranks.py")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -161,16 +192,29 @@ def test_two_trl_processes_push_with_a_sharded_publisher(engine, qwen2, tmp_path
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["pushes"] == ranks[1]["pushes"]
     assert {r["distributed_type"] for r in ranks} == {"MULTI_CPU"}
-    # the tied head is not sent; the norms go to both TP ranks of the engine (each keeps them)
-    norm_bytes = sum(p.nbytes for n, p in base.named_parameters() if n.endswith("norm.weight"))
-    model_bytes = sum(p.nbytes for p in base.parameters()) + norm_bytes
+    # the processes sent the engine ranks' shares: dense slices and 5 expert slots each (every
+    # expert to both ranks would be 1.73x this)
+    planned = _ep2_redundant_receive_bytes(path)
     for push, expected in zip(ranks[0]["pushes"], ranks[0]["fingerprints"], strict=True):
         assert push["fingerprint"] == expected
         assert min(push["sent_bytes"]) > 0
-        assert sum(push["sent_bytes"]) == model_bytes
+        assert sum(push["sent_bytes"]) == sum(planned)
     history = _history(engine)
     assert [history[p["version"]] for p in ranks[0]["pushes"]] == ranks[0]["fingerprints"]
     assert [r["off_policy"] for r in ranks] == [[0, 0, 0], [0, 0, 0]]
+    assert all(error < LOGPROB_ATOL for r in ranks for error in r["logprob_errors"]), ranks
+
+
+def _ep2_redundant_receive_bytes(path: Path) -> list[int]:
+    """`weightbus plan`'s bytes into each rank of the EP 2 engine (2 redundant slots) for one
+    push of the checkpoint at `path` (training keeps the shapes)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    metas = tuple(metas_of(normalize_weights(model)))
+    tensors = ModelTensors("tiny qwen3-moe", metas, model.config.to_dict())
+    layout = EngineLayout(2, 2, "linear", 2)
+    return list(traffic(tensors, layout, "shm", bucket_bytes=DEFAULT_BUCKET_BYTES).receive_bytes)
 
 
 def test_the_example_trains_the_demo_task_and_the_reward_rises(tmp_path):

@@ -143,6 +143,23 @@ def hf_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int]
     return list(probe.logprobs[len(prompt) - 1 :])
 
 
+def logprob_errors(run: GrpoRun) -> list[float]:
+    """By rollout (TRL's steps in order), the largest difference between the engine's logprob
+    of a sampled token and transformers' on the weights TRL held at that step."""
+    errors = []
+    for step, out in run.outputs:
+        model = run.weights.model_at(step)
+        errors.append(
+            max(
+                float((torch.tensor(engine) - torch.tensor(hf_logprobs(model, p, c))).abs().max())
+                for p, c, engine in zip(
+                    out["prompt_ids"], out["completion_ids"], out["logprobs"], strict=True
+                )
+            )
+        )
+    return errors
+
+
 def check_rollouts_came_from_their_step(run: GrpoRun, version_prefix: str) -> None:
     """Every completion's version is its step's, and the engine's logprob of every sampled
     token is transformers' on the weights TRL held at that step."""
