@@ -16,6 +16,10 @@ Each row's bytes per engine rank (what the ranks' sources counted) stand beside 
 floors measured here (as `weightbus bench plan` does for dense models) plus the row's fixed
 cost, measured on a tiny twin of the model (the same layers, experts and tensors, a few MiB):
 an MoE push's per-tensor work is part of its cost.
+
+With `--trainer-ranks N ...` it measures the trainer side instead (`moe_ranks.py`): the model
+on N expert-parallel trainer processes, each pushing the experts it holds, against gathering
+them with `full_tensor()` and pushing from rank 0.
 """
 
 import argparse
@@ -31,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightbus.apps.bench.dist import Baseline
+from weightbus.apps.bench.moe_ranks import RankRun, check, print_results, run_ranks
 from weightbus.apps.bench.moe_weights import MoeShape, moe_config, moe_shape, moe_weights
 from weightbus.apps.bench.plan import FLOORS, floor_operations, measured_hardware
 from weightbus.apps.bench.timing import measure_interleaved, write_json
@@ -39,6 +44,7 @@ from weightbus.apps.capacity.shapes import ModelTensors
 from weightbus.apps.capacity.sharding import EngineLayout
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.apps.tables import print_table
+from weightbus.core.digest import fingerprint
 from weightbus.core.meta import metas_of
 from weightbus.core.publisher import Publisher, PushResult
 from weightbus.core.units import format_bytes, parse_bytes
@@ -62,6 +68,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=2, help="engine TP = EP size")
     parser.add_argument("--redundant-experts", type=int, default=0, help="extra expert slots")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per row (median)")
+    parser.add_argument(
+        "--trainer-ranks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="instead of the engine-side rows: the model on N expert-parallel trainer "
+        "processes (Shard(0) DTensors as FSDP2 holds them, experts cut by expert) each pushing "
+        "its own experts, against full_tensor() then one push from rank 0, for each N given",
+    )
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        default=["shm", "dist"],
+        choices=["shm", "dist"],
+        help="with --trainer-ranks: shm (straight into the parameters), dist (parts, gloo)",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -215,6 +237,47 @@ def _print(result: dict, args: argparse.Namespace) -> None:
         print(f"{routed} vs {whole}: {ratio:.2f}x faster")
 
 
+def _measure_ranks(args: argparse.Namespace, workdir: Path) -> dict:
+    """The trainer-side rows for each `--trainer-ranks` N, into one engine."""
+    shape = moe_shape(parse_bytes(args.size), args.experts, args.top_k)
+    weights = moe_weights(shape)
+    model_bytes = sum(t.nbytes for _, t in weights)
+    expected = fingerprint(weights)
+    folder = _write_model(shape, weights, workdir / "moe")
+    del weights  # the ranks read their shards from the checkpoint
+    proc, url = start_engine(str(folder), args.tp, extra=_engine_flags(args))
+    run = RankRun(str(folder), url, args.tp, tuple(args.transports), args.repeat)
+    try:
+        results = {n: run_ranks(run, n, workdir / f"ranks{n}") for n in args.trainer_ranks}
+    finally:
+        stop_engine(proc)
+    return {"shape": shape, "size": model_bytes, "expert_bytes": shape.expert_numel() * 2,
+            "run": run, "results": results, "fingerprint": expected}  # fmt: skip
+
+
+def _print_ranks(result: dict, args: argparse.Namespace) -> int:
+    shape: MoeShape = result["shape"]
+    print(
+        f"\n{format_bytes(result['size'])} Qwen3-MoE bf16 ({shape.num_layers} layers x "
+        f"{shape.num_experts} experts, top {shape.top_k}; experts "
+        f"{format_bytes(result['expert_bytes'])}) on trainer ranks holding FSDP2's Shard(0) "
+        f"(experts cut by expert) into 1 engine of TP {args.tp} = EP {args.tp}, median of "
+        f"{args.repeat}, in place, verify none, buckets "
+        f"{format_bytes(result['run'].bucket_bytes)}; {os.cpu_count()} cores"
+    )
+    print_results(result["run"], result["results"])
+    problems = check(result["results"], result["fingerprint"])
+    for problem in problems:
+        print(f"MISMATCH: {problem}")
+    if not problems:
+        print(f"every push: fingerprint {result['fingerprint']}, the checkpoint's")
+    if args.json:
+        payload = {"fingerprint": result["fingerprint"], "size": result["size"],
+                   "results": result["results"]}  # fmt: skip
+        write_json(args.json, {"suite": "moe", "trainer_ranks": payload})
+    return 1 if problems else 0
+
+
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -222,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(
         prefix="weightbus-bench-", dir=shm if shm.is_dir() else None
     ) as tmp:
+        if args.trainer_ranks:
+            return _print_ranks(_measure_ranks(args, Path(tmp)), args)
         result = _measure(args, Path(tmp))
     _print(result, args)
     if args.json:
