@@ -39,8 +39,8 @@ class RankRun:
             per-expert names) that the engine at `url` serves at EP = TP = `tp`.
         transports: `shm` (direct), `dist` (parts): the rows' transports.
         repeat: timed rounds (after one untimed round).
-        bucket_bytes: the pushes' buckets (a `dist` rank packs two at a time; the default's 256
-            MiB would hold 4 x 512 MiB of buffers across the ranks' two weights groups).
+        bucket_bytes: the pushes' buckets (a `dist` rank packs two at a time, a payload per
+            engine rank: with the default's 256 MiB, up to 1 GiB per weights group).
         timeout_s: bound of the trainer ranks' run.
     """
 
@@ -101,11 +101,12 @@ def planned_sends(run: RankRun, transport: str, world_size: int) -> list[int]:
     return list(plan.trainer_send_bytes)
 
 
-def buffer_bytes(transport: str, bucket_bytes: int) -> int:
+def buffer_bytes(transport: str, bucket_bytes: int, engine_ranks: int) -> int:
     """The most a rank's transport allocates for a push: `shm` direct copies straight into
-    the engine's shared memory (none); `dist` packs a bucket's parts while the last one's are
-    sent (two buckets)."""
-    return 0 if transport == "shm" else 2 * bucket_bytes
+    the engine's shared memory (none); `dist` packs each engine rank's parts of a bucket into
+    a payload of its own while the last bucket's are sent (two buckets per engine rank: a
+    bucket of one rank's experts all goes to one engine rank)."""
+    return 0 if transport == "shm" else 2 * bucket_bytes * engine_ranks
 
 
 def check(results: dict[int, list[dict]], fingerprint: str) -> list[str]:
@@ -151,7 +152,7 @@ def table(run: RankRun, results: dict[int, list[dict]]) -> list[list[str]]:
                 planned,
                 _bytes([rank["shard_bytes"] for rank in ranks]),
                 _bytes([r["peak_extra_bytes"] for r in per_rank]),
-                format_bytes(buffer_bytes(transport, run.bucket_bytes)) if pushed else "",
+                format_bytes(buffer_bytes(transport, run.bucket_bytes, run.tp)) if pushed else "",
             ])  # fmt: skip
     return lines
 
