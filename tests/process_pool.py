@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 # test_demo.py) need not be named: one that runs after the last user stops them at its end.
 TINY_ENGINE_USERS = ("engine", "engines")
 # The fixtures that use the shared engines of the tiny Qwen3-MoE (`moe_engine`):
-# tests/core/pushes/test_moe_pushes.py and tests/engines/reference/engine/test_expert_replacement.py
+# tests/core/pushes/test_moe_pushes.py, test_moe_trainer_ranks.py and
+# tests/engines/reference/engine/test_expert_replacement.py (tests/apps/test_bench_moe.py
+# borrows the EP 2 one while it is up)
 MOE_ENGINE_USERS = ("moe_engines", "moe_ep2")
 # Fixtures of later modules that use one of those engines, by its flags: that engine alone stays
 # up until their last test (tests/integrations/test_trl.py trains an MoE policy into the one at

@@ -3,7 +3,7 @@ tensors, as per-expert boxes, and who sends each expert.
 
 Each rank of a 2x2 mesh (experts x FSDP) is simulated in this process on torch's fake process
 group (only the rank's mesh coordinate matters to a DTensor's local block); the pushes of real
-rank processes are in tests/core/pushes/test_moe_pushes.py.
+rank processes are in tests/core/pushes/test_moe_trainer_ranks.py.
 """
 
 import re
