@@ -1,15 +1,19 @@
-"""The engine launcher the apps share: `weightbus serve` in a child process, stopped cleanly.
+"""The launchers the apps share: `weightbus serve` in a child process, stopped cleanly, and a
+trainer's ranks as processes of one torch.distributed group (`run_rank_processes`).
 
 `weightbus demo`, every `weightbus bench` and the tests start their reference engines here, so
 no app reaches into another for it.
 """
 
+import os
 import select
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+
+from weightbus.engines.vllm.launch import free_port
 
 
 def start_engine(
@@ -65,3 +69,30 @@ def stop_engines(procs: Sequence[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def run_rank_processes(module: str, argument: str, world_size: int, timeout_s: float) -> list[int]:
+    """Run `python -m module argument` as ranks `0..world_size-1` of one torch.distributed
+    group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: a free port here) and return their exit
+    codes; a rank still running after `timeout_s` (from the start) is killed, and so are the
+    others.
+
+    Raises:
+        subprocess.TimeoutExpired: a rank ran past `timeout_s` (every rank is stopped).
+    """
+    master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [
+        subprocess.Popen(  # noqa: S603 - this interpreter and our own module
+            [sys.executable, "-m", module, argument],
+            env=os.environ | {"RANK": str(rank), "WORLD_SIZE": str(world_size), **master},
+        )
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout_s
+    try:
+        return [proc.wait(timeout=max(deadline - time.monotonic(), 0.0)) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -13,18 +13,15 @@ holds anyway).
 """
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from weightbus.apps.capacity.shapes import model_tensors
 from weightbus.apps.capacity.sharding import EngineLayout
 from weightbus.apps.capacity.traffic import traffic
+from weightbus.apps.launch import run_rank_processes
 from weightbus.apps.tables import print_table
 from weightbus.core.units import format_bytes
-from weightbus.engines.vllm.launch import free_port
 
 # the planner's path of each transport the rows push over
 PLANNED_PATHS = {"shm": "shm", "dist": "dist-parts"}
@@ -65,27 +62,9 @@ def run_ranks(run: RankRun, world_size: int, out: Path) -> list[dict]:
         "model_dir": run.model_dir, "url": run.url, "transports": list(run.transports),
         "repeat": run.repeat, "bucket_bytes": run.bucket_bytes, "out": str(out),
     })  # fmt: skip
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(  # noqa: S603 - this interpreter and our own module
-            [sys.executable, "-m", "weightbus.apps.bench.moe_rank_worker", argument],
-            env={
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world_size),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-            },
-        )
-        for rank in range(world_size)
-    ]
-    try:
-        codes = [proc.wait(timeout=run.timeout_s) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    codes = run_rank_processes(
+        "weightbus.apps.bench.moe_rank_worker", argument, world_size, run.timeout_s
+    )
     if any(codes):
         raise RuntimeError(f"trainer ranks exited with {codes}")
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]

@@ -13,9 +13,6 @@ model on every rank).
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,10 +20,9 @@ from safetensors.torch import save_file
 
 from weightbus.apps.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.apps.bench.timing import write_json
-from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.launch import run_rank_processes, start_engine, stop_engine
 from weightbus.apps.tables import print_table
 from weightbus.core.units import byte_size_arg, format_bytes
-from weightbus.engines.vllm.launch import free_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,29 +50,10 @@ def _checkpoint(directory: Path, size: int) -> int:
 
 def _run_ranks(world_size: int, args: dict, out: Path) -> list[dict]:
     out.mkdir()
-    port = str(free_port())
-    worker = [
-        sys.executable,
-        "-m",
-        "weightbus.apps.bench.sharded_worker",
-        json.dumps({**args, "out": str(out)}),
-    ]
-    procs = [
-        subprocess.Popen(  # noqa: S603 - this interpreter and our own module
-            worker,
-            env={
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world_size),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-            },
-        )
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        if proc.wait(timeout=3600):
-            raise RuntimeError(f"a trainer rank exited with {proc.returncode}")
+    argument = json.dumps({**args, "out": str(out)})
+    codes = run_rank_processes("weightbus.apps.bench.sharded_worker", argument, world_size, 3600)
+    if any(codes):
+        raise RuntimeError(f"trainer ranks exited with {codes}")
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 

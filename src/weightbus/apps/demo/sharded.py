@@ -16,7 +16,6 @@ demo process to summarize.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,9 +30,8 @@ import torch.distributed as dist
 from weightbus.apps.demo.served import print_expert_layout
 from weightbus.apps.demo.task import Rollout, prompts, render
 from weightbus.apps.demo.trainer import DEMO_MODELS, Trainer
-from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.launch import run_rank_processes, start_engine, stop_engine
 from weightbus.core.units import format_bytes
-from weightbus.engines.vllm.launch import free_port
 
 _RECORD = "record.json"
 _STEP_TIMEOUT_S = 600.0  # bound of one step's collectives on the trainer group
@@ -72,23 +70,15 @@ def run_sharded(args: argparse.Namespace) -> int:
     return finish(record, args)
 
 
+# the trainer ranks of one demo run, stopped after this long (a demo of a few minutes at most)
+RANKS_TIMEOUT_S = 3600.0
+
+
 def _run_ranks(args: argparse.Namespace, url: str, directory: Path) -> list[int]:
     payload = json.dumps({**vars(args), "handler": None, "url": url, "out": str(directory)})
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(  # noqa: S603 - this interpreter and our own module
-            [sys.executable, "-m", "weightbus.apps.demo.sharded", payload],
-            env={
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(args.trainer_ranks),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-            },
-        )
-        for rank in range(args.trainer_ranks)
-    ]
-    return [proc.wait() for proc in procs]
+    return run_rank_processes(
+        "weightbus.apps.demo.sharded", payload, args.trainer_ranks, RANKS_TIMEOUT_S
+    )
 
 
 class _Round(msgspec.Struct, frozen=True):
