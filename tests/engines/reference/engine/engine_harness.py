@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -255,6 +257,32 @@ class ServedEngine:
                 os.kill(pid, signal.SIGKILL)
         self._log.close()
         return code
+
+
+def started_together(starts: Iterable[Callable[[], ServedEngine]]) -> list[ServedEngine]:
+    """Each `start()` at the same time, their engines in order. A start is two processes'
+    imports and set-up, about 1.2 cores for 4 s: on 2 cores three engines start in ~8 s
+    together, ~13 s one after the other. One that fails stops those that started.
+
+    Raises:
+        RuntimeError: an engine did not start (its log's tail).
+    """
+    starts = list(starts)
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    failed = [future.exception() for future in futures if future.exception() is not None]
+    if failed:
+        stopped_together([future.result() for future in futures if future.exception() is None])
+        raise failed[0]
+    return [future.result() for future in futures]
+
+
+def stopped_together(engines: Iterable[ServedEngine]) -> None:
+    """`ServedEngine.stop` of every engine at the same time (each waits for its own exit)."""
+    engines = list(engines)
+    if engines:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda engine: engine.stop(), engines))
 
 
 if __name__ == "__main__":
