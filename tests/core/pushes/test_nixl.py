@@ -5,7 +5,7 @@ joining and leaving with nothing to re-form; an engine that cannot take writes."
 from pathlib import Path
 
 import pytest
-from engine_harness import ServedEngine
+from engine_harness import ServedEngine, started_together, stopped_together
 from netns_harness import CutLinkAfterFirstBucket, Namespaces, link_up
 from update_harness import KiB, engine_greedy, hf_greedy, trained_copy, weights_state
 
@@ -58,10 +58,12 @@ def test_tp1_and_tp2_across_namespaces_bit_exact_atomic_and_in_place(
     namespaces, hf_model, tmp_path
 ):
     path, model = hf_model
-    engines = [
-        _in_namespace(namespaces, tmp_path, f"tp{tp}", "--model", str(path), "--tp", str(tp))
+    engines = started_together(
+        lambda tp=tp: _in_namespace(
+            namespaces, tmp_path, f"tp{tp}", "--model", str(path), "--tp", str(tp)
+        )
         for tp in (1, 2)
-    ]
+    )
     try:
         with _across(namespaces, engines, timeout_s=60) as pub:
             for step, atomic in enumerate([True, False], start=1):
@@ -78,8 +80,7 @@ def test_tp1_and_tp2_across_namespaces_bit_exact_atomic_and_in_place(
                 halves = shares[(1, 0)], shares[(1, 1)]
                 assert max(halves) < 0.6 * total < total < sum(halves) < 1.1 * total
     finally:
-        for engine in engines:
-            engine.stop()
+        stopped_together(engines)
 
 
 def test_link_cut_mid_push_fails_both_sides_keeps_old_weights_then_pushes_again(
@@ -109,19 +110,20 @@ def test_link_cut_mid_push_fails_both_sides_keeps_old_weights_then_pushes_again(
 
 
 def test_engines_join_and_leave_between_pushes(tmp_path):
-    started = [
-        ServedEngine(*args, log_path=tmp_path / f"{index}.log")
-        for index, args in enumerate([("--tp", "1"), ("--tp", "2")])
-    ]
+    # the newcomer starts with the others (it waits for its first weights: nothing reaches it
+    # before `add_engine`)
+    flags = [("--tp", "1"), ("--tp", "2"), ("--wait-for-initial-weights",)]
+    started = started_together(
+        lambda index=index, args=args: ServedEngine(*args, log_path=tmp_path / f"{index}.log")
+        for index, args in enumerate(flags)
+    )
     try:
         with Publisher(
-            [engine.url for engine in started], transport="nixl", bucket_bytes=BUCKET_BYTES,
+            [engine.url for engine in started[:2]], transport="nixl", bucket_bytes=BUCKET_BYTES,
             timeout_s=60,
         ) as pub:  # fmt: skip
             first = pub.push(_weights(1), version="v1")
-            started.append(
-                ServedEngine("--wait-for-initial-weights", log_path=tmp_path / "newcomer.log")
-            )
+            assert weights_state(started[2])["status"] == "WAITING"
             pub.add_engine(started[2].url, _weights(1))
             assert weights_state(started[2])["fingerprint"] == first.fingerprint
             second = pub.push(_weights(2), version="v2")
@@ -131,8 +133,7 @@ def test_engines_join_and_leave_between_pushes(tmp_path):
         served = [weights_state(engine)["fingerprint"] for engine in started]
         assert served == [third.fingerprint, second.fingerprint, third.fingerprint]
     finally:
-        for engine in started:
-            engine.stop()
+        stopped_together(started)
 
 
 def test_an_engine_without_registered_memory_is_refused_naming_itself(tmp_path):
