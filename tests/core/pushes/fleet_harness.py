@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 import torch
-from engine_harness import ServedEngine, is_alive
+from engine_harness import ServedEngine, is_alive, started_together, stopped_together
 from update_harness import engine_greedy, weights_state
 
 from weightbus.core.publisher import EngineResult, HttpEngineTarget, UpdateOrder
@@ -76,17 +76,18 @@ class Fleet:
     def __init__(self, log_dir: Path, flags: dict[str, tuple[str, ...]]) -> None:
         self.log_dir = log_dir
         self.flags = dict(flags)
-        self.engines: dict[str, ServedEngine] = {}
-        for name in flags:
-            self.start(name)
+        started = started_together(lambda name=name: self._served(name) for name in flags)
+        self.engines: dict[str, ServedEngine] = dict(zip(flags, started, strict=True))
 
     def start(self, name: str, *flags: str) -> ServedEngine:
         if flags:
             self.flags[name] = flags
-        self.engines[name] = ServedEngine(
-            *self.flags[name], log_path=self.log_dir / f"{name}-{time.monotonic_ns()}.log"
-        )
+        self.engines[name] = self._served(name)
         return self.engines[name]
+
+    def _served(self, name: str) -> ServedEngine:
+        log_path = self.log_dir / f"{name}-{time.monotonic_ns()}.log"
+        return ServedEngine(*self.flags[name], log_path=log_path)
 
     def ensure_alive(self) -> None:
         for name, engine in list(self.engines.items()):
@@ -100,7 +101,7 @@ class Fleet:
     def close(self) -> None:
         for engine in self.engines.values():
             signal_engine(engine, signal.SIGCONT)
-            engine.stop()
+        stopped_together(self.engines.values())
 
 
 def corrupted_copy(order: UpdateOrder) -> UpdateOrder:
