@@ -6,9 +6,16 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
-from engine_harness import ServedEngine, children_of, is_alive
+from engine_harness import (
+    ServedEngine,
+    children_of,
+    is_alive,
+    started_together,
+    stopped_together,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from update_harness import weights_state
 
@@ -24,6 +31,20 @@ from weightbus.engines.reference.models.loader import random_hf_weights
 pytestmark = pytest.mark.e2e
 PROMPT = [2, 7, 1, 8]
 HOLD_TIMEOUT_S = 60.0  # bound of the test's own waits on the publisher it holds
+
+
+@pytest.fixture(scope="module")
+def doomed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServedEngine]]:
+    """A fresh `--tp 2` engine for each test that ends one (a rank killed, each rank; one
+    frozen), started together; each test stops its own."""
+    logs = tmp_path_factory.mktemp("logs")
+    names = ["killed-0", "killed-1", "frozen"]
+    started = started_together(
+        lambda name=name: ServedEngine("--tp", "2", log_path=logs / f"{name}.log") for name in names
+    )
+    engines = dict(zip(names, started, strict=True))
+    yield engines
+    stopped_together(engines.values())  # those whose test did not run
 
 
 def _weights(seed: int) -> list:
@@ -65,8 +86,8 @@ class _HeldPush:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_killed_mid_update_fails_the_push_and_stops_the_engine(monkeypatch, tmp_path, rank):
-    engine = ServedEngine("--tp", "2", log_path=tmp_path / "serve.log")
+def test_a_rank_killed_mid_update_fails_the_push_and_stops_the_engine(monkeypatch, doomed, rank):
+    engine = doomed[f"killed-{rank}"]
     workers = engine.worker_pids
     arenas = [path for pid in workers for path in SHM_DIR.glob(f"{ARENA_PREFIX}{pid}-*")]
     try:
@@ -100,8 +121,8 @@ def _updates_answered(engine: ServedEngine) -> float:
     raise AssertionError("no weightbus_weight_updates_total in /metrics")
 
 
-def test_a_frozen_engine_fails_the_fleet_push_naming_it_and_frees_the_healthy_one(engine, tmp_path):
-    frozen = ServedEngine("--tp", "2", log_path=tmp_path / "serve.log")
+def test_a_frozen_engine_fails_the_fleet_push_naming_it_and_frees_the_healthy_one(engine, doomed):
+    frozen = doomed["frozen"]
     processes = [frozen.proc.pid, *children_of(frozen.proc.pid)]
     try:
         before = weights_state(frozen)
