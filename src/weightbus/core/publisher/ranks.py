@@ -132,7 +132,7 @@ class TrainerRanks:
         self._senders: dict[str, RankSender] = {}
         self._layouts: dict[bytes, TrainerLayout] = {}
         self._plan: Plan | None = None
-        self._last_round: str | None = None
+        self._last_round: str | None = None  # the last round whose outcome the leader announced
 
     def plan(self, layout: TrainerLayout) -> Plan:
         """The plan of `layout`'s tensors (reused while they are unchanged)."""
@@ -168,8 +168,7 @@ class TrainerRanks:
 
     def begin(self, timeout_s: float) -> Round:
         """The next round, bounded by `timeout_s` (every rank counts rounds alike)."""
-        key = self._last_round = self.group.next_push()
-        return Round(self.group, key, time.monotonic() + timeout_s)
+        return Round(self.group, self.group.next_push(), time.monotonic() + timeout_s)
 
     # --- agreeing on the model ---
 
@@ -314,6 +313,10 @@ class TrainerRanks:
     def _end(self, round_: Round, outcome: OutcomeStep) -> None:
         if not self.single:
             round_.announce(outcome)
+            # the others read it and say so (`follow`); `close` waits for that. A round that
+            # ended before the leader led it (a rank's weights refused in `hold`) has no
+            # outcome to read: no rank would say so
+            self._last_round = round_.key
 
     # --- the other ranks ---
 
@@ -375,8 +378,8 @@ class TrainerRanks:
         group.answer(f"{key}/done", run)
 
     def close(self) -> None:
-        """Free every sender (the leader: once every rank read the last outcome, or
-        `_CLOSE_WAIT_S` passed; its store serves them)."""
+        """Free every sender (the leader: once every rank read the last outcome it announced,
+        or `_CLOSE_WAIT_S` passed; its store serves them)."""
         if self.is_leader and not self.single and self._last_round is not None:
             self.group.report(f"{self._last_round}/read", ControlMessage())
             try:
