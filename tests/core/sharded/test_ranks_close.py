@@ -1,6 +1,7 @@
 """The leader's `TrainerRanks.close`: it keeps its store up until every rank read the last
-outcome it announced, and does not wait for a round that ended before it led it (a rank's
-weights refused in `hold`: no outcome, so no rank reads one)."""
+outcome it announced; it does not wait for a round that ended before it led it (a rank's
+weights refused in `hold`: no outcome, so no rank reads one), nor for a rank it waited for in
+vain in that round (dead or stuck)."""
 
 import logging
 import threading
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from weightbus.core.publisher import ranks as ranks_module
 from weightbus.core.publisher.ranks import TrainerRanks
-from weightbus.core.trainer.group import TrainerGroup
+from weightbus.core.trainer.group import TrainerGroup, TrainerRankError
 
 CLOSE_WAIT_S = 0.5  # the test's `_CLOSE_WAIT_S`
 
@@ -65,8 +66,27 @@ def test_a_round_refused_before_it_was_led_is_not_waited_for(leader, caplog):
     assert "closing the trainer group's store anyway" not in caplog.text
 
 
-def test_an_announced_outcome_is_waited_for_until_every_rank_read_it(leader, caplog):
+def _rank_1_silent(leader: TrainerRanks) -> None:
+    """A round in which rank 1 never reports its part (dead): the leader announces the failure."""
     round_ = leader.begin(timeout_s=30)
+
+    def lead() -> None:
+        leader.group.collect(f"{round_.key}/done", "its part", time.monotonic() + 0.05)
+
+    with pytest.raises(TrainerRankError, match="trainer rank 1 sent no its part in time"):
+        leader.lead(round_, lead)
+
+
+def test_a_rank_waited_for_in_vain_is_not_waited_for_again(leader, caplog):
+    _rank_1_silent(leader)
+    with caplog.at_level(logging.WARNING):
+        assert _closed_in(leader) < CLOSE_WAIT_S / 2
+    assert "closing the trainer group's store anyway" not in caplog.text
+
+
+def test_an_announced_outcome_is_waited_for_until_every_rank_read_it(leader, caplog):
+    _rank_1_silent(leader)
+    round_ = leader.begin(timeout_s=30)  # rank 1 is not silent in this one: it is waited for
     assert leader.lead(round_, lambda: "pushed") == "pushed"
     leader.refuse_failure(leader.begin(timeout_s=30), ValueError("refused"))  # the next round
     with caplog.at_level(logging.WARNING):  # rank 1 never reads the announced outcome

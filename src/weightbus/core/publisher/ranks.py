@@ -133,6 +133,7 @@ class TrainerRanks:
         self._layouts: dict[bytes, TrainerLayout] = {}
         self._plan: Plan | None = None
         self._last_round: str | None = None  # the last round whose outcome the leader announced
+        self._last_silent: set[int] = set()  # the ranks it waited for in vain in that round
 
     def plan(self, layout: TrainerLayout) -> Plan:
         """The plan of `layout`'s tensors (reused while they are unchanged)."""
@@ -316,7 +317,7 @@ class TrainerRanks:
             # the others read it and say so (`follow`); `close` waits for that. A round that
             # ended before the leader led it (a rank's weights refused in `hold`) has no
             # outcome to read: no rank would say so
-            self._last_round = round_.key
+            self._last_round, self._last_silent = round_.key, set(self.group.silent)
 
     # --- the other ranks ---
 
@@ -379,12 +380,16 @@ class TrainerRanks:
 
     def close(self) -> None:
         """Free every sender (the leader: once every rank read the last outcome it announced,
-        or `_CLOSE_WAIT_S` passed; its store serves them)."""
+        or `_CLOSE_WAIT_S` passed; its store serves them). A rank the leader waited for in vain
+        in that round (dead, or stuck) is not waited for again."""
         if self.is_leader and not self.single and self._last_round is not None:
             self.group.report(f"{self._last_round}/read", ControlMessage())
+            readers = [r for r in range(self.group.world_size) if r not in self._last_silent]
             try:
                 deadline = time.monotonic() + _CLOSE_WAIT_S
-                self.group.collect(f"{self._last_round}/read", "read of the outcome", deadline)
+                self.group.collect(
+                    f"{self._last_round}/read", "read of the outcome", deadline, readers
+                )
             except TrainerRankError as exc:
                 logger.warning("closing the trainer group's store anyway: %s", exc)
         for sender in self._senders.values():

@@ -94,6 +94,8 @@ class TrainerGroup:
         self._sequence = 0
         self._written: dict[int, list[str]] = {}  # the keys this rank set, by push
         self._watched: str | None = None  # the step whose other ranks' failures end a wait
+        # the ranks the leader waited for in vain in this push (dead or stuck)
+        self.silent: set[int] = set()
 
     @classmethod
     def local(cls) -> "TrainerGroup":
@@ -165,6 +167,7 @@ class TrainerGroup:
     def next_push(self) -> str:
         """The key prefix of the next push (every rank counts its pushes alike)."""
         self._sequence += 1
+        self.silent = set()
         return f"push/{self._sequence}"
 
     def forget_earlier_pushes(self) -> None:
@@ -241,6 +244,7 @@ class TrainerGroup:
         for rank, k in keys.items():
             if not self._store.check([k]):
                 found[rank] = None
+                self._note_silent([k])
                 continue
             message = self._read(k)
             if not message.ok:
@@ -267,6 +271,7 @@ class TrainerGroup:
         try:
             self._store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except dist.DistStoreError:  # the wait timed out
+            self._note_silent(keys)
             raise TrainerRankError(f"{self._missing(keys, who)} sent no {what} in time") from None
 
     def _poll(self, keys: list[str], what: str, deadline: float, who, interrupt) -> None:
@@ -274,6 +279,7 @@ class TrainerGroup:
         a c10d warning), asking `interrupt` in between."""
         while not self._store.check(keys):
             if time.monotonic() >= deadline:
+                self._note_silent(keys)
                 raise TrainerRankError(f"{self._missing(keys, who)} sent no {what} in time")
             if (reason := interrupt()) is not None:
                 if isinstance(reason, TrainerRankError):
@@ -282,6 +288,12 @@ class TrainerGroup:
                     f"stopped waiting for {self._missing(keys, who)} ({what}): {reason}"
                 )
             time.sleep(_POLL_S)
+
+    def _note_silent(self, keys: list[str]) -> None:
+        """The leader: the ranks of `keys` (`<key>/<rank>`) whose report is still missing, into
+        `silent` (its store is local: asking it does not block)."""
+        if self.is_leader:
+            self.silent.update(int(k.rsplit("/", 1)[1]) for k in keys if not self._store.check([k]))
 
     def _missing(self, keys: list[str], who) -> str:
         """Who did not report: asked of the store only when several could be missing (rank 0,
