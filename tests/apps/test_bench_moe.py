@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 def test_expert_parallel_rows_send_each_rank_its_experts_and_gather_for_the_baseline(
     shared_processes: "SharedProcesses", tmp_path
 ):
-    # the EP-2 engine the MoE push tests share (tests/core/pushes/moe_harness.py: `ep2`), its
+    # the EP-2 engine the MoE push tests share (tests/core/pushes/moe_fleet.py: `ep2`), its
     # experts placed linearly as the plan places them (another module may have moved them)
     engine = shared_processes.moe_engine("--tp", "2", "--expert-parallel", log_dir=tmp_path)
     response = engine.client.post("/v1/experts/place", json={"placement": "linear"})

@@ -3,6 +3,7 @@ timeout) is deleted by the next run, with its links, and a subnet in use is neve
 again (a leftover used to capture the next run's routes)."""
 
 import subprocess
+import time
 
 import pytest
 
@@ -25,7 +26,11 @@ def test_a_dead_makers_namespace_is_reaped_and_a_used_subnet_is_avoided():
         assert netns.free_subnet() != taken
         assert name in netns.reap_stale()
         assert name not in netns.ip("netns", "list")
-        assert link not in netns.ip("-o", "link")  # the veth went with its namespace
+        # the veth goes with its namespace, once the kernel's deferred namespace clean-up ran
+        deadline = time.monotonic() + 10
+        while link in netns.ip("-o", "link") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link not in netns.ip("-o", "link")
     finally:
         netns.ip("link", "del", link, check=False)
         netns.ip("netns", "del", name, check=False)

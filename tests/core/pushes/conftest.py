@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from moe_harness import LAYOUTS
+from moe_fleet import LAYOUTS
 from netns_harness import namespaces  # noqa: F401 - the fixture, for the modules here
 
 if TYPE_CHECKING:

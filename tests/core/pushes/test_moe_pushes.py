@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 from engine_harness import ServedEngine
-from moe_harness import LAYOUTS, LONG_PROMPT, NUM_EXPERTS, SEEDS
+from moe_fleet import LAYOUTS, LONG_PROMPT, NUM_EXPERTS, SEEDS
 from safetensors.torch import save_file
 from update_harness import engine_greedy, hf_greedy, trained_copy
 

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from moe_harness import LONG_PROMPT
+from moe_fleet import LONG_PROMPT
 from sharded_harness import gathered, run_trainers
 from update_harness import engine_greedy, hf_greedy, weights_state
 
