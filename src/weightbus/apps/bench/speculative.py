@@ -13,6 +13,7 @@ import argparse
 import logging
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from weightbus.apps.demo.draft import DraftRun
 from weightbus.apps.demo.rollout import RolloutClient
 from weightbus.apps.demo.task import prompts
 from weightbus.apps.demo.trainer import Trainer, tiny_hf_config
-from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.launch import start_engine, stop_engines
 from weightbus.core.publisher import Publisher
 from weightbus.engines.reference.models.config import tiny_config
 
@@ -60,18 +61,24 @@ def _greedy_tokens_per_s(engine: _Engine, prompt: list[int]) -> float:
 
 
 def _start(args: argparse.Namespace, model_dir: Path, draft_dir: Path) -> dict:
-    """The three engines (processes and URLs), plain first."""
+    """The three engines (processes and URLs), plain first, started side by side."""
     flags = ["--draft-model", str(draft_dir), "--num-speculative-tokens", str(args.num_spec)]
-    started = {}
-    try:
-        for name in ENGINES:
-            started[name] = start_engine(
-                str(model_dir), args.tp[0], extra=[] if name == "plain" else flags
+    with ThreadPoolExecutor(max_workers=len(ENGINES)) as pool:
+        futures = {
+            name: pool.submit(
+                start_engine, str(model_dir), args.tp[0], extra=[] if name == "plain" else flags
             )
-    except RuntimeError:
-        for proc, _ in started.values():
-            stop_engine(proc)
-        raise
+            for name in ENGINES
+        }
+    started, errors = {}, []
+    for name, future in futures.items():
+        try:
+            started[name] = future.result()
+        except RuntimeError as exc:
+            errors.append(exc)
+    if errors:
+        stop_engines([proc for proc, _ in started.values()])
+        raise errors[0]
     return started
 
 
@@ -102,8 +109,7 @@ def run_speculation(args: argparse.Namespace) -> int:
             for engine in engines:
                 engine.publisher.close()
                 engine.client.close()
-            for proc, _ in started.values():
-                stop_engine(proc)
+            stop_engines([proc for proc, _ in started.values()])
     return 0
 
 
