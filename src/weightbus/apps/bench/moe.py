@@ -204,12 +204,19 @@ def _error(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured:+.0%}" if measured else "-"
 
 
-def _print(result: dict, args: argparse.Namespace) -> None:
+def _model_line(result: dict) -> str:
+    """The model a bench moe run pushes: its size, layers, experts and experts' bytes."""
     shape: MoeShape = result["shape"]
-    print(
+    return (
         f"\n{format_bytes(result['size'])} Qwen3-MoE bf16 ({shape.num_layers} layers x "
         f"{shape.num_experts} experts, top {shape.top_k}; experts "
-        f"{format_bytes(result['expert_bytes'])}) into 1 engine of TP {args.tp} = EP {args.tp}"
+        f"{format_bytes(result['expert_bytes'])})"
+    )
+
+
+def _print(result: dict, args: argparse.Namespace) -> None:
+    print(
+        f"{_model_line(result)} into 1 engine of TP {args.tp} = EP {args.tp}"
         f" ({args.redundant_experts} redundant), median of {args.repeat}, in place, verify none"
     )
     floors = ", ".join(f"{name} {gb:.2f} GB/s" for name, gb in result["floors"].items())
@@ -256,11 +263,8 @@ def _measure_ranks(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def _print_ranks(result: dict, args: argparse.Namespace) -> int:
-    shape: MoeShape = result["shape"]
     print(
-        f"\n{format_bytes(result['size'])} Qwen3-MoE bf16 ({shape.num_layers} layers x "
-        f"{shape.num_experts} experts, top {shape.top_k}; experts "
-        f"{format_bytes(result['expert_bytes'])}) on trainer ranks holding FSDP2's Shard(0) "
+        f"{_model_line(result)} on trainer ranks holding FSDP2's Shard(0) "
         f"(experts cut by expert) into 1 engine of TP {args.tp} = EP {args.tp}, median of "
         f"{args.repeat}, in place, verify none, buckets "
         f"{format_bytes(result['run'].bucket_bytes)}; {os.cpu_count()} cores"
