@@ -31,6 +31,7 @@ from weightbus.core.transport import BucketSink, WeightsGroupInfo
 from weightbus.core.transport.base import Progress
 from weightbus.core.weights import NameMap, Weights
 from weightbus.core.wire import PauseMode, VerifyLevel
+from weightbus.core.wire.order import RunningKV
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,8 @@ class Publisher:
         allow_nonfinite: bool = False,
         adapter: Any = None,
         base_fingerprint: str | None = None,
+        running_kv: RunningKV = "keep",
+        keep_prefix_cache: bool = False,
     ) -> PushResult:
         """Push `weights` as `version` into every engine; block until all committed. With a
         group, every rank calls it with what it holds.
@@ -252,6 +255,10 @@ class Publisher:
                 them).
             adapter, base_fingerprint: the peft `LoraConfig` of the adapter in `weights`, and
                 its base's fingerprint (default: the last whole push's), docs/lora.md.
+            running_kv: `pause_mode="in_place"`: the running requests keep the KV their old
+                version computed (`keep`) or recompute it on the new weights (`recompute`).
+            keep_prefix_cache: engines keep their prefix cache of the old weights (default:
+                dropped once the new weights serve), docs/serving.md.
 
         Returns:
             The committed version, its fingerprint, per-engine results and the bytes each
@@ -270,6 +277,7 @@ class Publisher:
             force=force, name_map=name_map, progress=progress, probe=probe,
             two_phase=two_phase, delta=delta, keep_draft=keep_draft,
             allow_nonfinite=allow_nonfinite, adapter=adapter, base_fingerprint=base_fingerprint,
+            running_kv=running_kv, keep_prefix_cache=keep_prefix_cache,
         )  # fmt: skip
         with self._lock:
             return self._pushes.push(weights, args)

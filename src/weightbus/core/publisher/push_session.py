@@ -55,6 +55,7 @@ from weightbus.core.weights import NameMap
 from weightbus.core.wire import PauseMode, VerifyLevel
 from weightbus.core.wire.adapter import served_fingerprint
 from weightbus.core.wire.delta import DeltaSpec
+from weightbus.core.wire.order import RunningKV
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class PushArgs:
     allow_nonfinite: bool = False
     adapter: Any = None
     base_fingerprint: str | None = None
+    running_kv: RunningKV = "keep"
+    keep_prefix_cache: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,8 @@ def push_options(fleet: Fleet, args: PushArgs) -> PushOrder:
         two_phase=fleet.two_phase(args.two_phase, args.atomic),
         keep_draft=args.keep_draft,
         allow_nonfinite=args.allow_nonfinite,
+        running_kv=args.running_kv,
+        keep_prefix_cache=args.keep_prefix_cache,
     )
 
 

@@ -9,7 +9,7 @@ and every rank's Receiver reads what it needs from it. A new push option is a fi
 its use where it acts.
 """
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -40,6 +40,24 @@ AllowNonfinite = Annotated[
     msgspec.Meta(
         description="the engine takes NaN and infinite values (else verify `full` refuses a "
         "tensor holding any, naming it)"
+    ),
+]
+
+RunningKV = Annotated[
+    Literal["keep", "recompute"],
+    msgspec.Meta(
+        description="pause_mode in_place: the running requests keep the KV cache their old "
+        "version computed (`keep`, their later tokens attend to it) or recompute it on the new "
+        "weights (`recompute`); no effect in the other modes, where no request runs across the "
+        "swap"
+    ),
+]
+KeepPrefixCache = Annotated[
+    bool,
+    msgspec.Meta(
+        description="keep the engine's prefix cache across this push: new requests may then "
+        "reuse KV the old weights computed (default: every cached prefix of the old weights is "
+        "dropped when the new ones serve)"
     ),
 ]
 
@@ -81,6 +99,10 @@ class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             committed the version, it commits too (docs/fleet.md).
         adapter: the stream carries a LoRA adapter's tensors only (PEFT names), applied to
             the base the engine serves, which must be `adapter.base_fingerprint`.
+        running_kv: in place: the running requests keep their KV (`keep`) or recompute it on
+            the new weights (`recompute`), docs/serving.md.
+        keep_prefix_cache: the engine keeps the prefix cache the old weights computed (default:
+            dropped as the new weights serve), docs/serving.md.
     """
 
     version: OrderVersion
@@ -99,6 +121,8 @@ class UpdateOrder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     allow_nonfinite: AllowNonfinite = False
     peers: Peers = msgspec.field(default_factory=list)
     adapter: AdapterSpec | None = None
+    running_kv: RunningKV = "keep"
+    keep_prefix_cache: KeepPrefixCache = False
 
     def engine_fields(self) -> dict[str, Any]:
         """The order as an engine receives it, in JSON/msgpack values: this struct's fields
