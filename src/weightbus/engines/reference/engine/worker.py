@@ -36,6 +36,7 @@ from weightbus.core.meta import DRAFT_PREFIX, dtype_from_name
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.actions import Action, StepAction, mask_to_tags
 from weightbus.engines.reference.engine.expert_placement import experts_info
+from weightbus.engines.reference.engine.forward_threads import ForwardThreads
 from weightbus.engines.reference.engine.model_runner import DraftSource, ModelInput, ModelRunner
 from weightbus.engines.reference.engine.sampler import SampleResult, sample
 from weightbus.engines.reference.engine.scheduler import Scheduler
@@ -178,6 +179,7 @@ class Worker:
         )
         # every rank's slice map (`GET /v1/weights/layout`; again after an expert re-placement)
         self.rank_slices = gather_slice_maps(self.weights.slices)
+        self.forward_threads = ForwardThreads(torch.get_num_threads())
 
     def _live_experts(self) -> messages.ExpertsInfo | None:
         """The live expert map, as rank 0 reports it (None: a dense model)."""
@@ -299,6 +301,7 @@ class Worker:
         self._apply_weights_action()
         if model_input is None:
             return True
+        self.forward_threads.fit(receiving=self.weights.receiving_staged)
         if self.spec_plan is not None:
             self._speculative_step(model_input, self.spec_plan)
             return True
