@@ -66,6 +66,7 @@ from weightbus.engines.reference.models.loader import (
     resolve_config,
     weights_records,
 )
+from weightbus.engines.reference.process_exit import exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -724,4 +725,4 @@ def run_worker(config: WorkerConfig) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

@@ -122,6 +122,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from weightbus.engines.reference.process_exit import exit_now
     from weightbus.engines.reference.server.launcher import serve
 
     # an empty --api-token is an error (ServeConfig); an empty variable means "not set"
@@ -153,10 +154,12 @@ def run(args: argparse.Namespace) -> int:
             expert_placement=args.expert_placement,
             redundant_experts=args.redundant_experts,
         )
-        return serve(config, on_ready=_print_url)
+        code = serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:
         print(f"weightbus serve: error: {exc}", file=sys.stderr)
         return 2
+    # stopped, everything it owns closed: exit without the interpreter's teardown
+    return exit_now(code)
 
 
 def _print_url(url: str) -> None:
