@@ -14,7 +14,7 @@ from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weightbus.engines.reference.engine import messages
@@ -26,6 +26,7 @@ from weightbus.engines.reference.server.body_limit import (
     NULL_BODY_KEY,
     BodyLimit,
 )
+from weightbus.engines.reference.server.completion_stream import start_stream
 from weightbus.engines.reference.server.completions import run_completion
 from weightbus.engines.reference.server.engine_client import EngineClient
 from weightbus.engines.reference.server.errors import APIError, error_response, validation_detail
@@ -254,6 +255,8 @@ def _add_public_routes(app: FastAPI, config: AppConfig) -> None:
         metrics: Metrics = request.app.state.metrics
         try:
             _check_model(body, config.served_model_name)
+            if body.stream:
+                return await _streamed(body, request, config, metrics)
             response = await run_completion(
                 body,
                 client=request.app.state.client,
@@ -266,3 +269,16 @@ def _add_public_routes(app: FastAPI, config: AppConfig) -> None:
             raise
         metrics.observe_completion(200, response.usage.completion_tokens)
         return response
+
+    async def _streamed(
+        body: CompletionRequest, request: Request, config: AppConfig, metrics: Metrics
+    ) -> StreamingResponse:
+        events = await start_stream(
+            body,
+            client=request.app.state.client,
+            tokenizer=request.app.state.tokenizer,
+            model_name=config.served_model_name,
+            request_timeout_s=config.request_timeout_s,
+            on_done=lambda num_tokens: metrics.observe_completion(200, num_tokens),
+        )
+        return StreamingResponse(events, media_type="text/event-stream")

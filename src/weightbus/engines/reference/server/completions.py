@@ -114,7 +114,9 @@ async def _generate(
     tokenizer: Tokenizer,
     request: messages.AddRequest,
     stops: list[str],
+    tokens_out: asyncio.Queue | None = None,
 ) -> _Generation:
+    """One choice's tokens; with `tokens_out`, each also put there as (version, token id)."""
     gen = _Generation()
     queue = await client.add(request)
     longest_stop = max((len(s) for s in stops), default=0)
@@ -136,6 +138,8 @@ async def _generate(
             if out.prompt_logprobs is not None:
                 gen.prompt_logprobs = out.prompt_logprobs
             gen.finish_reason = out.finish_reason
+            if tokens_out is not None:
+                tokens_out.put_nowait((version, out.token_id))
             if stops:
                 previous_len = len(gen.text)
                 gen.text = tokenizer.decode(gen.token_ids)
@@ -183,7 +187,7 @@ async def _all_or_none(coros: list) -> list[_Generation]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _engine_requests(
+def engine_requests(
     body: CompletionRequest, prompts: list[list[int]], completion_id: str
 ) -> list[messages.AddRequest]:
     # one engine request per prompt, `<completion id>-<choice index>`
@@ -203,16 +207,20 @@ def _engine_requests(
     ]
 
 
-async def _generate_all(
+async def generate_all(
     client: EngineClient,
     tokenizer: Tokenizer,
     requests: list[messages.AddRequest],
     stops: list[str],
     request_timeout_s: float,
+    *,
+    tokens_out: asyncio.Queue | None = None,
 ) -> list[_Generation]:
     try:
         async with asyncio.timeout(request_timeout_s):
-            return await _all_or_none([_generate(client, tokenizer, r, stops) for r in requests])
+            return await _all_or_none(
+                [_generate(client, tokenizer, r, stops, tokens_out) for r in requests]
+            )
     except EngineDeadError as exc:
         raise APIError(503, f"engine unavailable: {exc}") from None
     except TimeoutError:
@@ -272,9 +280,9 @@ async def run_completion(
     )
     check_serving(client.weights)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = _engine_requests(body, prompts, completion_id)
+    requests = engine_requests(body, prompts, completion_id)
     stops = list(body.stop or [])
-    generations = await _generate_all(client, tokenizer, requests, stops, request_timeout_s)
+    generations = await generate_all(client, tokenizer, requests, stops, request_timeout_s)
     # a choice ended before its first token reports the version serving now
     serving_version = client.weights.version
     choices = [

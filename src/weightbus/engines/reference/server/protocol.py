@@ -64,15 +64,15 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     n: Literal[1] = 1
-    stream: Literal[False] = False
+    # server-sent events, one chunk per token (`CompletionChunk`), then `data: [DONE]`
+    stream: bool = False
 
-    @field_validator("n", "stream", mode="before")
+    @field_validator("n", mode="before")
     @classmethod
     def _check_constant(cls, value: object, info: ValidationInfo) -> object:
-        # a Literal compares with ==: True would pass for 1 and 0 for False
-        expected = 1 if info.field_name == "n" else False
-        if type(value) is not type(expected):
-            raise ValueError(f"{info.field_name} must be {json.dumps(expected)}")
+        # a Literal compares with ==: True would pass for 1
+        if type(value) is not int:
+            raise ValueError(f"{info.field_name} must be {json.dumps(1)}")
         return value
 
     @field_validator("prompt")
@@ -103,6 +103,16 @@ class CompletionRequest(BaseModel):
         for text in stops:
             _check_unicode(text)
         return stops
+
+    @model_validator(mode="after")
+    def _check_stream(self) -> "CompletionRequest":
+        if self.stream and len(self.prompts()) > 1:
+            raise ValueError("stream takes one prompt (send one request per prompt)")
+        if self.stream and self.stop:
+            raise ValueError("stream does not take stop strings")
+        if self.stream and (self.logprobs is not None or self.prompt_logprobs):
+            raise ValueError("stream does not report logprobs (ask without stream)")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, one per choice."""
@@ -150,6 +160,28 @@ class CompletionChoice(BaseModel):
     weight_version: str
     weight_versions: list[WeightSpan]
     abort_reason: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    """One token of a streamed choice (`finish_reason` set on its last chunk), and the
+    weights version that produced it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    weight_version: str
+    abort_reason: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    """A server-sent event of a streamed completion (OpenAI's `text_completion` chunk)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
 
 
 class Usage(BaseModel):
