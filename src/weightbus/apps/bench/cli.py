@@ -50,6 +50,10 @@ SUITES = {
         "weightbus.apps.bench.nixl",
         "nixl pushes vs raw NIXL WRITEs and dist, one host and netns",
     ),
+    "serving": (
+        "weightbus.apps.bench.serving",
+        "streamed completions while a trainer pushes: stall, goodput, aborts per pause mode",
+    ),
     "engine": (
         "weightbus.apps.bench.engine",
         "reference engine tokens/s at batch 1 and 16, TP 1 and 2",

@@ -1,0 +1,114 @@
+"""The load of `weightbus bench serving`: concurrent completion streams in GRPO-like groups.
+
+`streams` streams run at once; stream `i` belongs to group `i // group` and asks that group's
+prompt (the same prompt `group` times, as a GRPO rollout does), request after request, until
+the run ends. Each request is streamed (`stream: true`), so every token's arrival time and the
+weights version that produced it are recorded (`RequestLog`).
+"""
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+# one line per request would drown the report
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+@dataclass
+class RequestLog:
+    """One request: when it was sent, each token's arrival (`time.time()`) and version, how
+    it ended (`finish_reason`; `abort`: `abort_reason`), or the error that ended it."""
+
+    stream: int
+    sent_s: float
+    token_times_s: list[float] = field(default_factory=list)
+    token_versions: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    abort_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def versions(self) -> list[str]:
+        """The versions of its tokens, in order, each once."""
+        return list(dict.fromkeys(self.token_versions))
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    streams: int
+    group: int
+    prompt_tokens: int
+    max_tokens: int
+    vocab_size: int
+    seed: int = 0
+
+    def prompts(self) -> list[list[int]]:
+        """One prompt per group."""
+        rng = random.Random(self.seed)  # noqa: S311 - prompts, not secrets
+        num_groups = -(-self.streams // self.group)
+        return [
+            [rng.randrange(self.vocab_size) for _ in range(self.prompt_tokens)]
+            for _ in range(num_groups)
+        ]
+
+
+async def _one_request(
+    http: httpx.AsyncClient, stream: int, prompt: list[int], max_tokens: int
+) -> RequestLog:
+    log = RequestLog(stream, time.time())
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    try:
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                log.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
+                return log
+            async for line in r.aiter_lines():
+                _read_event(log, line)
+    except httpx.HTTPError as exc:
+        log.error = f"{type(exc).__name__}: {exc}"
+    return log
+
+
+def _read_event(log: RequestLog, line: str) -> None:
+    if not line.startswith("data: {"):
+        return
+    event = json.loads(line.removeprefix("data: "))
+    if "error" in event:
+        log.error = event["error"]["message"]
+        return
+    choice = event["choices"][0]
+    if choice["token_ids"]:
+        log.token_times_s.append(time.time())
+        log.token_versions.append(choice["weight_version"])
+    if choice.get("finish_reason") is not None:
+        log.finish_reason = choice["finish_reason"]
+        log.abort_reason = choice.get("abort_reason")
+
+
+async def _stream_loop(
+    http: httpx.AsyncClient, stream: int, prompt: list[int], shape: LoadShape, end_s: float
+) -> list[RequestLog]:
+    logs = []
+    while time.time() < end_s:
+        logs.append(await _one_request(http, stream, prompt, shape.max_tokens))
+    return logs
+
+
+async def run_load(url: str, shape: LoadShape, duration_s: float) -> list[RequestLog]:
+    """Run the load against `url` for `duration_s` (requests started by then finish)."""
+    prompts = shape.prompts()
+    end_s = time.time() + duration_s
+    limits = httpx.Limits(max_connections=shape.streams)
+    async with httpx.AsyncClient(base_url=url, timeout=duration_s + 120, limits=limits) as http:
+        per_stream = await asyncio.gather(
+            *(
+                _stream_loop(http, i, prompts[i // shape.group], shape, end_s)
+                for i in range(shape.streams)
+            )
+        )
+    return [log for logs in per_stream for log in logs]
