@@ -14,6 +14,7 @@ commit; `drain` goodput >= 75%. `--plot` draws tokens/s over time with the pushe
 import argparse
 import asyncio
 import json
+import select
 import statistics
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from weightbus.apps.bench.dist import write_model
 from weightbus.apps.bench.llama_weights import llama_shape, llama_weights
 from weightbus.apps.bench.serving_load import LoadShape, RequestLog, run_load
 from weightbus.apps.bench.serving_report import RunFigures, figures
-from weightbus.apps.bench.serving_trainer import PushRecord, TrainerConfig
+from weightbus.apps.bench.serving_trainer import READY, PushRecord, TrainerConfig
 from weightbus.apps.bench.timing import write_json
 from weightbus.apps.launch import start_engine, stop_engines
 from weightbus.apps.tables import print_table
@@ -38,7 +39,8 @@ from weightbus.core.units import format_bytes, parse_bytes
 MODES = ("drain", "in_place", "abort")
 BASELINE = "no pushes"
 TARGET_GOODPUT = {"in_place": 0.90, "drain": 0.75}
-STALL_STEPS = 2  # in place: a stall of at most this many decode steps + the commit
+STALL_STEPS = 2
+_TRAINER_START_TIMEOUT_S = 120.0  # in place: a stall of at most this many decode steps + the commit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +87,8 @@ def _run(
     None. Returns its figures, pushes and request logs."""
     initial = httpx.get(f"{url}/v1/weights", timeout=30).json()["version"]
     trainer = None if model_dir is None else _start_trainer(mode, url, model_dir, args)
+    if trainer is not None:
+        _wait_ready(trainer)
     start_s = time.time()
     logs = asyncio.run(run_load(url, shape, args.duration_s))
     end_s = time.time()
@@ -108,9 +112,25 @@ def _start_trainer(
     )
     return subprocess.Popen(  # noqa: S603 - this interpreter and our own module
         [sys.executable, "-m", "weightbus.apps.bench.serving_trainer", json_of(config)],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def _wait_ready(trainer: subprocess.Popen) -> None:
+    """Wait (bounded) for the trainer's `ready`, then start its schedule."""
+    assert trainer.stdout is not None
+    assert trainer.stdin is not None
+    if not select.select([trainer.stdout], [], [], _TRAINER_START_TIMEOUT_S)[0]:
+        trainer.kill()
+        raise RuntimeError(f"the trainer process was not ready in {_TRAINER_START_TIMEOUT_S} s")
+    line = trainer.stdout.readline().strip()
+    if line != READY:
+        trainer.kill()
+        raise RuntimeError(f"the trainer process failed to start (said {line!r})")
+    trainer.stdin.write("go\n")
+    trainer.stdin.flush()
 
 
 def json_of(config: TrainerConfig) -> str:

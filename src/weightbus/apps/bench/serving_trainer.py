@@ -3,7 +3,8 @@
 
 `python -m weightbus.apps.bench.serving_trainer CONFIG_JSON`: it loads the model's weights
 from `model_dir` (the checkpoint the engine started from) and prints one JSON line per push
-(`PushRecord`) on stdout; a failed push is recorded with its error and the pushes go on.
+(`PushRecord`) on stdout; a failed push is recorded with its error and the pushes go on. It
+prints `ready` once loaded, then waits for a line on stdin before its first period starts.
 """
 
 import json
@@ -16,6 +17,8 @@ import msgspec
 from safetensors.torch import load_file
 
 from weightbus.core.publisher import Publisher
+
+READY = "ready"
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,9 +46,13 @@ class PushRecord:
 
 def run(config: TrainerConfig) -> None:
     weights = load_file(str(Path(config.model_dir) / "model.safetensors"))
-    deadline = time.time() + config.duration_s
-    next_push = time.time() + config.push_every_s
     with Publisher([config.url], transport=config.transport, timeout_s=config.timeout_s) as pub:
+        # started and loaded: the load starts with the first line on stdin, and so does the
+        # push schedule (the start-up's CPU time must not fall in the measured window)
+        print(READY, flush=True)
+        sys.stdin.readline()
+        deadline = time.time() + config.duration_s
+        next_push = time.time() + config.push_every_s
         index = 0
         while next_push < deadline:
             time.sleep(max(0.0, next_push - time.time()))
