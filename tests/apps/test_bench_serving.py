@@ -1,0 +1,77 @@
+"""`weightbus bench serving` end to end on a small model: streamed completions run while a
+trainer process pushes in each pause mode; no request is lost, every token's version is one
+the pushes explain, drain and abort never serve a request across versions, an aborted
+request says why; and the report's arithmetic on hand-made timelines."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from weightbus.apps.bench.serving_load import RequestLog
+from weightbus.apps.bench.serving_report import stall_s, wrong_version_tokens
+from weightbus.apps.bench.serving_trainer import PushRecord
+
+MAX_TOKENS = 24
+ORDER = ["no pushes", "drain", "in_place", "abort"]
+
+
+@pytest.mark.e2e  # starts `weightbus serve` and a trainer process (through the bench)
+def test_pushes_under_a_streamed_load_lose_no_request_in_any_mode(tmp_path):
+    out = tmp_path / "serving.json"
+    command = [sys.executable, "-m", "weightbus", "--log-level", "WARNING", "bench", "serving"]
+    command += ["--size", "4MiB", "--streams", "4", "--group", "2", "--max-tokens"]
+    command += [str(MAX_TOKENS), "--duration-s", "3", "--push-every-s", "1", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = {run["figures"]["mode"]: run for run in json.loads(out.read_text())["runs"]}
+    assert list(runs) == ORDER
+    start_version = runs["no pushes"]["requests"][0]["token_versions"][0]
+    for mode, run in runs.items():
+        figures, requests = run["figures"], run["requests"]
+        assert figures["lost"] == figures["wrong_version_tokens"] == 0, mode
+        assert figures["failed_pushes"] == 0, mode
+        # pushes at 1 s and 2 s (a slow first push on a loaded machine may leave one)
+        assert (mode == "no pushes") == (not run["pushes"]), mode
+        assert figures["requests"] == len(requests) > 0
+        pushed = [p["version"] for p in run["pushes"]]
+        served = set()
+        for request in requests:
+            assert request["error"] is None, request["error"]
+            if request["finish_reason"] == "abort":
+                assert mode == "abort", request
+                assert "pause_mode abort" in request["abort_reason"], request
+            else:  # every streamed token arrived: as many as asked
+                assert request["finish_reason"] == "length", request
+                assert len(request["token_versions"]) == MAX_TOKENS
+            seen = set(request["token_versions"])
+            assert len(seen) == 1 or mode == "in_place", (mode, request)
+            served |= seen
+        # what the run's start served, then what it pushed; pushes landed mid-load
+        assert served <= {start_version, *pushed}, mode
+        assert mode == "no pushes" or served & set(pushed), mode
+        start_version = pushed[-1] if pushed else start_version
+    assert runs["abort"]["figures"]["aborted"] > 0
+
+
+def _log(times: list[float], versions: list[str]) -> RequestLog:
+    return RequestLog(0, 0.0, times, versions, "length")
+
+
+def test_the_stall_is_the_longest_token_gap_that_overlaps_the_push():
+    logs = [_log([0.0, 0.1, 0.9, 1.0], ["a"] * 4), _log([0.5, 0.6, 0.7], ["a"] * 3)]
+    assert stall_s(logs, 0.2, 0.3) == pytest.approx(0.8)  # inside the gap 0.1 -> 0.9
+    assert stall_s(logs, 0.65, 0.66) == pytest.approx(0.8)
+    assert stall_s(logs, 2.0, 3.0) == 0.0  # no token gap overlaps it
+
+
+def test_tokens_the_push_order_does_not_explain_are_counted():
+    pushes = [PushRecord("v1", 1.0, 1.2), PushRecord("bad", 1.5, 1.6, error="x")]
+    pushes.append(PushRecord("v2", 2.0, 2.2))
+    good = _log([0.5, 1.1, 2.5], ["v0", "v1", "v2"])
+    assert wrong_version_tokens([good], "v0", pushes) == 0
+    before_its_push = _log([0.9], ["v1"])
+    going_back = _log([1.3, 1.4], ["v1", "v0"])
+    unknown = _log([3.0], ["bad"])
+    assert wrong_version_tokens([before_its_push, going_back, unknown], "v0", pushes) == 3
