@@ -22,7 +22,8 @@ def test_pushes_under_a_streamed_load_lose_no_request_in_any_mode(tmp_path):
     out = tmp_path / "serving.json"
     command = [sys.executable, "-m", "weightbus", "--log-level", "WARNING", "bench", "serving"]
     command += ["--size", "4MiB", "--streams", "4", "--group", "2", "--max-tokens"]
-    command += [str(MAX_TOKENS), "--duration-s", "3", "--push-every-s", "1", "--json", str(out)]
+    command += [str(MAX_TOKENS), "--duration-s", "3", "--push-every-s", "1", "--warmup-s", "1"]
+    command += ["--json", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     runs = {run["figures"]["mode"]: run for run in json.loads(out.read_text())["runs"]}
