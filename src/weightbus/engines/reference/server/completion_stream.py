@@ -9,16 +9,10 @@ their HTTP status as without `stream`; an error after it ends the stream with an
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from weightbus.engines.reference.engine.tokenizer import Tokenizer
-from weightbus.engines.reference.server.completions import (
-    check_serving,
-    engine_requests,
-    generate_all,
-    tokenize_prompts,
-)
+from weightbus.engines.reference.server.completions import accept, generate_all
 from weightbus.engines.reference.server.engine_client import EngineClient
 from weightbus.engines.reference.server.errors import APIError, error_response
 from weightbus.engines.reference.server.protocol import (
@@ -91,16 +85,8 @@ async def start_stream(
     Raises:
         APIError: what `run_completion` raises, found before the first token.
     """
-    ready = client.ready
-    assert ready is not None
-    assert client.weights is not None
-    prompts = tokenize_prompts(
-        body, tokenizer, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len
-    )
-    check_serving(client.weights)
-    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    completion_id, _, requests = accept(body, client, tokenizer)
     tokens: asyncio.Queue = asyncio.Queue()
-    requests = engine_requests(body, prompts, completion_id)
     task = asyncio.create_task(
         generate_all(client, tokenizer, requests, [], request_timeout_s, tokens_out=tokens)
     )

@@ -187,7 +187,7 @@ async def _all_or_none(coros: list) -> list[_Generation]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def engine_requests(
+def _engine_requests(
     body: CompletionRequest, prompts: list[list[int]], completion_id: str
 ) -> list[messages.AddRequest]:
     # one engine request per prompt, `<completion id>-<choice index>`
@@ -257,6 +257,26 @@ def _usage(prompts: list[list[int]], generations: list[_Generation]) -> Usage:
     )
 
 
+def accept(
+    body: CompletionRequest, client: EngineClient, tokenizer: Tokenizer
+) -> tuple[str, list[list[int]], list[messages.AddRequest]]:
+    """A completion's id, prompts and engine requests, once its prompts fit the model and
+    the weights can serve.
+
+    Raises:
+        APIError: 400 naming the field, 503 saying why the weights cannot serve.
+    """
+    ready = client.ready
+    assert ready is not None
+    assert client.weights is not None
+    prompts = tokenize_prompts(
+        body, tokenizer, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len
+    )
+    check_serving(client.weights)
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    return completion_id, prompts, _engine_requests(body, prompts, completion_id)
+
+
 async def run_completion(
     body: CompletionRequest,
     *,
@@ -272,15 +292,7 @@ async def run_completion(
             weights cannot serve (failed update, memory released), 504 when generation
             outlasts `request_timeout_s`.
     """
-    ready = client.ready
-    assert ready is not None
-    assert client.weights is not None
-    prompts = tokenize_prompts(
-        body, tokenizer, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len
-    )
-    check_serving(client.weights)
-    completion_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = engine_requests(body, prompts, completion_id)
+    completion_id, prompts, requests = accept(body, client, tokenizer)
     stops = list(body.stop or [])
     generations = await generate_all(client, tokenizer, requests, stops, request_timeout_s)
     # a choice ended before its first token reports the version serving now
