@@ -95,13 +95,16 @@ class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):
     """The tokens of one step, in order (a speculative step may bring several per request).
 
     `num_draft_tokens` / `num_accepted_tokens`: draft tokens proposed and kept in the step
-    (0 without speculative decoding).
+    (0 without speculative decoding). `num_prefix_queries` / `num_prefix_hits`: prompt tokens
+    the step's admissions looked up in the prefix cache and found there.
     """
 
     weight_version: str
     outputs: list[TokenOutput]
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
 
 
 class RequestError(msgspec.Struct, tag="error", frozen=True):

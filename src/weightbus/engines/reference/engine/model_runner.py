@@ -121,6 +121,14 @@ class ModelRunner:
             self.draft_kv_cache = KVCache(**self._kv_cache_shapes[1])
             self.draft_kv_cache.bind(self.draft)
 
+    def copy_kv(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy KV positions `[0, n)` of slot `src` into slot `dst`, for each `(dst, src, n)`
+        in order, in every layer (prefix caching; the draft model's cache is not copied)."""
+        assert self.kv_cache is not None, "KV copies while the KV cache is released"
+        for dst, src, n in copies:
+            self.kv_cache.k[:, dst, :n] = self.kv_cache.k[:, src, :n]
+            self.kv_cache.v[:, dst, :n] = self.kv_cache.v[:, src, :n]
+
     @torch.inference_mode()
     def forward(
         self, batch: ModelInput, *, all_logits: bool = False, draft: bool = False

@@ -52,6 +52,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.slot = -1
         self.num_cached_tokens = 0
+        # the weights epoch its KV was computed under (prefix caching: `engine/prefix_cache.py`)
+        self.kv_epoch = 0
         # tokens of this sequence the draft model's KV cache holds (speculative decoding)
         self.num_draft_cached_tokens = 0
         # filled at prefill when `params.prompt_logprobs`, sent with the first token

@@ -62,6 +62,10 @@ class UpdateController(ControlRequests, ExpertRequests, PeerOutcome):
         draft_fingerprint: the draft model's fingerprint at start-up (None: no draft).
         lora: the adapters the engine serves (`--lora-rank`, `--lora-targets`; None: none).
         experts: the live expert map of a mixture-of-experts model (None: a dense model).
+        on_new_weights: called as other weights serve (a commit, an in-place load, a
+            rollback; a failed load that touched the weights) with the order's
+            `keep_prefix_cache` and whether running requests recompute their KV
+            (`running_kv`); the prefix cache of the old weights is dropped unless kept.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class UpdateController(ControlRequests, ExpertRequests, PeerOutcome):
         draft_fingerprint: str | None = None,
         lora: LoraShape | None = None,
         experts: messages.ExpertsInfo | None = None,
+        on_new_weights: Callable[..., None] | None = None,
     ) -> None:
         self.version = version
         self.step: int | None = None
@@ -98,6 +103,7 @@ class UpdateController(ControlRequests, ExpertRequests, PeerOutcome):
         self._serving = self._entry(seconds=0.0, nbytes=0)
         self._send = send
         self._abort = abort
+        self._on_new_weights = on_new_weights
         self._update: PendingUpdate | None = None
         self._discard_staging = False  # an aborted staged receive ended: discard it next step
         # request ids of drain pauses awaiting their reply (several clients may ask at once)
@@ -549,6 +555,7 @@ class UpdateController(ControlRequests, ExpertRequests, PeerOutcome):
         if any(v.touched for v in verdicts):
             # the live weights are half-written: fail closed until a good update lands
             self.weights_valid = False
+            self._new_weights(None, kept=False)
             self._abort(f"weights update to {update.version!r} failed", True)
         # else the checks refused the stream before a byte was written: the old weights serve
         self._finish_update(status, error, names)
@@ -565,8 +572,22 @@ class UpdateController(ControlRequests, ExpertRequests, PeerOutcome):
             adapter=self.adapter,
         )
 
+    def _new_weights(self, update: PendingUpdate | None, *, kept: bool) -> None:
+        """Tell the worker that other weights serve (prefix cache, running requests' KV)."""
+        if self._on_new_weights is None:
+            return
+        request = None if update is None else update.request
+        recompute = (
+            request is not None
+            and request.pause_mode == "in_place"
+            and request.running_kv == "recompute"
+        )
+        self._on_new_weights(keep_prefix_cache=kept, recompute_running=recompute)
+
     def _commit(self, update: PendingUpdate, fingerprint: str | None) -> None:
         seconds = time.perf_counter() - update.started_at
+        keep = update.request is not None and update.request.keep_prefix_cache
+        self._new_weights(update, kept=keep)
         self.version, self.step, self.fingerprint = update.version, update.step, fingerprint
         self.draft, self.adapter = update.draft, update.adapter
         self.weights_valid, self.waiting = True, False

@@ -10,10 +10,11 @@ speculative one instead (`engine/speculative.py`): its plan follows the batch br
 
 Rank 0 (the driver) owns the scheduler and talks to the API server over ZMQ `ipc://`; it
 decides the batch and broadcasts it to the other ranks as int64 tensors on the TP gloo group
-(a fixed-size header, then slots/positions/token ids). All ranks run the forward pass; rank 0
-samples and sends the new tokens back. When idle, rank 0 still broadcasts an IDLE header every
-`idle_wait_s`, so other ranks' waits stay bounded and a per-step broadcast (e.g. a weights
-status) always has a carrier. Run as
+(a fixed-size header, then slots/positions/token ids, then the step's prefix-cache KV copies,
+which every rank runs before the forward pass: `engine/prefix_cache.py`). All ranks run the
+forward pass; rank 0 samples and sends the new tokens back. When idle, rank 0 still broadcasts
+an IDLE header every `idle_wait_s`, so other ranks' waits stay bounded and a per-step broadcast
+(e.g. a weights status) always has a carrier. Run as
 `python -m weightbus.engines.reference.engine.worker CONFIG_JSON`.
 """
 
@@ -38,6 +39,7 @@ from weightbus.engines.reference.engine.actions import Action, StepAction, mask_
 from weightbus.engines.reference.engine.expert_placement import experts_info
 from weightbus.engines.reference.engine.forward_threads import ForwardThreads
 from weightbus.engines.reference.engine.model_runner import DraftSource, ModelInput, ModelRunner
+from weightbus.engines.reference.engine.prefix_cache import PrefixCache
 from weightbus.engines.reference.engine.sampler import SampleResult, sample
 from weightbus.engines.reference.engine.scheduler import Scheduler
 from weightbus.engines.reference.engine.sequence import SamplingParams, Sequence
@@ -72,12 +74,15 @@ logger = logging.getLogger(__name__)
 
 # Header of every step, broadcast from rank 0:
 # [command, num_seqs, num_tokens, weights action, action payload bytes, memory tags,
-#  speculative plan values (0: a plain step), reserved].
+#  speculative plan values (0: a plain step), all logits, prefix-cache KV copies].
 # The weights action rides in the header rank 0 broadcasts anyway, so while the weights status
 # is NORMAL an engine pays nothing for live updates; collectives of an update (flags, verdicts)
 # run only while one is in flight.
-HEADER_SIZE = 8
 CMD, NUM_SEQS, NUM_TOKENS, ACTION, PAYLOAD_BYTES, TAGS, SPEC_VALUES, ALL_LOGITS = range(8)
+NUM_COPIES = 8  # prefix caching: (dst, src, n) KV copies after the batch
+HEADER_SIZE = 9
+# weights actions after which the step's forward runs on other weights: no prefix-cache lookup
+SWAPS = (Action.COMMIT, Action.ROLLBACK, Action.LOAD)
 IDLE, RUN, STOP = 0, 1, 2
 # While an update is in flight and nothing else runs, rank 0 steps this often to poll it; while
 # its own staged receive runs, it waits for that receive's end instead (each poll step is a
@@ -116,6 +121,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     expert_parallel: bool = False
     expert_placement: str = "linear"
     redundant_experts: int = 0
+    # reuse the KV of cached prompt prefixes (`--enable-prefix-caching`; off with a draft model)
+    enable_prefix_caching: bool = True
 
 
 def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
@@ -204,6 +211,7 @@ class Worker:
         self.setup_change: SetupChange | None = None
         self.spec_plan: SpecPlan | None = None
         self.spec_payload: torch.Tensor | None = None  # rank 0: the packed plan
+        self.kv_copies: list[tuple[int, int, int]] = []  # the step's (dst, src, n) KV copies
         self.speculator: SpeculativeDecoder | None = None
         if self.config.num_speculative_tokens > 0 and self.runner.draft is not None:
             self.speculator = SpeculativeDecoder(
@@ -219,6 +227,7 @@ class Worker:
             max_num_batched_tokens=config.max_num_batched_tokens,
             vocab_size=model_config.vocab_size,
             eos_token_ids=model_config.eos_token_ids,
+            prefix_cache=self._prefix_cache(),
         )
         self._connect()
         fingerprint, draft_fingerprint = self._initial_fingerprints(model_config)
@@ -231,7 +240,22 @@ class Worker:
             draft_fingerprint=draft_fingerprint,
             lora=model_config.lora,
             experts=self._live_experts(),
+            on_new_weights=self._on_new_weights,
         )
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        # a draft model's KV shares the slots: copying it too is not done, so no cache then
+        if not self.config.enable_prefix_caching or self.draft_source is not None:
+            return None
+        return PrefixCache()
+
+    def _on_new_weights(self, *, keep_prefix_cache: bool, recompute_running: bool) -> None:
+        """Rank 0, as other weights serve: drop the prefix cache of the old ones (unless the
+        order keeps it); with `recompute_running`, running sequences compute their KV again."""
+        if not keep_prefix_cache:
+            self.scheduler.drop_cached(new_epoch=True)
+        if recompute_running:
+            self.scheduler.recompute_running()
 
     def _initial_fingerprints(self, model_config: ModelConfig) -> tuple[str, str | None]:
         """The fingerprint of the weights loaded at start-up (both models), and the draft's
@@ -302,6 +326,8 @@ class Worker:
         self._apply_weights_action()
         if model_input is None:
             return True
+        if self.kv_copies:
+            self.runner.copy_kv(self.kv_copies)
         self.forward_threads.fit(receiving=self.weights.receiving_staged)
         if self.spec_plan is not None:
             self._speculative_step(model_input, self.spec_plan)
@@ -424,7 +450,9 @@ class Worker:
             self.batch = []
             return
         self.batch = self.scheduler.schedule(
-            run=self.control.may_run(), admit=self.control.may_admit()
+            run=self.control.may_run(),
+            admit=self.control.may_admit(),
+            use_cache=self.step_action.action not in SWAPS,
         )
 
     def _broadcast_batch(self) -> tuple[int, ModelInput | None]:
@@ -436,11 +464,17 @@ class Worker:
         if command != RUN:
             return command, None
         num_seqs, num_tokens = int(self.header[NUM_SEQS]), int(self.header[NUM_TOKENS])
+        num_copies = int(self.header[NUM_COPIES])
         if not self.is_driver:
-            payload = torch.empty(3 * num_seqs + num_tokens, dtype=torch.int64)
+            payload = torch.empty(3 * num_seqs + num_tokens + 3 * num_copies, dtype=torch.int64)
         if self.tp_size > 1:
             dist.broadcast(payload, src=0)
         self.spec_plan = self._broadcast_spec_plan(num_seqs)
+        self.kv_copies = []
+        if num_copies:
+            copies = payload[len(payload) - 3 * num_copies :]
+            self.kv_copies = [tuple(c) for c in copies.view(num_copies, 3).tolist()]
+            payload = payload[: len(payload) - 3 * num_copies]
         return command, _unpack_batch(payload, num_seqs)
 
     def _broadcast_spec_plan(self, num_seqs: int) -> SpecPlan | None:
@@ -495,7 +529,9 @@ class Worker:
             seq.params.prompt_logprobs and seq.num_cached_tokens == 0 for seq in self.batch
         )
         self._pack_spec_plan()
-        return torch.tensor([*layout[0], *layout[1], *layout[2], *flat_tokens])
+        copies = [value for copy in self.scheduler.kv_copies for value in copy]
+        self.header[NUM_COPIES] = len(self.scheduler.kv_copies)
+        return torch.tensor([*layout[0], *layout[1], *layout[2], *flat_tokens, *copies])
 
     def _pack_spec_plan(self) -> None:
         # rank 0: speculate when every sequence decodes (steps with a prefill run plainly)
@@ -591,6 +627,7 @@ class Worker:
     def _release(self, tags_mask: int) -> None:
         self.weights.release(mask_to_tags(tags_mask))
         if self.is_driver:
+            self.scheduler.drop_cached(new_epoch=True)  # its KV or its weights are gone
             self.control.on_released(tags_mask)
 
     def _resume(self, tags_mask: int) -> None:
@@ -645,6 +682,7 @@ class Worker:
     ) -> None:
         """Send the step's tokens: `num_tokens[i]` rows of `result` per sequence (default 1);
         a sequence's finish reason rides on its last token."""
+        num_queries, num_hits = self._prefix_cache_counts()
         outputs = []
         row = 0
         for seq, count in zip(self.batch, num_tokens or [1] * len(self.batch), strict=True):
@@ -657,8 +695,15 @@ class Worker:
                 outputs=outputs,
                 num_draft_tokens=num_draft_tokens,
                 num_accepted_tokens=num_accepted_tokens,
+                num_prefix_queries=num_queries,
+                num_prefix_hits=num_hits,
             )
         )
+
+    def _prefix_cache_counts(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache and found there since the last step."""
+        cache = self.scheduler.prefix_cache
+        return (0, 0) if cache is None else cache.unreported()
 
     def _send(self, message: messages.FromEngine) -> None:
         self.outputs.send(messages.encode(message))

@@ -189,7 +189,9 @@ def create_app(config: AppConfig, hooks: EngineHooks) -> FastAPI:
             await client.close()
 
     app = FastAPI(title="weightbus engine", lifespan=lifespan)
-    app.state.metrics = Metrics(lambda: _weights_mirror(app), lambda: _draft_tokens(app))
+    app.state.metrics = Metrics(
+        lambda: _weights_mirror(app), lambda: _draft_tokens(app), lambda: _prefix_cache(app)
+    )
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -211,6 +213,11 @@ def _weights_mirror(app: FastAPI) -> messages.WeightsState | None:
 def _draft_tokens(app: FastAPI) -> tuple[int, int] | None:
     client: EngineClient | None = getattr(app.state, "client", None)
     return None if client is None else (client.num_draft_tokens, client.num_accepted_tokens)
+
+
+def _prefix_cache(app: FastAPI) -> tuple[int, int] | None:
+    client: EngineClient | None = getattr(app.state, "client", None)
+    return None if client is None else (client.num_prefix_queries, client.num_prefix_hits)
 
 
 def _check_model(body: CompletionRequest, served_model_name: str) -> None:

@@ -113,6 +113,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="tokens the draft proposes per step, verified by the model in one forward pass",
     )
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes that other requests computed under the weights "
+        "served (blocks of 16 tokens; a push drops it; off with a draft model), docs/serving.md",
+    )
+    parser.add_argument(
         "--exit-with-parent",
         action="store_true",
         help="stop (as on SIGTERM) when the process that started this one exits, even by "
@@ -153,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
             expert_parallel=args.expert_parallel,
             expert_placement=args.expert_placement,
             redundant_experts=args.redundant_experts,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         code = serve(config, on_ready=_print_url)
     except (ValueError, OSError) as exc:

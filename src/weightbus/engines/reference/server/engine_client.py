@@ -87,6 +87,9 @@ class EngineClient:
         # speculative decoding: draft tokens proposed and accepted since Ready
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # prefix caching: prompt tokens looked up and found in the cache since Ready
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     async def wait_ready(
         self, *, timeout_s: float, check: Callable[[], str | None]
@@ -142,6 +145,8 @@ class EngineClient:
             case messages.StepOutputs():
                 self.num_draft_tokens += message.num_draft_tokens
                 self.num_accepted_tokens += message.num_accepted_tokens
+                self.num_prefix_queries += message.num_prefix_queries
+                self.num_prefix_hits += message.num_prefix_hits
                 for out in message.outputs:
                     self._to_stream(out.request_id, (message.weight_version, out))
             case messages.RequestError():

@@ -99,6 +99,7 @@ class ServeConfig:
     expert_parallel: bool = False
     expert_placement: str = "linear"
     redundant_experts: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.model != TINY and not (Path(self.model) / "config.json").is_file():
@@ -206,6 +207,7 @@ def worker_config(
         expert_parallel=config.expert_parallel,
         expert_placement=config.expert_placement,
         redundant_experts=config.redundant_experts,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
 
 

@@ -110,6 +110,29 @@ class _SpeculationCollector:
         )
 
 
+class _PrefixCacheCollector:
+    """Exports the prompt tokens rank 0 looked up in its prefix cache and found there."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int] | None]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        if counts is None:  # before Ready
+            return
+        num_queries, num_hits = counts
+        yield CounterMetricFamily(
+            "weightbus_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (docs/serving.md)",
+            value=num_queries,
+        )
+        yield CounterMetricFamily(
+            "weightbus_prefix_cache_hits",
+            "Prompt tokens whose KV came from the prefix cache (docs/serving.md)",
+            value=num_hits,
+        )
+
+
 def acceptance_rate(num_draft_tokens: int, num_accepted_tokens: int) -> float:
     """Share of proposed draft tokens the model accepted.
 
@@ -130,12 +153,15 @@ class Metrics:
         weights: returns the current weights mirror (None before the engine is ready).
         draft_tokens: returns (proposed, accepted) draft tokens of speculative decoding since
             the engine started (None before it is ready; the argument left out: not exported).
+        prefix_cache: returns (looked up, found) prompt tokens of the prefix cache since the
+            engine started (as `draft_tokens`).
     """
 
     def __init__(
         self,
         weights: Callable[[], messages.WeightsState | None],
         draft_tokens: Callable[[], tuple[int, int] | None] | None = None,
+        prefix_cache: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.updates = Counter(
@@ -177,6 +203,8 @@ class Metrics:
         self.registry.register(_WeightsCollector(weights))
         if draft_tokens is not None:
             self.registry.register(_SpeculationCollector(draft_tokens))
+        if prefix_cache is not None:
+            self.registry.register(_PrefixCacheCollector(prefix_cache))
 
     def observe_update(self, status_code: int, *, nbytes: int = 0, seconds: float = 0.0) -> None:
         """Count one answered update.
