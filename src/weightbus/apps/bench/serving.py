@@ -9,6 +9,8 @@ the stall, the time to the first token of the new version, the commit; per run g
 against the baseline, requests aborted, spanning versions, lost, tokens of a wrong version.
 Verdicts against the targets: `in_place` goodput >= 90% and stall <= 2 decode steps + the
 commit; `drain` goodput >= 75%. `--plot` draws tokens/s over time with the pushes marked.
+Last, a prefix-cache row (`serving_prefix`): a GRPO group with a long prompt on this engine
+against one started with `--no-enable-prefix-caching` (target: >= 2x).
 """
 
 import argparse
@@ -29,6 +31,7 @@ import torch
 from weightbus.apps.bench.dist import write_model
 from weightbus.apps.bench.llama_weights import llama_shape, llama_weights
 from weightbus.apps.bench.serving_load import LoadShape, RequestLog, run_load
+from weightbus.apps.bench.serving_prefix import group_seconds
 from weightbus.apps.bench.serving_report import RunFigures, figures
 from weightbus.apps.bench.serving_trainer import READY, PushRecord, TrainerConfig
 from weightbus.apps.bench.timing import write_json
@@ -40,6 +43,7 @@ MODES = ("drain", "in_place", "abort")
 BASELINE = "no pushes"
 TARGET_GOODPUT = {"in_place": 0.90, "drain": 0.75}
 STALL_STEPS = 2
+TARGET_PREFIX_SPEEDUP = 2.0
 _TRAINER_START_TIMEOUT_S = 120.0  # in place: a stall of at most this many decode steps + the commit
 
 
@@ -55,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--push-every-s", type=float, default=2.0)
     parser.add_argument("--duration-s", type=float, default=12.0, help="per run")
+    parser.add_argument(
+        "--prefix-rounds", type=int, default=3, help="prefix-cache row: groups timed (0: none)"
+    )
+    parser.add_argument("--prefix-prompt-tokens", type=int, default=512)
     parser.add_argument("--warmup-s", type=float, default=3.0, help="untimed load first")
     parser.add_argument("--json", help="write every run's figures and logs here")
     parser.add_argument("--plot", help="write tokens/s over time, pushes marked, as a PNG")
@@ -73,14 +81,34 @@ def run(args: argparse.Namespace) -> int:
         model_dir = write_model(weights, args.size, Path(tmp))
         del weights
         proc, url = start_engine(str(model_dir), args.tp, extra=["--dtype", "bfloat16"])
+        procs = [proc]
         try:
             # untimed: the engine's first steps touch its KV cache and warm its kernels
             asyncio.run(run_load(url, shape, args.warmup_s))
             runs = [_run(BASELINE, url, shape, args, None)]
             runs += [_run(mode, url, shape, args, model_dir) for mode in args.modes]
+            prefix = _prefix_row(url, model_dir, args, procs) if args.prefix_rounds else None
         finally:
-            stop_engines([proc])
-    return _report(runs, args)
+            stop_engines(procs)
+    return _report(runs, args, prefix)
+
+
+def _prefix_row(url: str, model_dir: Path, args: argparse.Namespace, procs: list) -> dict:
+    """A GRPO group of `--group` with a `--prefix-prompt-tokens` prompt on this engine (prefix
+    cache on) and on one started without it, rounds interleaved."""
+    proc, off_url = start_engine(
+        str(model_dir), args.tp, extra=["--dtype", "bfloat16", "--no-enable-prefix-caching"]
+    )
+    procs.append(proc)
+    seconds = group_seconds(
+        {"cache on": url, "cache off": off_url},
+        group=args.group,
+        prompt_tokens=args.prefix_prompt_tokens,
+        max_tokens=args.max_tokens,
+        vocab_size=llama_shape(args.size).vocab_size,
+        rounds=args.prefix_rounds,
+    )
+    return {**seconds, "speedup": seconds["cache off"] / seconds["cache on"]}
 
 
 def _run(
@@ -171,7 +199,7 @@ def _ms(values: list[float], pick) -> str:
     return f"{pick(values) * 1e3:.0f}" if values else "-"
 
 
-def _report(runs: list[dict], args: argparse.Namespace) -> int:
+def _report(runs: list[dict], args: argparse.Namespace, prefix: dict | None) -> int:
     all_figures = [r["figures"] for r in runs]
     baseline = all_figures[0]
     print(
@@ -203,9 +231,20 @@ def _report(runs: list[dict], args: argparse.Namespace) -> int:
         "first new token ms", "aborted", "spanning", "lost", "wrong version", "verdict",
     ]  # fmt: skip
     print_table(headers, rows)
+    if prefix is not None:
+        met = "met" if prefix["speedup"] >= TARGET_PREFIX_SPEEDUP else "NOT met"
+        print(
+            f"prefix cache: a group of {args.group} with a {args.prefix_prompt_tokens}-token "
+            f"prompt ({args.max_tokens} tokens each, median of {args.prefix_rounds}): "
+            f"{prefix['cache on']:.3f} s with the cache, {prefix['cache off']:.3f} s without: "
+            f"{prefix['speedup']:.1f}x ({met}: >= {TARGET_PREFIX_SPEEDUP:g}x)"
+        )
     if args.json:
         args_json = {k: v for k, v in vars(args).items() if not callable(v)}
-        write_json(args.json, {"args": args_json, "runs": [_as_json(r) for r in runs]})
+        write_json(
+            args.json,
+            {"args": args_json, "runs": [_as_json(r) for r in runs], "prefix_cache": prefix},
+        )
     if args.plot:
         from weightbus.apps.bench.serving_plot import plot_serving
 
