@@ -62,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-rounds", type=int, default=3, help="prefix-cache row: groups timed (0: none)"
     )
-    parser.add_argument("--prefix-prompt-tokens", type=int, default=512)
+    parser.add_argument(
+        "--prefix-prompt-tokens",
+        type=int,
+        default=192,
+        help="prefix-cache row's prompt (+ --max-tokens within the bench model's 256 positions)",
+    )
     parser.add_argument("--warmup-s", type=float, default=3.0, help="untimed load first")
     parser.add_argument("--json", help="write every run's figures and logs here")
     parser.add_argument("--plot", help="write tokens/s over time, pushes marked, as a PNG")

@@ -23,7 +23,8 @@ async def _group_s(url: str, prompt: list[int], group: int, max_tokens: int) -> 
         )
         elapsed_s = time.perf_counter() - start
     for answer in answers:
-        answer.raise_for_status()
+        if answer.status_code != 200:
+            raise RuntimeError(f"{url} answered HTTP {answer.status_code}: {answer.text[:300]}")
     return elapsed_s
 
 
