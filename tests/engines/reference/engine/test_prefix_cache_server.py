@@ -1,6 +1,7 @@
 """Prefix caching end to end at TP 2: a GRPO-like group shares its prompt's KV, and a push of
 other weights drops it (tokens compared with transformers on each version's weights)."""
 
+import json
 import threading
 from pathlib import Path
 
@@ -102,3 +103,62 @@ def test_a_group_shares_its_prompt_and_a_push_drops_it(tmp_path: Path) -> None:
             assert _counts(engine)[1] == hits + 128
     finally:
         assert engine.stop() == 0
+
+
+def _stream_across_a_push(engine: ServedEngine, push) -> list[dict]:
+    """A streamed completion frozen after its first token (`pause_generation`) while `push()`
+    runs, then resumed: its chunks."""
+    body = {"prompt": PROMPT[:8], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    chunks = []
+    with (
+        httpx.Client(base_url=engine.url, timeout=120) as client,
+        client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream,
+    ):
+        lines = (line for line in stream.iter_lines() if line.startswith("data: {"))
+        chunks.append(json.loads(next(lines).removeprefix("data: ")))
+        paused = client.post("/v1/pause_generation", json={"mode": "in_place"})
+        assert paused.status_code == 200, paused.text
+        push()
+        assert client.post("/v1/continue_generation", json={}).status_code == 200
+        chunks += [json.loads(line.removeprefix("data: ")) for line in lines]
+    return [chunk["choices"][0] for chunk in chunks]
+
+
+def _teacher_forced_greedy(model, ids: list[int]) -> list[int]:
+    """transformers' greedy choice after every prefix of `ids`."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    return logits.argmax(-1).tolist()
+
+
+def test_in_place_running_kv_recompute_shows_in_the_stream_and_uses_the_new_weights(
+    tmp_path: Path,
+) -> None:
+    make_hf_model(CASE, tmp_path / "old", seed=0)  # the checkpoint the engine starts from
+    new = make_hf_model(CASE, tmp_path / "new", seed=1)
+    engine = ServedEngine(
+        "--model", str(tmp_path / "old"), "--tp", "2", log_path=tmp_path / "serve.log"
+    )
+    try:
+        with Publisher([engine.url], transport="shm", timeout_s=60) as pub:
+            choices = _stream_across_a_push(
+                engine,
+                lambda: pub.push(new, version="new", pause_mode="in_place", running_kv="recompute"),
+            )
+    finally:
+        assert engine.stop() == 0
+    tokens = [c["token_ids"][0] for c in choices if c["token_ids"]]
+    versions = [c["weight_version"] for c in choices if c["token_ids"]]
+    swap = versions.index("new")
+    assert swap > 0, versions
+    assert set(versions[swap:]) == {"new"}, versions
+    # the first token on the new weights says its KV was recomputed; no other does
+    recomputed = [i for i, c in enumerate(choices) if c.get("kv_recomputed")]
+    assert recomputed == [swap], choices
+    # every token from the swap on is the new model's greedy choice given all before it
+    ids = PROMPT[:8] + tokens
+    greedy = _teacher_forced_greedy(new, ids)
+    assert tokens[swap:] == greedy[len(PROMPT[:8]) + swap - 1 : -1]
+    assert choices[-1]["finish_reason"] == "length"

@@ -89,6 +89,9 @@ class TokenOutput(msgspec.Struct, frozen=True):
     # on a sequence's first token when it asked: each prompt token's logprob given the ones
     # before it (None for the first)
     prompt_logprobs: list[float | None] | None = None
+    # the first token after the sequence's whole KV was computed again on the weights of its
+    # step (an in-place push with running_kv "recompute")
+    kv_recomputed: bool = False
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):

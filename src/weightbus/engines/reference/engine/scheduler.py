@@ -189,6 +189,7 @@ class Scheduler:
         for seq in self._recompute:
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_cached_tokens = seq.num_draft_cached_tokens = 0
+                seq.kv_recomputed = True
                 if self.prefix_cache is not None:
                     seq.kv_epoch = self.prefix_cache.epoch
         self._recompute = []

@@ -56,6 +56,8 @@ class Sequence:
         self.kv_epoch = 0
         # tokens of this sequence the draft model's KV cache holds (speculative decoding)
         self.num_draft_cached_tokens = 0
+        # its KV was computed again on new weights; reported with its next token
+        self.kv_recomputed = False
         # filled at prefill when `params.prompt_logprobs`, sent with the first token
         self.prompt_logprobs: list[float | None] | None = None
         self.generator: torch.Generator | None = None

@@ -712,6 +712,7 @@ class Worker:
 def _token_output(
     seq: Sequence, result: SampleResult, row: int, *, last: bool
 ) -> messages.TokenOutput:
+    recomputed, seq.kv_recomputed = seq.kv_recomputed, False  # said once, with this token
     return messages.TokenOutput(
         request_id=seq.request_id,
         token_id=result.token_ids[row],
@@ -720,6 +721,7 @@ def _token_output(
         top_logprobs=result.top_logprobs[row],
         finish_reason=seq.finish_reason if last else None,
         prompt_logprobs=seq.prompt_logprobs if seq.num_completion_tokens == 1 else None,
+        kv_recomputed=recomputed,
     )
 
 

@@ -22,7 +22,7 @@ from weightbus.engines.reference.server.protocol import (
 )
 
 DONE_EVENT = b"data: [DONE]\n\n"
-Token = tuple[str, int]  # (weights version, token id)
+Token = tuple[str, int, bool]  # (weights version, token id, KV recomputed before it)
 
 
 async def _next_token(task: asyncio.Task, tokens: asyncio.Queue) -> Token | None:
@@ -59,13 +59,18 @@ class _Stream:
         return b"data: " + chunk.model_dump_json(exclude_none=True).encode() + b"\n\n"
 
     def token_event(self, token: Token) -> bytes:
-        version, token_id = token
+        version, token_id, kv_recomputed = token
         self.token_ids.append(token_id)
         text = self.tokenizer.decode(self.token_ids)
         delta, self.text = text[len(self.text) :], text
-        return self.event(
-            ChunkChoice(index=0, text=delta, token_ids=[token_id], weight_version=version)
+        choice = ChunkChoice(
+            index=0,
+            text=delta,
+            token_ids=[token_id],
+            weight_version=version,
+            kv_recomputed=kv_recomputed or None,  # shown only when it happened
         )
+        return self.event(choice)
 
 
 async def start_stream(

@@ -33,7 +33,9 @@ class _Generation:
     weight_spans: list[WeightSpan] = field(default_factory=list)
 
 
-def extend_spans(spans: list[WeightSpan], version: str, index: int) -> None:
+def extend_spans(
+    spans: list[WeightSpan], version: str, index: int, *, kv_recomputed: bool = False
+) -> None:
     """Count completion token `index`, generated under weights `version`, into `spans`.
 
     Tokens come in order; a token under the same version as the previous one extends its span,
@@ -43,11 +45,15 @@ def extend_spans(spans: list[WeightSpan], version: str, index: int) -> None:
         spans: the spans so far (modified).
         version: weights version of the token.
         index: the token's position in the completion (the previous one + 1).
+        kv_recomputed: the sequence's KV was computed again on `version` before this token
+            (it opens a span that says so).
     """
-    if spans and spans[-1].version == version and spans[-1].end == index:
+    extends = spans and spans[-1].version == version and spans[-1].end == index
+    if extends and not kv_recomputed:
         spans[-1].end = index + 1
     else:
-        spans.append(WeightSpan(version=version, start=index, end=index + 1))
+        span = WeightSpan(version=version, start=index, end=index + 1, kv_recomputed=kv_recomputed)
+        spans.append(span)
 
 
 def check_serving(weights: messages.WeightsState) -> None:
@@ -131,7 +137,9 @@ async def _generate(
                 gen.finish_reason, gen.abort_reason = "abort", item.reason
                 break
             version, out = item
-            extend_spans(gen.weight_spans, version, len(gen.token_ids))
+            extend_spans(
+                gen.weight_spans, version, len(gen.token_ids), kv_recomputed=out.kv_recomputed
+            )
             gen.token_ids.append(out.token_id)
             gen.logprobs.append(out.logprob)
             gen.top.append((out.top_token_ids, out.top_logprobs))
@@ -139,7 +147,7 @@ async def _generate(
                 gen.prompt_logprobs = out.prompt_logprobs
             gen.finish_reason = out.finish_reason
             if tokens_out is not None:
-                tokens_out.put_nowait((version, out.token_id))
+                tokens_out.put_nowait((version, out.token_id, out.kv_recomputed))
             if stops:
                 previous_len = len(gen.text)
                 gen.text = tokenizer.decode(gen.token_ids)

@@ -139,11 +139,18 @@ class LogProbs(BaseModel):
 
 
 class WeightSpan(BaseModel):
-    """Completion tokens `[start, end)` were generated under weights `version`."""
+    """Completion tokens `[start, end)` were generated under weights `version`.
+
+    `kv_recomputed`: the sequence's whole KV (prompt and earlier tokens) was computed again on
+    `version` before the span's first token (an in-place push with `running_kv="recompute"`),
+    so the span's tokens attend to this version's KV only; False on a later span means its
+    tokens attend to the KV earlier versions computed (`running_kv="keep"`).
+    """
 
     version: str
     start: int
     end: int
+    kv_recomputed: bool = False
 
 
 class CompletionChoice(BaseModel):
@@ -172,6 +179,9 @@ class ChunkChoice(BaseModel):
     finish_reason: str | None = None
     weight_version: str
     abort_reason: str | None = None
+    # true on the first token after the sequence's KV was computed again on `weight_version`
+    # (an in-place push with running_kv "recompute"; `WeightSpan.kv_recomputed`)
+    kv_recomputed: bool | None = None
 
 
 class CompletionChunk(BaseModel):
