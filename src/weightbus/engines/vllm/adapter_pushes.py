@@ -38,6 +38,7 @@ from weightbus.engines.vllm.adapters import (
     read_pushed_adapter,
     refuse_other_transports,
 )
+from weightbus.engines.vllm.prefix_cache import reset_prefix_cache
 
 if TYPE_CHECKING:
     from weightbus.engines.vllm.target import WorkerStates
@@ -246,6 +247,7 @@ class AdapterPushes:
             assert self._adapter_dirs is not None
             self._adapter_dirs.loaded(change.directory)
         self._name_version(order.version, phases)
+        reset_prefix_cache(self._request, self.url, order, phases)
         tick = time.perf_counter()
         self._resume()
         phases["resume_s"] = time.perf_counter() - tick

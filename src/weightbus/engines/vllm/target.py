@@ -64,6 +64,7 @@ from weightbus.engines.vllm.messages import (
     VllmTransportSetup,
     VllmUpdateInfo,
 )
+from weightbus.engines.vllm.prefix_cache import reset_prefix_cache
 
 # What each weightbus pause mode is called on vLLM's `/pause`.
 PAUSE_MODES: dict[PauseMode, str] = {"drain": "wait", "in_place": "keep", "abort": "abort"}
@@ -246,7 +247,9 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
         return request_json(self._http, method, self.url, path, timeout_s, name_path=True, **kwargs)
 
     def _pause(self, mode: PauseMode, timeout_s: float) -> None:
-        self._request("POST", "/pause", timeout_s, params={"mode": PAUSE_MODES[mode]})
+        # the cache is dropped explicitly once new weights loaded (`prefix_cache.py`)
+        params = {"mode": PAUSE_MODES[mode], "clear_cache": "false"}
+        self._request("POST", "/pause", timeout_s, params=params)
 
     def _resume(self) -> None:
         self._request("POST", "/resume", _CONTROL_TIMEOUT_S)
@@ -369,11 +372,11 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
             return _committed(
                 self.url, order.version, start, phases, reported=reported, staged=True
             )
-        return self._serve(order.version, order.probe, start, phases)
+        return self._serve(order, order.probe, start, phases)
 
     def _serve(
         self,
-        version: str,
+        order: PushOrder | RollbackOrder,
         probe: LogprobProbe | None,
         start: float,
         phases: dict[str, float],
@@ -381,6 +384,7 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
         """The workers loaded `version`: name it in vLLM, unload this target's adapter (it was
         trained on the base just replaced), resume, check the probe, and read back what the
         workers serve."""
+        version = order.version
         self._name_version(version, phases)
         try:  # vLLM is paused still: no request meets the adapter of the replaced base
             self._unload_adapter()
@@ -389,6 +393,7 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
                 f"{version!r} loaded, but adapter {self.lora_name!r} of the replaced base could "
                 f"not be unloaded: {exc} (vLLM stays paused until a good push)"
             ) from None
+        reset_prefix_cache(self._request, self.url, order, phases)
         tick = time.perf_counter()
         self._resume()
         phases["resume_s"] = time.perf_counter() - tick
@@ -435,7 +440,7 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
         self._decide(timeout_s, commit=decision)
         phases["load_s"] = time.perf_counter() - tick
         probe = pending.probe if isinstance(pending, PushOrder) else None
-        return self._serve(version, probe, start, phases)
+        return self._serve(pending, probe, start, phases)
 
     def abort(self, version: str, reason: str, timeout_s: float) -> None:
         """Discard the staged version on every worker (vLLM kept serving the previous one), or
@@ -470,7 +475,7 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
         tick = time.perf_counter()
         self._decide(order.timeout_s, rollback=rollback)
         phases["load_s"] = time.perf_counter() - tick
-        return self._serve(order.version, None, start, phases)
+        return self._serve(order, None, start, phases)
 
     def _decide(self, timeout_s: float, **action: Any) -> None:
         """A push, commit or rollback on every worker, vLLM paused: on failure resume when the
