@@ -247,7 +247,7 @@ class AdapterPushes:
             assert self._adapter_dirs is not None
             self._adapter_dirs.loaded(change.directory)
         self._name_version(order.version, phases)
-        reset_prefix_cache(self._request, self.url, order, phases)
+        reset_prefix_cache(self._request, self.url, order, phases, requests_running=False)
         tick = time.perf_counter()
         self._resume()
         phases["resume_s"] = time.perf_counter() - tick

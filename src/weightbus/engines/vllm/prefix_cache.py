@@ -31,13 +31,17 @@ def reset_prefix_cache(
     url: str,
     order: Any,
     phases: dict[str, float],
+    *,
+    requests_running: bool,
 ) -> None:
     """Drop vLLM's prefix cache after `order`'s weights loaded (nothing when the order keeps
     it); `phases["prefix_reset_s"]` its time.
 
     Args:
         request: the target's `(method, path, timeout_s, **kwargs) -> JSON` call.
-        order: the push, commit or rollback order (its `pause_mode`, `keep_prefix_cache`).
+        order: the push, commit or rollback order (its `keep_prefix_cache`).
+        requests_running: requests may hold blocks (vLLM paused in mode `keep`, or not
+            paused at all): they are preempted and recompute on the new weights.
 
     Raises:
         EngineRequestError: vLLM kept its cache (it stays paused: fail closed).
@@ -45,8 +49,7 @@ def reset_prefix_cache(
     if getattr(order, "keep_prefix_cache", False):
         return
     tick = time.perf_counter()
-    running = "true" if order.pause_mode == "in_place" else "false"
-    params = {"reset_running_requests": running}
+    params = {"reset_running_requests": "true" if requests_running else "false"}
     for _ in range(_RESET_TRIES):
         if request("POST", "/reset_prefix_cache", _RESET_TIMEOUT_S, params=params).get("success"):
             phases["prefix_reset_s"] = time.perf_counter() - tick

@@ -393,7 +393,8 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
                 f"{version!r} loaded, but adapter {self.lora_name!r} of the replaced base could "
                 f"not be unloaded: {exc} (vLLM stays paused until a good push)"
             ) from None
-        reset_prefix_cache(self._request, self.url, order, phases)
+        running = order.pause_mode == "in_place"  # requests frozen, holding their blocks
+        reset_prefix_cache(self._request, self.url, order, phases, requests_running=running)
         tick = time.perf_counter()
         self._resume()
         phases["resume_s"] = time.perf_counter() - tick
@@ -657,7 +658,10 @@ class WeightSyncClient(Protocol):
 
 class VllmClientTarget(EngineTarget):
     """A vLLM engine reached through one of vLLM's own weight-sync clients (the trainer API:
-    `WeightbusTrainerEngine`). Pausing is the caller's, as in vLLM's trainer flow.
+    `WeightbusTrainerEngine`). Pausing is the caller's, as in vLLM's trainer flow. With vLLM's
+    HTTP client (it has a `base_url`) the push drops vLLM's prefix cache once the weights
+    loaded, preempting running requests so they recompute on the new weights (unless the
+    order keeps the cache); with another client (Ray) that is the caller's too.
 
     Args:
         client: the client (`HTTPVLLMWeightSyncClient`, `RayVLLMWeightSyncClient`, ...).
@@ -695,7 +699,16 @@ class VllmClientTarget(EngineTarget):
             self._client.finish_weight_update(order.version)
         except Exception as exc:  # noqa: BLE001 - clients raise their transport's errors (requests, Ray)
             raise EngineRequestError(f"{type(exc).__name__}: {exc}") from None
-        return _committed(self.url, order.version, start, {})
+        phases: dict[str, float] = {}
+        base_url = getattr(self._client, "base_url", None)
+        if base_url is not None:  # nothing paused: requests may hold blocks
+            with httpx.Client() as http:
+
+                def request(method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
+                    return request_json(http, method, base_url, path, timeout_s, **kwargs)
+
+                reset_prefix_cache(request, self.url, order, phases, requests_running=True)
+        return _committed(self.url, order.version, start, phases)
 
     def weights(self, timeout_s: float) -> EngineWeights:
         raise EngineRequestError("a weight-sync client cannot read back the served version")
