@@ -22,7 +22,8 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 @dataclass
 class RequestLog:
     """One request: when it was sent, each token's arrival (`time.time()`) and version, how
-    it ended (`finish_reason`; `abort`: `abort_reason`), or the error that ended it."""
+    and when it ended (`finish_reason`, `ended_s`; `abort`: `abort_reason`), or the error that
+    ended it."""
 
     stream: int
     sent_s: float
@@ -31,6 +32,7 @@ class RequestLog:
     finish_reason: str | None = None
     abort_reason: str | None = None
     error: str | None = None
+    ended_s: float | None = None
 
     @property
     def versions(self) -> list[str]:
@@ -88,6 +90,7 @@ def _read_event(log: RequestLog, line: str) -> None:
     if choice.get("finish_reason") is not None:
         log.finish_reason = choice["finish_reason"]
         log.abort_reason = choice.get("abort_reason")
+        log.ended_s = time.time()
 
 
 async def _stream_loop(

@@ -16,6 +16,7 @@ import statistics
 from dataclasses import dataclass
 
 from weightbus.apps.bench.serving_load import RequestLog
+from weightbus.apps.bench.serving_pushes import longest_gap_s
 from weightbus.apps.bench.serving_trainer import PushRecord
 
 
@@ -48,13 +49,8 @@ def token_gaps_s(logs: list[RequestLog]) -> list[float]:
 
 def stall_s(logs: list[RequestLog], start_s: float, end_s: float) -> float:
     """The longest gap between two tokens of one request that overlaps `[start_s, end_s]`."""
-    overlapping = [
-        b - a
-        for log in logs
-        for a, b in itertools.pairwise(log.token_times_s)
-        if b >= start_s and a <= end_s
-    ]
-    return max(overlapping, default=0.0)
+    gap = longest_gap_s(logs, start_s, end_s)
+    return 0.0 if gap is None else gap[1] - gap[0]
 
 
 def wrong_version_tokens(logs: list[RequestLog], initial: str, pushes: list[PushRecord]) -> int:
