@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from weightbus.apps.bench.serving_load import RequestLog
+from weightbus.apps.bench.serving_load import RequestLog, read_generate_event
 from weightbus.apps.bench.serving_pushes import push_figures
 from weightbus.apps.bench.serving_report import stall_s, wrong_version_tokens
 from weightbus.apps.bench.serving_trainer import PushRecord
@@ -107,3 +107,32 @@ def test_each_push_gets_its_stall_gap_aborts_and_swaps():
     assert rows[0].first_new_token_s == pytest.approx(0.5)
     assert rows[1].stall_s == pytest.approx(0.9)  # 1.6 -> 2.5
     assert rows[0].phases_s == {"commit_s": 0.01}
+
+
+def test_vllm_tokens_take_their_versions_from_the_last_chunks_spans():
+    log = RequestLog(0, 0.0)
+    chunks = [
+        {"choices": [{"token_ids": [5, 6], "finish_reason": None}]},
+        {"choices": [{"token_ids": [7], "finish_reason": None}]},
+        {
+            "choices": [
+                {
+                    "token_ids": [8],
+                    "finish_reason": "length",
+                    "weight_versions": [
+                        {"version": "v1", "start": 0, "end": 3},
+                        {"version": "v2", "start": 3, "end": 4},
+                    ],
+                }
+            ]
+        },
+        {"choices": [], "usage": {"completion_tokens": 4}},
+    ]
+    for chunk in chunks:
+        read_generate_event(log, chunk)
+    assert log.token_versions == ["v1", "v1", "v1", "v2"]
+    assert len(log.token_times_s) == 4
+    assert log.finish_reason == "length"
+    unstamped = RequestLog(0, 0.0)
+    read_generate_event(unstamped, {"choices": [{"token_ids": [5], "finish_reason": "abort"}]})
+    assert unstamped.token_versions == [""]  # a version no push explains: counted as wrong

@@ -7,10 +7,12 @@ weights version that produced it are recorded (`RequestLog`).
 """
 
 import asyncio
+import functools
 import json
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -59,27 +61,37 @@ class LoadShape:
         ]
 
 
+# the route each engine streams from (`serving_engines.ServingEngine.api`) and its body
+_ROUTES = {"completions": "/v1/completions", "generate": "/inference/v1/generate"}
+
+
+def _body(api: str, prompt: list[int], max_tokens: int) -> dict:
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if api == "completions":
+        return {"prompt": prompt, **sampling, "stream": True}
+    return {"token_ids": prompt, "sampling_params": sampling, "stream": True}
+
+
 async def _one_request(
-    http: httpx.AsyncClient, stream: int, prompt: list[int], max_tokens: int
+    http: httpx.AsyncClient, api: str, stream: int, prompt: list[int], max_tokens: int
 ) -> RequestLog:
     log = RequestLog(stream, time.time())
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    read_event = read_completion_event if api == "completions" else read_generate_event
     try:
-        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        async with http.stream("POST", _ROUTES[api], json=_body(api, prompt, max_tokens)) as r:
             if r.status_code != 200:
                 log.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
                 return log
             async for line in r.aiter_lines():
-                _read_event(log, line)
+                if line.startswith("data: {"):
+                    read_event(log, json.loads(line.removeprefix("data: ")))
     except httpx.HTTPError as exc:
         log.error = f"{type(exc).__name__}: {exc}"
     return log
 
 
-def _read_event(log: RequestLog, line: str) -> None:
-    if not line.startswith("data: {"):
-        return
-    event = json.loads(line.removeprefix("data: "))
+def read_completion_event(log: RequestLog, event: dict) -> None:
+    """The reference engine's chunk: one token and the version that produced it."""
     if "error" in event:
         log.error = event["error"]["message"]
         return
@@ -93,24 +105,57 @@ def _read_event(log: RequestLog, line: str) -> None:
         log.ended_s = time.time()
 
 
+def read_generate_event(log: RequestLog, event: dict) -> None:
+    """vLLM's chunk: token ids without a version; the last one's `weight_versions` spans name
+    every token's (a token no span covers keeps the version `""`: a wrong one)."""
+    if "error" in event:
+        log.error = event["error"]["message"]
+        return
+    if not event.get("choices"):  # the usage chunk
+        return
+    choice = event["choices"][0]
+    now_s = time.time()
+    log.token_times_s += [now_s] * len(choice.get("token_ids") or [])
+    log.token_versions += [""] * len(choice.get("token_ids") or [])
+    for span in choice.get("weight_versions") or []:
+        log.token_versions[span["start"] : span["end"]] = [str(span["version"])] * (
+            span["end"] - span["start"]
+        )
+    if choice.get("finish_reason") is not None:
+        log.finish_reason = choice["finish_reason"]
+        log.ended_s = now_s
+
+
 async def _stream_loop(
-    http: httpx.AsyncClient, stream: int, prompt: list[int], shape: LoadShape, end_s: float
+    one_request: Callable[[], Awaitable[RequestLog]], end_s: float
 ) -> list[RequestLog]:
     logs = []
     while time.time() < end_s:
-        logs.append(await _one_request(http, stream, prompt, shape.max_tokens))
+        logs.append(await one_request())
     return logs
 
 
-async def run_load(url: str, shape: LoadShape, duration_s: float) -> list[RequestLog]:
-    """Run the load against `url` for `duration_s` (requests started by then finish)."""
+async def run_load(
+    url: str, shape: LoadShape, duration_s: float, api: str = "completions"
+) -> list[RequestLog]:
+    """Run the load against `url` for `duration_s` (requests started by then finish).
+
+    Args:
+        api: `completions` (the reference engine's `/v1/completions`) or `generate` (vLLM's
+            `/inference/v1/generate`).
+    """
     prompts = shape.prompts()
     end_s = time.time() + duration_s
     limits = httpx.Limits(max_connections=shape.streams)
     async with httpx.AsyncClient(base_url=url, timeout=duration_s + 120, limits=limits) as http:
         per_stream = await asyncio.gather(
             *(
-                _stream_loop(http, i, prompts[i // shape.group], shape, end_s)
+                _stream_loop(
+                    functools.partial(
+                        _one_request, http, api, i, prompts[i // shape.group], shape.max_tokens
+                    ),
+                    end_s,
+                )
                 for i in range(shape.streams)
             )
         )

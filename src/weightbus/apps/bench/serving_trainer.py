@@ -5,9 +5,12 @@
 from `model_dir` (the checkpoint the engine started from) and prints one JSON line per push
 (`PushRecord`) on stdout; a failed push is recorded with its error and the pushes go on. It
 prints `ready` once loaded, then waits for a line on stdin before its first period starts.
+`TrainerProcess` is the bench's side of it.
 """
 
 import json
+import select
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +26,7 @@ READY = "ready"
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     url: str
+    engine: str = "reference"  # or `vllm`: pushed through `VllmEngineTarget`
     model_dir: str
     transport: str
     pause_mode: str
@@ -44,9 +48,68 @@ class PushRecord:
     error: str | None = None
 
 
+class TrainerProcess:
+    """A trainer process started with `config`: wait for its `ready`, say `go`, read its
+    pushes once it exited. Every wait is bounded and names the trainer."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.process = subprocess.Popen(  # noqa: S603 - this interpreter and this module
+            [sys.executable, "-m", __name__, msgspec.json.encode(config).decode()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Raises: RuntimeError: not ready in `timeout_s`, or it failed to start."""
+        assert self.process.stdout is not None
+        if not select.select([self.process.stdout], [], [], timeout_s)[0]:
+            raise RuntimeError(
+                f"the {self.config.pause_mode} trainer was not ready in {timeout_s} s"
+            )
+        line = self.process.stdout.readline().strip()
+        if line != READY:
+            raise RuntimeError(
+                f"the {self.config.pause_mode} trainer failed to start (said {line!r})"
+            )
+
+    def go(self) -> None:
+        """Start its push schedule."""
+        assert self.process.stdin is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def pushes(self) -> list[PushRecord]:
+        """Its push records once it exited (bounded: its last push's timeout).
+
+        Raises: RuntimeError: it did not exit in time, or it failed.
+        """
+        timeout_s = self.config.push_every_s + self.config.timeout_s + 60
+        try:
+            out, _ = self.process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(
+                f"the {self.config.pause_mode} trainer did not exit {timeout_s:g} s after the load"
+            ) from None
+        if self.process.returncode != 0:
+            raise RuntimeError(
+                f"the {self.config.pause_mode} trainer exited with code {self.process.returncode}"
+            )
+        return [PushRecord(**json.loads(line)) for line in out.splitlines() if line.strip()]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
 def run(config: TrainerConfig) -> None:
     weights = load_file(str(Path(config.model_dir) / "model.safetensors"))
-    with Publisher([config.url], transport=config.transport, timeout_s=config.timeout_s) as pub:
+    with Publisher(
+        [_target(config)], transport=config.transport, timeout_s=config.timeout_s
+    ) as pub:
         # started and loaded: the load starts with the first line on stdin, and so does the
         # push schedule (the start-up's CPU time must not fall in the measured window)
         print(READY, flush=True)
@@ -60,6 +123,14 @@ def run(config: TrainerConfig) -> None:
             print(json.dumps(asdict(record)), flush=True)
             index += 1
             next_push = max(next_push + config.push_every_s, time.time())
+
+
+def _target(config: TrainerConfig) -> object:
+    if config.engine == "reference":
+        return config.url
+    from weightbus.engines.vllm.target import VllmEngineTarget
+
+    return VllmEngineTarget(config.url)
 
 
 def _push(pub: Publisher, weights: dict, version: str, config: TrainerConfig) -> PushRecord:
