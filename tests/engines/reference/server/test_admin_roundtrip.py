@@ -301,8 +301,8 @@ def test_versions_change_mid_sequence(rig: InProcessServer) -> None:
     assert choice["text"] == "Hi!\n"
     assert choice["weight_version"] == "v2"
     assert choice["weight_versions"] == [
-        {"version": "v1", "start": 0, "end": 2},
-        {"version": "v2", "start": 2, "end": 4},
+        {"version": "v1", "start": 0, "end": 2, "kv_recomputed": False},
+        {"version": "v2", "start": 2, "end": 4, "kv_recomputed": False},
     ]
     assert (choice["finish_reason"], choice["abort_reason"]) == ("length", None)
     metrics = samples(rig)
@@ -330,7 +330,9 @@ def test_engine_aborted_choices_report_the_reason(rig: InProcessServer) -> None:
     first, second = response.json()["choices"]
     assert (first["finish_reason"], first["abort_reason"]) == ("abort", reason)
     assert first["token_ids"] == [72]
-    assert first["weight_versions"] == [{"version": "v1", "start": 0, "end": 1}]
+    assert first["weight_versions"] == [
+        {"version": "v1", "start": 0, "end": 1, "kv_recomputed": False}
+    ]
     assert (second["finish_reason"], second["abort_reason"]) == ("abort", reason)
     assert second["token_ids"] == []
     assert second["weight_versions"] == []

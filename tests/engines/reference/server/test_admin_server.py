@@ -88,7 +88,9 @@ def test_public_routes_need_no_token(engine: ServedEngine) -> None:
     response = engine.complete(prompt="hi", max_tokens=2, temperature=0)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
-    assert choice["weight_versions"] == [{"version": "init", "start": 0, "end": 2}]
+    assert choice["weight_versions"] == [
+        {"version": "init", "start": 0, "end": 2, "kv_recomputed": False}
+    ]
     assert choice["abort_reason"] is None
 
 

@@ -78,7 +78,9 @@ def test_several_tokens_per_step_and_the_counters(rig: InProcessServer) -> None:
     assert choice["token_ids"] == [72, 105, 33, 32, 10]
     assert choice["text"] == "Hi! \n"
     assert choice["logprobs"]["token_logprobs"] == [-0.25] * 5
-    assert choice["weight_versions"] == [{"version": "init", "start": 0, "end": 5}]
+    assert choice["weight_versions"] == [
+        {"version": "init", "start": 0, "end": 5, "kv_recomputed": False}
+    ]
     assert choice["finish_reason"] == "length"
     wait_until(lambda: spec_samples(rig)["weightbus_spec_draft_tokens_total"] == 6)
     assert spec_samples(rig) == {
