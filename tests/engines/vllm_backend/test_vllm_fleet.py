@@ -322,6 +322,41 @@ def test_vllm_stamps_each_tokens_weightbus_version_on_its_generate_route(moe_tp2
     moe_tp2.model = model
 
 
+# one full block of vLLM's 128 tokens can come from its prefix cache; within the 256 positions
+LONG_PROMPT = [(7 * i + 3) % 500 + 4 for i in range(200)]
+
+
+def _prefix_hits(served) -> float:
+    """vLLM's `prefix_cache_hits` counter (prompt tokens served from its cache)."""
+    text = httpx.get(f"{served.url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:prefix_cache_hits_total"
+    )
+
+
+@pytest.mark.parametrize("pause_mode", ["drain", "in_place"])
+def test_a_push_drops_vllms_prefix_cache_so_a_cached_prompt_gets_the_new_weights(
+    moe_tp2, pause_mode
+):
+    """A long prompt served twice is a cache hit; after a push the same prompt computes again
+    (no hit) and gives transformers' tokens on the new weights, not the old KV's."""
+    moe_tp2.server.complete(LONG_PROMPT)
+    hits = _prefix_hits(moe_tp2)
+    moe_tp2.server.complete(LONG_PROMPT)
+    assert _prefix_hits(moe_tp2) >= hits + 128  # the cache is used
+    model = trained(moe_tp2.model, seed=95 + (pause_mode == "in_place"))
+    with Publisher([VllmEngineTarget(moe_tp2.url)], transport="shm", timeout_s=TIMEOUT_S) as pub:
+        result = pub.push(model, version=f"prefix-{pause_mode}", pause_mode=pause_mode)
+    moe_tp2.model = model
+    assert "prefix_reset_s" in result.engines[0].phases
+    hits = _prefix_hits(moe_tp2)
+    assert moe_tp2.server.complete(LONG_PROMPT)["token_ids"] == hf_greedy(model, LONG_PROMPT)
+    assert _prefix_hits(moe_tp2) == hits  # nothing the old weights computed was reused
+
+
 def _vllm_worker(served, tp_rank: int) -> psutil.Process:
     """The process of vLLM's worker `tp_rank` (its title: `VLLM::Worker_TP<rank>`)."""
     title = f"Worker_TP{tp_rank}"
@@ -364,43 +399,3 @@ def test_a_vllm_worker_killed_before_the_commit_point_commits_nowhere(moe_tp2, r
         fingerprint,
     )
     assert weights_state(reference)["staged_version"] is None
-
-
-# one full block of vLLM's 128 tokens can come from its prefix cache; within the 256 positions
-LONG_PROMPT = [(7 * i + 3) % 500 + 4 for i in range(200)]
-
-
-def _prefix_hits(served) -> float:
-    """vLLM's `prefix_cache_hits` counter (prompt tokens served from its cache)."""
-    text = httpx.get(f"{served.url}/metrics", timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "vllm:prefix_cache_hits_total"
-    )
-
-
-@pytest.mark.xfail(
-    strict=False,
-    reason="passes alone and after a few of this file's tests; in the whole file's order vLLM "
-    "answers 500 to the first 200-token completion, before this test pushes: to investigate",
-)
-@pytest.mark.parametrize("pause_mode", ["drain", "in_place"])
-def test_a_push_drops_vllms_prefix_cache_so_a_cached_prompt_gets_the_new_weights(
-    moe_tp2, pause_mode
-):
-    """A long prompt served twice is a cache hit; after a push the same prompt computes again
-    (no hit) and gives transformers' tokens on the new weights, not the old KV's."""
-    moe_tp2.server.complete(LONG_PROMPT)
-    hits = _prefix_hits(moe_tp2)
-    moe_tp2.server.complete(LONG_PROMPT)
-    assert _prefix_hits(moe_tp2) >= hits + 128  # the cache is used
-    model = trained(moe_tp2.model, seed=95 + (pause_mode == "in_place"))
-    with Publisher([VllmEngineTarget(moe_tp2.url)], transport="shm", timeout_s=TIMEOUT_S) as pub:
-        result = pub.push(model, version=f"prefix-{pause_mode}", pause_mode=pause_mode)
-    moe_tp2.model = model
-    assert "prefix_reset_s" in result.engines[0].phases
-    hits = _prefix_hits(moe_tp2)
-    assert moe_tp2.server.complete(LONG_PROMPT)["token_ids"] == hf_greedy(model, LONG_PROMPT)
-    assert _prefix_hits(moe_tp2) == hits  # nothing the old weights computed was reused
