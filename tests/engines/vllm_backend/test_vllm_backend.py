@@ -316,9 +316,12 @@ def test_vllms_own_trainer_api_pushes_from_every_rank_what_it_holds(moe_tp2, tmp
     httpx.post(f"{served.url}/pause", params={"mode": "wait"}, timeout=60)
     try:
         records = run_ranks(2, RANKS_SCRIPT, {**args, "prefix": "trainer-api-"}, tmp_path)
+        # the push paused vLLM as its order asks, dropped the prefix cache, and resumed it
+        paused = httpx.get(f"{served.url}/is_paused", timeout=60).json()["is_paused"]
     finally:
         httpx.post(f"{served.url}/resume", timeout=60)
     assert [r["ok"] for r in records] == [True, True], records
+    assert not paused
     assert not set(records[0]["held"]) & set(records[1]["held"])
     model = copy.deepcopy(served.model)
     model.load_state_dict(torch.load(tmp_path / "trained.pt"))

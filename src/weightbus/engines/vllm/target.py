@@ -658,10 +658,14 @@ class WeightSyncClient(Protocol):
 
 class VllmClientTarget(EngineTarget):
     """A vLLM engine reached through one of vLLM's own weight-sync clients (the trainer API:
-    `WeightbusTrainerEngine`). Pausing is the caller's, as in vLLM's trainer flow. With vLLM's
-    HTTP client (it has a `base_url`) the push drops vLLM's prefix cache once the weights
-    loaded, preempting running requests so they recompute on the new weights (unless the
-    order keeps the cache); with another client (Ray) that is the caller's too.
+    `WeightbusTrainerEngine`). With vLLM's HTTP client (it has a `base_url`) the push pauses
+    vLLM as the order asks (as `VllmEngineTarget` does: `/pause` with `clear_cache=false`),
+    drops vLLM's prefix cache once the weights loaded (unless the order keeps it; in
+    `in_place` the frozen requests are preempted and recompute on the new weights) and
+    resumes; a failure leaves vLLM paused (fail closed: the client cannot say whether the
+    model was touched). A caller that paused vLLM itself, as vLLM's trainer flow does, finds
+    it resumed after the push. With another client (Ray) pausing and the cache are the
+    caller's.
 
     Args:
         client: the client (`HTTPVLLMWeightSyncClient`, `RayVLLMWeightSyncClient`, ...).
@@ -693,22 +697,40 @@ class VllmClientTarget(EngineTarget):
             )
         info = update_info(order)
         init_info = msgspec.to_builtins(VllmInitInfo(push=info))
+        phases: dict[str, float] = {}
+        base_url = getattr(self._client, "base_url", None)
+        if base_url is None:  # Ray: pausing and the prefix cache are the caller's
+            self._load(init_info, order.version)
+            return _committed(self.url, order.version, start, phases)
+        with httpx.Client() as http:
+
+            def request(method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
+                return request_json(http, method, base_url, path, timeout_s, **kwargs)
+
+            tick = time.perf_counter()
+            params = {"mode": PAUSE_MODES[order.pause_mode], "clear_cache": "false"}
+            request("POST", "/pause", order.timeout_s, params=params)
+            phases["pause_s"] = time.perf_counter() - tick
+            tick = time.perf_counter()
+            try:
+                self._load(init_info, order.version)
+            except EngineRequestError as exc:
+                raise EngineRequestError(f"{exc} (vLLM stays paused until a good push)") from None
+            phases["update_s"] = time.perf_counter() - tick
+            running = order.pause_mode == "in_place"  # requests frozen, holding their blocks
+            reset_prefix_cache(request, self.url, order, phases, requests_running=running)
+            tick = time.perf_counter()
+            request("POST", "/resume", _CONTROL_TIMEOUT_S)
+            phases["resume_s"] = time.perf_counter() - tick
+        return _committed(self.url, order.version, start, phases)
+
+    def _load(self, init_info: dict[str, Any], version: str) -> None:
         try:  # the push rides `init` (see the module's docstring); start/finish set the version
             self._client.init_weight_transfer_engine(init_info)
             self._client.start_weight_update()
-            self._client.finish_weight_update(order.version)
+            self._client.finish_weight_update(version)
         except Exception as exc:  # noqa: BLE001 - clients raise their transport's errors (requests, Ray)
             raise EngineRequestError(f"{type(exc).__name__}: {exc}") from None
-        phases: dict[str, float] = {}
-        base_url = getattr(self._client, "base_url", None)
-        if base_url is not None:  # nothing paused: requests may hold blocks
-            with httpx.Client() as http:
-
-                def request(method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
-                    return request_json(http, method, base_url, path, timeout_s, **kwargs)
-
-                reset_prefix_cache(request, self.url, order, phases, requests_running=True)
-        return _committed(self.url, order.version, start, phases)
 
     def weights(self, timeout_s: float) -> EngineWeights:
         raise EngineRequestError("a weight-sync client cannot read back the served version")
