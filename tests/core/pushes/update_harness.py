@@ -28,13 +28,15 @@ def trained_copy(model: torch.nn.Module, seed: int, lr: float = 0.05) -> torch.n
     return trained.eval()
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int] = PROMPT) -> tuple[list[int], list[float]]:
-    """Greedy tokens after `prompt` and each token's logprob, from transformers."""
+def hf_greedy(
+    model: torch.nn.Module, prompt: list[int] = PROMPT, num_tokens: int = NUM_GREEDY_TOKENS
+) -> tuple[list[int], list[float]]:
+    """`num_tokens` greedy tokens after `prompt` and each token's logprob, from transformers."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
             ids,
-            max_new_tokens=NUM_GREEDY_TOKENS,
+            max_new_tokens=num_tokens,
             do_sample=False,
             pad_token_id=0,
             attention_mask=torch.ones_like(ids),

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from engine_harness import ServedEngine, make_hf_model
 from prometheus_client.parser import text_string_to_metric_families
+from update_harness import hf_greedy
 
 from weightbus import Publisher
 
@@ -20,21 +21,6 @@ CASE = "llama3_rope_kv1"
 PROMPT = [(7 * i + 3) % 101 for i in range(70)]
 NUM_TOKENS = 12
 GROUP = 8
-
-
-def _hf_greedy(model) -> list[int]:
-    import torch
-
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            attention_mask=torch.ones_like(ids),
-        )
-    return out[0, len(PROMPT) :].tolist()
 
 
 def _complete(url: str) -> list[int]:
@@ -77,7 +63,8 @@ def _counts(engine: ServedEngine) -> tuple[float, float]:
 def test_a_group_shares_its_prompt_and_a_push_drops_it(tmp_path: Path) -> None:
     old = make_hf_model(CASE, tmp_path / "old", seed=0)
     new = make_hf_model(CASE, tmp_path / "new", seed=1)
-    old_tokens, new_tokens = _hf_greedy(old), _hf_greedy(new)
+    old_tokens = hf_greedy(old, PROMPT, NUM_TOKENS)[0]
+    new_tokens = hf_greedy(new, PROMPT, NUM_TOKENS)[0]
     assert old_tokens != new_tokens  # else stale KV could pass unseen
     engine = ServedEngine(
         "--model", str(tmp_path / "old"), "--tp", "2", log_path=tmp_path / "serve.log"

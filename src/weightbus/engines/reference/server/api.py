@@ -263,29 +263,29 @@ def _add_public_routes(app: FastAPI, config: AppConfig) -> None:
         try:
             _check_model(body, config.served_model_name)
             if body.stream:
-                return await _streamed(body, request, config, metrics)
-            response = await run_completion(
-                body,
-                client=request.app.state.client,
-                tokenizer=request.app.state.tokenizer,
-                model_name=config.served_model_name,
-                request_timeout_s=config.request_timeout_s,
-            )
+                return await _streamed(body, request, metrics)
+            response = await run_completion(body, **_generation(request))
         except APIError as exc:
             metrics.observe_completion(exc.status_code)
             raise
         metrics.observe_completion(200, response.usage.completion_tokens)
         return response
 
+    def _generation(request: Request) -> dict:
+        """What a completion generates with, streamed or not."""
+        return {
+            "client": request.app.state.client,
+            "tokenizer": request.app.state.tokenizer,
+            "model_name": config.served_model_name,
+            "request_timeout_s": config.request_timeout_s,
+        }
+
     async def _streamed(
-        body: CompletionRequest, request: Request, config: AppConfig, metrics: Metrics
+        body: CompletionRequest, request: Request, metrics: Metrics
     ) -> StreamingResponse:
         events = await start_stream(
             body,
-            client=request.app.state.client,
-            tokenizer=request.app.state.tokenizer,
-            model_name=config.served_model_name,
-            request_timeout_s=config.request_timeout_s,
+            **_generation(request),
             on_done=lambda num_tokens: metrics.observe_completion(200, num_tokens),
         )
         return StreamingResponse(events, media_type="text/event-stream")
