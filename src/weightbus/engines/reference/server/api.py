@@ -34,6 +34,7 @@ from weightbus.engines.reference.server.experts import add_expert_routes
 from weightbus.engines.reference.server.metrics import CONTENT_TYPE, Metrics
 from weightbus.engines.reference.server.peers import PeerResolver
 from weightbus.engines.reference.server.protocol import (
+    STREAMED_COMPLETION,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -257,7 +258,10 @@ def _add_public_routes(app: FastAPI, config: AppConfig) -> None:
         )
         return ModelList(data=[card])
 
-    @app.post("/v1/completions", responses=error_responses(400, 404, 413, 422, 503, 504))
+    @app.post(
+        "/v1/completions",
+        responses=STREAMED_COMPLETION | error_responses(400, 404, 413, 422, 503, 504),
+    )
     async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
         metrics: Metrics = request.app.state.metrics
         try:

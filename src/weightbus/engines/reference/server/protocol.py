@@ -241,6 +241,26 @@ _ERROR_DESCRIPTIONS = {
 }
 
 
+STREAMED_COMPLETION = {
+    200: {
+        "description": (
+            "The completion; with `stream: true`, server-sent events: one `data:` chunk per token "
+            "(each with its `weight_version`), a last chunk with `finish_reason`, then "
+            "`data: [DONE]`"
+        ),
+        "content": {
+            "text/event-stream": {
+                "schema": {  # one event (OpenAPI 3.1: the schema of a stream describes an event)
+                    "type": "object",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "required": ["data"],
+                }
+            }
+        },
+    }
+}
+
+
 def error_responses(*status_codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` documenting the error answers a route may give.
 
