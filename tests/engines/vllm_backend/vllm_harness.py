@@ -6,15 +6,23 @@ works), trained copies of them, and transformers' greedy reference. The servers 
 each vLLM worker holds half of every expert (`w13_weight [8, 64, 128]`, `w2_weight [8, 128,
 32]`), and the dense layer, attention and embeddings are split as a Llama's."""
 
+import asyncio
 import copy
+import dataclasses
+import multiprocessing
+import queue
+import time
 from pathlib import Path
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from weightbus.apps.bench.serving_load import LoadShape, RequestLog, run_load
 from weightbus.engines.vllm.launch import write_word_tokenizer
 
 VOCAB_SIZE = 512
+LOAD_LIMIT_S = 300.0  # a load process ends by then if the test never stops it
 VLLM_CASES: dict[str, dict] = {
     "qwen2_tied": {"family": "qwen2", "tie_word_embeddings": True},
     "qwen2_untied": {"family": "qwen2", "tie_word_embeddings": False},
@@ -122,3 +130,59 @@ def checksums(served) -> dict[str, str]:
     response = httpx.post(f"{served.url}/weight_checker", json={"action": "checksum"}, timeout=60)
     response.raise_for_status()
     return response.json()["checksums"]
+
+
+def vllm_metric(served, name: str) -> float:
+    """A metric of vLLM's `/metrics` (e.g. `vllm:prefix_cache_hits_total`), summed over its
+    labels."""
+    text = httpx.get(f"{served.url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+class LoadProcess:
+    """`weightbus bench serving`'s load (`serving_load.run_load` on vLLM's generate route) in
+    a process of its own, as a rollout worker is: a push in the test's process then never
+    holds the load's interpreter (its next request would wait for the push's Python work).
+
+    `stop()` ends it (requests running then finish) and returns every request's log.
+    """
+
+    def __init__(self, url: str, shape: LoadShape) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop, self._logs = context.Event(), context.Queue()
+        self._process = context.Process(
+            target=_run_load, args=(url, shape, self._stop, self._logs), daemon=True
+        )
+        self._process.start()
+
+    def stop(self, timeout_s: float = 120.0) -> list[RequestLog]:
+        self._stop.set()
+        try:
+            logs = self._logs.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"the load process sent no logs in {timeout_s} s") from None
+        finally:
+            self._process.join(timeout_s)
+            self._process.kill()
+        return [RequestLog(**log) for log in logs]
+
+
+def _run_load(url: str, shape: LoadShape, stop, logs: multiprocessing.Queue) -> None:
+    found = asyncio.run(run_load(url, shape, LOAD_LIMIT_S, "generate", stop.is_set))
+    logs.put([dataclasses.asdict(log) for log in found])
+
+
+def wait_generating(served, timeout_s: float = 60.0) -> None:
+    """Wait until vLLM generates tokens (its `generation_tokens` counter grows)."""
+    before = vllm_metric(served, "vllm:generation_tokens_total")
+    deadline = time.monotonic() + timeout_s
+    while vllm_metric(served, "vllm:generation_tokens_total") <= before:
+        assert time.monotonic() < deadline, (
+            f"vLLM at {served.url} generated nothing in {timeout_s} s"
+        )
+        time.sleep(0.02)

@@ -127,18 +127,23 @@ def read_generate_event(log: RequestLog, event: dict) -> None:
 
 
 async def _stream_loop(
-    one_request: Callable[[], Awaitable[RequestLog]], end_s: float
+    one_request: Callable[[], Awaitable[RequestLog]], end_s: float, stop: Callable[[], bool]
 ) -> list[RequestLog]:
     logs = []
-    while time.time() < end_s:
+    while time.time() < end_s and not stop():
         logs.append(await one_request())
     return logs
 
 
 async def run_load(
-    url: str, shape: LoadShape, duration_s: float, api: str = "completions"
+    url: str,
+    shape: LoadShape,
+    duration_s: float,
+    api: str = "completions",
+    stop: Callable[[], bool] = lambda: False,
 ) -> list[RequestLog]:
-    """Run the load against `url` for `duration_s` (requests started by then finish).
+    """Run the load against `url` for `duration_s`, or until `stop()` is true (requests
+    started by then finish).
 
     Args:
         api: `completions` (the reference engine's `/v1/completions`) or `generate` (vLLM's
@@ -155,6 +160,7 @@ async def run_load(
                         _one_request, http, api, i, prompts[i // shape.group], shape.max_tokens
                     ),
                     end_s,
+                    stop,
                 )
                 for i in range(shape.streams)
             )
