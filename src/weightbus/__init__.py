@@ -11,6 +11,7 @@ from typing import Any
 
 from weightbus import _moved
 from weightbus.core.digest import fingerprint, tensor_digest
+from weightbus.core.finite import NonFiniteWeightsError
 from weightbus.core.meta import TensorMeta
 from weightbus.core.publisher import (
     EngineRequestError,
@@ -36,6 +37,7 @@ __all__ = [
     "EngineWeights",
     "FleetVersion",
     "HttpEngineTarget",
+    "NonFiniteWeightsError",
     "Publisher",
     "PushError",
     "PushResult",

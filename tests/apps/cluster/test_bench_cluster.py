@@ -132,3 +132,15 @@ def test_each_expert_reaches_only_the_engine_ranks_that_hold_it(bench):
     for path in ("dist parts", "nixl"):
         ranks = rows[path]["engine_rank_bytes"][0]
         assert sum(ranks) < _OVERHEAD * rows[path]["model_bytes"], path
+
+
+def test_check_turns_a_missed_target_into_exit_3_naming_it(capsys):
+    from weightbus.apps.bench.cluster.cli import exit_code
+
+    met = "senders nixl T=2: 1.90x (target >= 1.8x: met)"
+    missed = "experts routed vs whole: 1.20x faster (target >= 1.8x: NOT met)"
+    assert exit_code([], [met, missed], check=False) == 0
+    assert exit_code([], [met], check=True) == 0
+    assert exit_code([], [met, missed], check=True) == 3
+    assert capsys.readouterr().out == f"TARGET NOT MET: {missed}\n"
+    assert exit_code(["senders nixl: push failed"], [missed], check=True) == 1

@@ -94,7 +94,7 @@ def test_nan_logprobs_fail_the_probe_and_leave_vllm_paused(tied_tp1):
         tied_tp1,
         model,
         probe,
-        "differ by inf > tolerance 0.001 (inf: a logprob is NaN or infinite)",
+        "a logprob of the engine or the trainer is NaN or infinite, so the engine does not serve",
         version="nan-probe",
     )
     _recover(tied_tp1, seed=73)

@@ -1,6 +1,7 @@
 """The vLLM backend's pure parts: load groups, verdict encoding, tied modules, typed infos,
 and the logprob probe (no vLLM server)."""
 
+import math
 import re
 from types import SimpleNamespace
 
@@ -163,6 +164,10 @@ def test_probe_of_a_model_scores_every_token_after_the_first(tmp_path):
     assert probe.gap([v + 0.5 for v in probe.logprobs]) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="the engine scored 2 tokens, the probe has 3"):
         probe.gap([0.0, 0.0])
+    # a finite gap is named as a gap, a non-finite one as NaN or inf (never both)
+    assert probe.gap_reason(0.101) == "engine and trainer differ by 0.101 > tolerance 0.001"
+    nan_gap = probe.gap([math.nan, *probe.logprobs[1:]])
+    assert probe.gap_reason(nan_gap) == "a logprob of the engine or the trainer is NaN or infinite"
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,12 @@ class LogprobProbe:
             tolerance = max(gap / 10, _MIN_TOLERANCE)
         return cls(token_ids=probe.token_ids, logprobs=probe.logprobs, tolerance=tolerance)
 
+    def gap_reason(self, gap: float) -> str:
+        """Why `gap` (from `gap`, above the tolerance) fails the probe, in words."""
+        if math.isinf(gap):
+            return "a logprob of the engine or the trainer is NaN or infinite"
+        return f"engine and trainer differ by {gap:.3g} > tolerance {self.tolerance:g}"
+
     def gap(self, engine_logprobs: Sequence[float]) -> float:
         """Largest |engine - trainer| over the scored tokens; `inf` when a logprob on either
         side is NaN or infinite (a NaN compares False to any tolerance: it must fail)."""

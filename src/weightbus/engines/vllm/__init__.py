@@ -12,7 +12,7 @@ factories, lazily (nothing here imports vLLM until vLLM asks for the backend):
   drive vLLM through its own trainer API.
 
 Trainers that use weightbus's `Publisher` push to a vLLM server with
-`weightbus.core.publisher.targets.VllmEngineTarget` instead (docs/vllm.md).
+`weightbus.engines.vllm.target.VllmEngineTarget` instead (docs/vllm.md).
 """
 
 import logging

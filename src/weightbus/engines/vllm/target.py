@@ -572,10 +572,9 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
         if not gap <= probe.tolerance:
             self._pause("abort", _CONTROL_TIMEOUT_S)
             raise EngineRequestError(
-                f"logprob probe failed after loading {version!r}: engine and trainer differ by "
-                f"{gap:.3g} > tolerance {probe.tolerance:g} (inf: a logprob is NaN or "
-                "infinite), so the engine does not serve the pushed weights (vLLM stays paused "
-                "until a good push)"
+                f"logprob probe failed after loading {version!r}: {probe.gap_reason(gap)}, so "
+                "the engine does not serve the pushed weights (vLLM stays paused until a good "
+                "push)"
             )
 
     def score(

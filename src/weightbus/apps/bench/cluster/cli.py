@@ -94,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of one push, seconds")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--plot", default=None, help="also draw throughput against T and R (PNG)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 3 when a target is NOT met (without it, only a failed push fails the run)",
+    )
 
 
 def _case(name: str, rate: int, args, workdir: Path, source) -> tuple[list[Row], float]:
@@ -143,7 +148,17 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.plot:
         plot(rows, args.plot)
-    return 1 if failures else 0
+    return exit_code(failures, lines, check=args.check)
+
+
+def exit_code(failures: list[str], verdict_lines: list[str], *, check: bool) -> int:
+    """1: a push failed; 3: with `check`, a target is not met (each named); else 0."""
+    if failures:
+        return 1
+    missed = [line for line in verdict_lines if line.endswith(": NOT met)")]
+    for line in missed if check else ():
+        print(f"TARGET NOT MET: {line}")
+    return 3 if check and missed else 0
 
 
 def _source(name: str, workdir: Path, args: argparse.Namespace, written: dict):

@@ -208,10 +208,7 @@ class HttpEngineTarget(EngineTarget):
         else:
             if gap <= probe.tolerance:
                 return
-            reason = (
-                f"engine and trainer differ by {gap:.3g} > tolerance {probe.tolerance:g} (inf: "
-                "a logprob is NaN or infinite), so the engine does not serve the pushed weights"
-            )
+            reason = f"{probe.gap_reason(gap)}, so the engine does not serve the pushed weights"
         raise EngineRequestError(
             f"logprob probe failed after loading {version!r}: {reason}; {self._undo(version)}"
         )
