@@ -1,5 +1,6 @@
-"""The README's Python examples run as written (against a real engine where they need one), and
-every test that docs/reliability.md cites exists."""
+"""The Python examples of the README and of the docs that hold quickstarts run as written
+(against a real engine where they need one), and every test that docs/reliability.md cites
+exists."""
 
 import re
 from pathlib import Path
@@ -10,27 +11,37 @@ README = Path(__file__).parents[1] / "README.md"
 RELIABILITY = Path(__file__).parents[1] / "docs" / "reliability.md"
 # `tests/x.py::test_name[id]`, or `…::test_name` for the file cited last
 CITED_TEST = re.compile(r"`(tests/[\w/]+\.py|…)(?:::(\w+))?(?:\[[^`]*\])?`")
-EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+# the pages whose Python blocks are runnable as written (others hold fragments of larger scripts)
+RUNNABLE = [
+    README,
+    *(README.parent / "docs" / name for name in ("quickstart.md", "development.md")),
+]
+EXAMPLES = [
+    (page, code)
+    for page in RUNNABLE
+    for code in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
+]
 README_URL = "http://127.0.0.1:8000"
 
 
 # an example that talks to README_URL runs against `engine` (tests/conftest.py), one that
 # starts Ray starts processes: both `e2e`
 @pytest.mark.parametrize(
-    "code",
+    ("page", "code"),
     [
         pytest.param(
+            page,
             code,
-            id=f"example{i}",
+            id=f"{page.stem}-example{i}",
             marks=[pytest.mark.e2e] if README_URL in code or "ray.init" in code else [],
         )
-        for i, code in enumerate(EXAMPLES)
+        for i, (page, code) in enumerate(EXAMPLES)
     ],
 )
-def test_readme_example_runs(code, request):
+def test_example_runs_as_written(page, code, request):
     if README_URL in code:
         code = code.replace(README_URL, request.getfixturevalue("engine").url)
-    exec(compile(code, str(README), "exec"), {})
+    exec(compile(code, str(page), "exec"), {})
 
 
 def test_every_test_cited_in_the_reliability_doc_exists():

@@ -1,5 +1,5 @@
 """The public API is what a user types, and import paths from before the three wings still
-reach the same modules (README, "Import paths")."""
+reach the same modules (docs/development.md, "Import paths")."""
 
 import importlib
 import re

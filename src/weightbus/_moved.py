@@ -2,8 +2,8 @@
 
 `import weightbus.publisher` or `from weightbus.ray import RayFleet` resolve to the module's new
 home (`weightbus.core.publisher`, `weightbus.apps.ray`): the same module object, not a copy, so
-`isinstance` checks and module state are shared. New code uses the new paths (README, "Import
-paths").
+`isinstance` checks and module state are shared. New code uses the new paths
+(docs/development.md, "Import paths").
 """
 
 import importlib
