@@ -1,10 +1,7 @@
-"""The push progress bar: drawn on a terminal once a push outlasts `SHOW_AFTER_S`, else silent."""
+"""The push progress bar (`Publisher(progress=True)`): drawn on a terminal only."""
 
 import io
 
-import pytest
-
-from weightbus.core.publisher import progress
 from weightbus.core.publisher.progress import PushProgress
 
 
@@ -13,30 +10,14 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_off_a_terminal_nothing_is_drawn() -> None:
-    stream = io.StringIO()
-    bar = PushProgress("v1", 3_000_000, stream=stream)
-    bar.advance(3_000_000)
-    bar.close()
-    assert not bar.enabled
-    assert bar.done_bytes == 3_000_000
-    assert stream.getvalue() == ""
+def test_off_a_terminal_no_bar_is_made() -> None:
+    assert PushProgress.on_terminal("v1", 3_000_000, stream=io.StringIO()) is None
 
 
-def test_a_short_push_draws_nothing() -> None:
+def test_a_push_draws_bytes_rate_and_eta_on_one_line() -> None:
     stream = _Terminal()
-    bar = PushProgress("v1", 3_000_000, stream=stream)  # SHOW_AFTER_S (1 s) never elapses
-    bar.advance(3_000_000)
-    bar.close()
-    assert stream.getvalue() == ""
-
-
-def test_a_long_push_draws_bytes_rate_and_eta_on_one_line(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(progress, "SHOW_AFTER_S", 0.0)
-    stream = _Terminal()
-    bar = PushProgress("v1", 3_000_000, stream=stream)
+    bar = PushProgress.on_terminal("v1", 3_000_000, stream=stream)
+    assert bar is not None
     bar.advance(1_000_000)
     bar.advance(2_000_000)
     bar.close()

@@ -4,6 +4,7 @@ import argparse
 from collections.abc import Sequence
 
 from weightbus import __version__
+from weightbus.apps.progress import add_quiet_flag, set_quiet
 from weightbus.core.log import setup_logging
 
 
@@ -14,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"weightbus {__version__}")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR")
+    add_quiet_flag(parser, command=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     # Command modules are imported here, not at module top, so `weightbus --help` stays fast
@@ -36,4 +38,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `weightbus` console script; returns the process exit code."""
     args = build_parser().parse_args(argv)
     setup_logging(level=args.log_level)
+    set_quiet(args.quiet)
     return args.handler(args)

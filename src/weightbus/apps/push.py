@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from weightbus.apps.progress import PUSH_PROGRESS_MIN_BYTES, add_quiet_flag, bars_on
 from weightbus.core.units import byte_size_arg
 
 
@@ -41,6 +42,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--token", default=os.environ.get("WEIGHTBUS_API_TOKEN"), help="engines' admin token"
     )
+    parser.add_argument(
+        "--progress-min-bytes",
+        type=byte_size_arg,
+        default=PUSH_PROGRESS_MIN_BYTES,
+        help="draw a progress bar on stderr for pushes of at least this size (on a terminal, "
+        "without --quiet; default 1GiB)",
+    )
+    add_quiet_flag(parser)
     parser.set_defaults(handler=run)
 
 
@@ -57,12 +66,14 @@ def run(args: argparse.Namespace) -> int:
         if args.dtype is not None:
             dtype: torch.dtype = dtype_from_name(args.dtype)
             weights = [(name, tensor.to(dtype)) for name, tensor in weights]
+        nbytes = sum(tensor.nbytes for _, tensor in weights)
         with Publisher(
             args.engine,
             transport=args.transport,
             bucket_bytes=args.bucket_bytes,
             token=args.token,
             timeout_s=args.timeout_s,
+            progress=bars_on() and nbytes >= args.progress_min_bytes,
         ) as publisher:
             result = publisher.push(
                 weights,

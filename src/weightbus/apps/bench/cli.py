@@ -7,6 +7,8 @@ transport against the floor and the baselines, same run, same weights.
 import argparse
 import importlib
 
+from weightbus.apps.progress import add_quiet_flag
+
 # suite name -> (module, one-line help); modules are imported only when their suite runs.
 SUITES = {
     "buckets": ("weightbus.apps.bench.buckets", "flat-bucket packing vs a memcpy floor, same run"),
@@ -85,6 +87,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "broadcast, pickling, every weightbus transport), same run, same weights.",
     )
     importlib.import_module(DEFAULT_SUITE).add_arguments(bench)
+    add_quiet_flag(bench)
     bench.set_defaults(handler=_runner(DEFAULT_SUITE))
     # a suite's own arguments and handler replace the comparison's when one is named
     suites = bench.add_subparsers(dest="suite", required=False, metavar="SUITE")
@@ -93,6 +96,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         suite = suites.add_parser(name, help=help_text)
         suite.set_defaults(handler=_runner(module_name))
         module.add_arguments(suite)
+        add_quiet_flag(suite)
 
 
 def _runner(module_name: str):

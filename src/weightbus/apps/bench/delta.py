@@ -49,6 +49,7 @@ from weightbus.apps.bench.timing import write_json
 from weightbus.apps.demo.onpolicy import GROUP_SIZE, MAX_TOKENS, NUM_PROMPTS, rollouts_of
 from weightbus.apps.demo.trainer import Trainer, tiny_hf_config
 from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.progress import RoundsProgress
 from weightbus.apps.tables import print_table
 from weightbus.core.publisher import Publisher, PushResult
 from weightbus.core.units import format_bytes, parse_bytes
@@ -316,15 +317,18 @@ class MemcpyFloor:
 
 def _rounds(bench: PushBench, floor: MemcpyFloor, repeat: int) -> None:
     """One untimed warm-up round, then `repeat` rounds of every row once, and the floor."""
-    for round_index in range(repeat + 1):
-        seconds = floor.time()
-        if round_index:
-            floor.seconds.append(seconds)
-        for row in bench.rows:
-            seconds, result = bench.push(row)
+    with RoundsProgress(len(bench.rows) + 1, repeat) as progress:
+        for round_index in range(repeat + 1):
+            progress.row(round_index, "floor")
+            seconds = floor.time()
             if round_index:
-                row.seconds.append(seconds)
-                row.results.append(result)
+                floor.seconds.append(seconds)
+            for row in bench.rows:
+                progress.row(round_index, row.label)
+                seconds, result = bench.push(row)
+                if round_index:
+                    row.seconds.append(seconds)
+                    row.results.append(result)
 
 
 def _row_summary(row: Row, full: Row, memcpy_s: float) -> dict:

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from weightbus.apps.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.apps.bench.timing import Measurement, write_json
 from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.progress import RoundsProgress
 from weightbus.apps.tables import print_table
 from weightbus.core.publisher import Publisher
 from weightbus.core.units import byte_size_arg, format_bytes
@@ -101,14 +102,16 @@ def _rounds(fleet: _Fleet, nbytes: int, num_engines: int, repeat: int) -> list[M
         (f"{many}, dist group re-formed", 0, fleet.reform_dist_group),
     ]
     samples: dict[str, list[float]] = {}
-    for index in range(repeat + 1):
-        order = [floor, *[op for pair in pairs for op in pair[:: 1 if index % 2 else -1]], *tail]
-        for name, _, fn in order:
-            start = time.perf_counter()
-            fn()
-            if index:  # round 0 warms up (mappings, page faults)
-                samples.setdefault(name, []).append(time.perf_counter() - start)
     operations = [floor, *[op for pair in pairs for op in pair], *tail]
+    with RoundsProgress(len(operations), repeat) as progress:
+        for index in range(repeat + 1):
+            swapped = [op for pair in pairs for op in pair[:: 1 if index % 2 else -1]]
+            for name, _, fn in [floor, *swapped, *tail]:
+                progress.row(index, name)
+                start = time.perf_counter()
+                fn()
+                if index:  # round 0 warms up (mappings, page faults)
+                    samples.setdefault(name, []).append(time.perf_counter() - start)
     return [Measurement(name, size, samples[name]) for name, size, _ in operations]
 
 

@@ -32,6 +32,7 @@ from weightbus.apps.bench.llama_weights import llama_weights
 from weightbus.apps.bench.timing import Measurement, write_json
 from weightbus.apps.launch import start_engine, stop_engine
 from weightbus.apps.netns import ip
+from weightbus.apps.progress import RoundsProgress
 from weightbus.apps.tables import print_table
 from weightbus.core.publisher import Publisher, PushError
 from weightbus.core.units import byte_size_arg, format_bytes
@@ -140,11 +141,13 @@ def _seconds(fn: Callable[[], object]) -> float:
 def _rounds(operations: list[tuple[str, Callable[[], float]]], nbytes: int, repeat: int):
     """Every operation once per round (each returns its seconds), after a warm-up round."""
     samples: dict[str, list[float]] = {name: [] for name, _ in operations}
-    for index in range(repeat + 1):
-        for name, fn in operations:
-            seconds = fn()
-            if index:
-                samples[name].append(seconds)
+    with RoundsProgress(len(operations), repeat) as progress:
+        for index in range(repeat + 1):
+            for name, fn in operations:
+                progress.row(index, name)
+                seconds = fn()
+                if index:
+                    samples[name].append(seconds)
     return [Measurement(name, nbytes, samples[name]) for name, _ in operations]
 
 

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from weightbus.apps.progress import RoundsProgress
+
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
@@ -37,23 +39,27 @@ def measure_interleaved(
     machine: every operation sees the same conditions. One untimed round warms up first (page
     faults, caches). The objects alive after it are frozen out of the garbage collector, so a
     full collection of the benchmark's own heap never lands inside a timed row. `settle`, if
-    given, runs untimed before each timed operation.
+    given, runs untimed before each timed operation. A terminal shows the round and row running
+    (`RoundsProgress`).
     """
-    for _, _, fn in operations:
-        fn()
     seconds: list[list[float]] = [[] for _ in operations]
-    gc.collect()
-    gc.freeze()
-    try:
-        for _ in range(repeat):
-            for samples, (_, _, fn) in zip(seconds, operations, strict=True):
-                if settle is not None:
-                    settle()
-                start = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - start)
-    finally:
-        gc.unfreeze()
+    with RoundsProgress(len(operations), repeat) as progress:
+        for name, _, fn in operations:
+            progress.row(0, name)
+            fn()
+        gc.collect()
+        gc.freeze()
+        try:
+            for round_index in range(1, repeat + 1):
+                for samples, (name, _, fn) in zip(seconds, operations, strict=True):
+                    progress.row(round_index, name)
+                    if settle is not None:
+                        settle()
+                    start = time.perf_counter()
+                    fn()
+                    samples.append(time.perf_counter() - start)
+        finally:
+            gc.unfreeze()
     return [
         Measurement(name, nbytes, samples)
         for samples, (name, nbytes, _) in zip(seconds, operations, strict=True)

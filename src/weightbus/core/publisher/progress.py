@@ -1,54 +1,46 @@
-"""A one-line progress bar for long pushes (tqdm), shown only when stderr is a terminal."""
+"""A one-line progress bar of a push (tqdm), drawn only when stderr is a terminal."""
 
 import sys
 from typing import TextIO
 
 from tqdm import tqdm
 
-# Pushes shorter than this never draw a bar: it would only flicker.
-SHOW_AFTER_S = 1.0
-
 
 class PushProgress:
-    """Counts bytes handed to the transport and draws a tqdm bar on a terminal.
+    """A tqdm bar of the bytes handed to the transport: bytes (unit-scaled), rate and ETA.
 
-    The bar shows bytes (unit-scaled), rate and ETA. Off a terminal (logs, CI, an engine's
-    pipes) no bar is created at all.
+    `Publisher(progress=True)` draws one per push. Off a terminal (logs, CI, pipes) none is
+    made at all (`on_terminal`), so such a push pays nothing per part.
 
     Args:
         version: the version being pushed (shown in the line).
-        total_bytes: bytes of the whole push.
-        stream: where to draw; nothing is drawn unless it is a terminal.
+        total_bytes: bytes of the whole push (its plan's).
+        stream: where to draw.
     """
 
-    def __init__(self, version: str, total_bytes: int, stream: TextIO | None = None) -> None:
-        self.version = version
-        self.total_bytes = max(total_bytes, 1)
-        self.done_bytes = 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = self.stream.isatty()
-        self._bar = (
-            tqdm(
-                desc=f"push {version}",
-                total=self.total_bytes,
-                unit="B",
-                unit_scale=True,
-                file=self.stream,
-                delay=SHOW_AFTER_S,
-                leave=True,
-                dynamic_ncols=True,
-            )
-            if self.enabled
-            else None
+    def __init__(self, version: str, total_bytes: int, stream: TextIO) -> None:
+        self._bar = tqdm(
+            desc=f"push {version}",
+            total=max(total_bytes, 1),
+            unit="B",
+            unit_scale=True,
+            file=stream,
+            leave=True,
+            dynamic_ncols=True,
         )
 
+    @classmethod
+    def on_terminal(
+        cls, version: str, total_bytes: int, stream: TextIO | None = None
+    ) -> "PushProgress | None":
+        """A bar on `stream` (default: stderr) if it is a terminal, else None."""
+        stream = stream if stream is not None else sys.stderr
+        return cls(version, total_bytes, stream) if stream.isatty() else None
+
     def advance(self, nbytes: int) -> None:
-        """Account for `nbytes` more bytes sent."""
-        self.done_bytes += nbytes
-        if self._bar is not None:
-            self._bar.update(nbytes)
+        """Account for `nbytes` more bytes handed to the transport."""
+        self._bar.update(nbytes)
 
     def close(self) -> None:
-        """End the line if one was drawn."""
-        if self._bar is not None:
-            self._bar.close()
+        """Draw the final state and end the line."""
+        self._bar.close()

@@ -61,6 +61,8 @@ class Publisher:
         quantize: `Fp8Block()` or "fp8-block": each rank quantizes what it holds to block FP8
             before a byte leaves (docs/fp8.md).
         control_host: with `group`, an address of rank 0 every rank reaches.
+        progress: each push draws a tqdm bar on stderr (bytes, rate, ETA), on the leader and
+            when stderr is a terminal; the bar follows the same bytes as `push`'s `progress`.
 
     Raises:
         ValueError: the leader has no engines, an unknown transport, or a non-positive timeout.
@@ -82,11 +84,13 @@ class Publisher:
         delta_sparse: bool = True,
         quantize: Fp8Block | str | None = None,
         control_host: str = "127.0.0.1",
+        progress: bool = False,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.quantize = fp8_spec(quantize)
         self.bucket_bytes = bucket_bytes
+        self.progress = progress
         trainer = (
             TrainerGroup.local()
             if group is None
@@ -246,7 +250,8 @@ class Publisher:
                 (docs/engine.md, docs/fleet.md).
             verify: `full` checks every digest on the engines; `none` skips digests only.
             name_map: renames applied before sending (a name mapped to None is dropped).
-            progress: called with the bytes of each part handed to the transport.
+            progress: called with the bytes of each part handed to the transport (the
+                bar of `Publisher(progress=True)` counts the same).
             probe: logprobs every engine must reproduce once it serves the version (run
                 `LogprobProbe.of_model` on every rank of a group); a failed one rolls back.
             delta: `never`, `always` or `auto` (None: the Publisher's), docs/delta.md.
@@ -274,8 +279,8 @@ class Publisher:
         """
         args = PushArgs(
             version=version, step=step, pause_mode=pause_mode, atomic=atomic, verify=verify,
-            force=force, name_map=name_map, progress=progress, probe=probe,
-            two_phase=two_phase, delta=delta, keep_draft=keep_draft,
+            force=force, name_map=name_map, progress=progress, progress_bar=self.progress,
+            probe=probe, two_phase=two_phase, delta=delta, keep_draft=keep_draft,
             allow_nonfinite=allow_nonfinite, adapter=adapter, base_fingerprint=base_fingerprint,
             running_kv=running_kv, keep_prefix_cache=keep_prefix_cache,
         )  # fmt: skip

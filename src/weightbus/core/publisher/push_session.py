@@ -75,6 +75,7 @@ class PushArgs:
     force: bool = False
     name_map: NameMap | None = None
     progress: Progress | None = None
+    progress_bar: bool = False
     probe: LogprobProbe | None = None
     two_phase: bool | None = None
     delta: DeltaMode | None = None
@@ -99,6 +100,8 @@ class PushRequest:
         step: its training step, if any.
         options: the order every engine's is made from (`push_options`).
         progress: also called with the bytes of each part handed to the transport.
+        progress_bar: draw a bar of those bytes on stderr when it is a terminal
+            (`Publisher(progress=True)`).
         nonfinite_in_stream: the ranks' copies refuse NaN/inf (the Publisher decided it with
             `stream_refuses_nonfinite` and skipped its pre-pass); a delta stream never does.
     """
@@ -110,6 +113,7 @@ class PushRequest:
     step: int | None
     options: PushOrder
     progress: Progress | None = None
+    progress_bar: bool = False
     nonfinite_in_stream: bool = False
     stream: str = ""
 
@@ -120,7 +124,7 @@ class PushRequest:
         """`args`' push of `held` (a layout and this rank's holdings) in `round_`."""
         return cls(
             held.layout, held.holdings, round_, args.version, args.step, options, args.progress,
-            **more,
+            args.progress_bar, **more,
         )  # fmt: skip
 
 
@@ -272,8 +276,11 @@ class PushRun:
             verify=request.options.verify == "full",
             engines=tuple(self._fleet.urls),
         )
-        self._bar = PushProgress(request.version, self._session.plan.total_bytes)
-        self._advance = _both(self._bar.advance, request.progress)
+        if request.progress_bar:
+            total_bytes = self._session.plan.total_bytes
+            self._bar = PushProgress.on_terminal(request.version, total_bytes)
+        advance = request.progress or no_progress
+        self._advance = advance if self._bar is None else _both(self._bar.advance, advance)
 
     def _prepare(self) -> None:
         request = self._request
@@ -605,10 +612,7 @@ def _abandon_on_answer(
     return answered
 
 
-def _both(first: Progress, second: Progress | None) -> Progress:
-    if second is None:
-        return first
-
+def _both(first: Progress, second: Progress) -> Progress:
     def advance(nbytes: int) -> None:
         first(nbytes)
         second(nbytes)
