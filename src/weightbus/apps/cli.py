@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from weightbus.apps.bench import cli as bench_cli
     from weightbus.apps.capacity import cli as plan_cli
     from weightbus.apps.demo import cli as demo_cli
+    from weightbus.apps.doctor import cli as doctor_cli
     from weightbus.engines.reference.server import cli as serve_cli
 
     demo_cli.add_parser(commands)
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.add_parser(commands)
     push_cli.add_parser(commands)
     plan_cli.add_parser(commands)
+    doctor_cli.add_parser(commands)
     return parser
 
 
