@@ -140,7 +140,7 @@ def test_shm_uses_of_a_model():
 def test_no_shm_does_not_fit(tmp_path):
     report = shm_report(2**30, shm_dir=tmp_path / "absent")
     assert (report.size_bytes, report.fits) == (0, False)
-    assert report.fix.startswith("mount -o remount,size=<N>G /dev/shm")
+    assert report.fix == "mount -t tmpfs -o size=<N>G tmpfs /dev/shm (as root)"
 
 
 def test_vllm_install_line_is_the_makefiles():

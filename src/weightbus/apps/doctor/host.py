@@ -8,7 +8,7 @@ import torch.distributed
 
 from weightbus.apps.cluster import unavailable as cluster_unavailable
 from weightbus.apps.doctor.packages import VLLM_PLUGIN_INSTALL, Package
-from weightbus.apps.doctor.shm import SHM_DIR
+from weightbus.apps.doctor.shm import SHM_DIR, SHM_MOUNT
 from weightbus.core.transport import transport_names
 
 NAMESPACES_FIX = "run as root, or with CAP_NET_ADMIN and CAP_SYS_ADMIN"
@@ -42,7 +42,7 @@ def namespaces() -> Availability:
 def shm_writable() -> Availability:
     if os.access(SHM_DIR, os.W_OK):
         return Availability(True, "engines on this host only")
-    return Availability(False, f"{SHM_DIR} is missing or not writable", "mount a tmpfs on /dev/shm")
+    return Availability(False, f"{SHM_DIR} is missing or not writable", SHM_MOUNT)
 
 
 def gloo() -> Availability:

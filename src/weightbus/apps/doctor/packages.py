@@ -36,8 +36,8 @@ class Package:
 
 
 def installed_distribution(names: tuple[str, ...]) -> tuple[str, str] | None:
-    """The first of the distributions `names` that is installed and importable, as (name,
-    version), or None."""
+    """The first of the distributions `names` in the installed metadata, as (name, version),
+    or None."""
     for name in names:
         try:
             dist = distribution(name)
@@ -56,7 +56,7 @@ def importable(name: str) -> bool:
 
 
 def package(name: str, distributions: tuple[str, ...], install: str) -> Package:
-    """Package `name` as installed: a distribution in the metadata whose module imports."""
+    """Package `name` as installed: a distribution in the metadata, and its module found."""
     found = installed_distribution(distributions)
     if found is None or not importable(name):
         return Package(name, None, None, install)

@@ -1,4 +1,5 @@
-"""One report of this host (`diagnose`), as JSON or as one screen of text (`print_report`)."""
+"""One report of this host (`diagnose`): plain JSON values, which `text.report_text` lays out
+as one screen."""
 
 import dataclasses
 import platform
@@ -6,13 +7,13 @@ from typing import Any
 
 from weightbus import __version__
 from weightbus.apps.doctor import host
-from weightbus.apps.doctor.packages import optional_packages, vllm_plugin_registered
+from weightbus.apps.doctor.packages import Package, optional_packages, vllm_plugin_registered
 from weightbus.apps.doctor.shm import SHM_DIR, shm_report
 from weightbus.apps.doctor.torch_build import torch_build
 from weightbus.apps.doctor.ucx import ucx_report
 
 
-def package_entry(package: Any) -> dict[str, Any]:
+def package_entry(package: Package) -> dict[str, Any]:
     entry = dataclasses.asdict(package)
     entry["installed"] = package.installed
     return entry
@@ -22,10 +23,8 @@ def missing_pieces(report: dict[str, Any]) -> list[dict[str, str]]:
     """Every piece that is missing or does not work, with the line that installs or enables it
     (one line per distinct fix)."""
     pieces = [(name, p["install"]) for name, p in report["packages"].items() if not p["installed"]]
-    for section in ("transports", "engines"):
-        pieces += [
-            (f"{section[:-1]} {n}", a["fix"]) for n, a in report[section].items() if a["fix"]
-        ]
+    for section, label in (("transports", "transport"), ("engines", "engine")):
+        pieces += [(f"{label} {n}", a["fix"]) for n, a in report[section].items() if a["fix"]]
     if report["namespaces"]["fix"]:
         pieces.append(("network namespaces and tc", report["namespaces"]["fix"]))
     if report["shm"]["fix"]:

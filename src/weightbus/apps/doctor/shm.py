@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightbus.core.plan.planner import DEFAULT_BUCKET_BYTES
+from weightbus.core.transport.parts.shared_memory import SHM_DIR
 from weightbus.core.transport.shm.sink import DEFAULT_NUM_SLOTS
 
-SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
+SHM_MOUNT = "mount -t tmpfs -o size=<N>G tmpfs /dev/shm (as root)"
 _GIB = 2**30
 
 
@@ -50,14 +51,16 @@ def shm_size_bytes(stat: os.statvfs_result) -> int:
 
 
 def shm_free_bytes(stat: os.statvfs_result) -> int:
-    """Bytes this (unprivileged) process may still write there."""
+    """Bytes a process may still write there."""
     return stat.f_bavail * stat.f_frsize
 
 
-def shm_resize(size_gib: int | None) -> str:
-    """The line that gives /dev/shm `size_gib` GiB (`<N>` when unknown)."""
-    size = "<N>" if size_gib is None else str(size_gib)
-    return f"mount -o remount,size={size}G /dev/shm (as root), or docker run --shm-size={size}g"
+def shm_resize(size_gib: int) -> str:
+    """The line that gives /dev/shm `size_gib` GiB."""
+    return (
+        f"mount -o remount,size={size_gib}G /dev/shm (as root), "
+        f"or docker run --shm-size={size_gib}g"
+    )
 
 
 def resized_gib(size_bytes: int, free_bytes: int, need_bytes: int) -> int:
@@ -81,17 +84,14 @@ def shm_report(model_bytes: int | None, shm_dir: Path = SHM_DIR) -> ShmReport:
     try:
         stat = os.statvfs(shm_dir)
     except OSError:
-        fix = shm_resize(None)
-        return ShmReport(0, 0, model_bytes, False if model_bytes else None, fix=fix)
-    free_bytes = shm_free_bytes(stat)
+        fits = None if model_bytes is None else False
+        return ShmReport(0, 0, model_bytes, fits, fix=SHM_MOUNT)
+    size_bytes, free_bytes = shm_size_bytes(stat), shm_free_bytes(stat)
     if model_bytes is None:
-        return ShmReport(shm_size_bytes(stat), free_bytes)
-    size_bytes = shm_size_bytes(stat)
+        return ShmReport(size_bytes, free_bytes)
     uses = shm_uses(model_bytes, free_bytes)
-    default = uses[0]
-    fix = (
-        None
-        if default.fits
-        else shm_resize(resized_gib(size_bytes, free_bytes, default.need_bytes))
-    )
-    return ShmReport(size_bytes, free_bytes, model_bytes, default.fits, uses, fix)
+    default = uses[0]  # what a push does unless told otherwise
+    if default.fits:
+        return ShmReport(size_bytes, free_bytes, model_bytes, True, uses)
+    fix = shm_resize(resized_gib(size_bytes, free_bytes, default.need_bytes))
+    return ShmReport(size_bytes, free_bytes, model_bytes, False, uses, fix)

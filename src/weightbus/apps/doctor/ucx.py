@@ -18,7 +18,7 @@ UNKNOWN = "unknown"
 class UcxReport:
     """Attributes:
     ucx_tls: the `UCX_TLS` environment variable (None: unset, UCX picks from all it finds).
-    transports: the transports `ucx_info -d` lists, or "unknown" without `ucx_info`.
+    transports: the transports `ucx_info -d` lists, or "unknown (why)" without them.
     shipped_modules: the UCX transport modules in the installed NIXL wheels (`ib`, `cma`, ...).
     """
 
@@ -28,16 +28,16 @@ class UcxReport:
 
 
 def ucx_info_transports(timeout_s: float = 5.0) -> list[str] | str:
-    """The `Transport:` names of `ucx_info -d`, or "unknown" when it is absent or fails."""
+    """The `Transport:` names of `ucx_info -d`, or "unknown (why)" when it is absent or fails."""
     command = shutil.which("ucx_info")
     if command is None:
-        return UNKNOWN
+        return f"{UNKNOWN} (no ucx_info on PATH)"
     try:
         done = subprocess.run(  # noqa: S603 - the ucx_info found on PATH, our arguments
             [command, "-d"], capture_output=True, text=True, timeout=timeout_s, check=True
         )
-    except (OSError, subprocess.SubprocessError):
-        return UNKNOWN
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{UNKNOWN} (ucx_info -d: {exc})"
     names = [
         line.split(":", 1)[1].strip() for line in done.stdout.splitlines() if "Transport:" in line
     ]
