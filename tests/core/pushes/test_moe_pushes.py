@@ -12,6 +12,8 @@ pushes place each expert's scales with it.
 """
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +178,21 @@ def test_block_fp8_experts_and_their_scales_reach_their_slots(
     finally:
         target.close()
         engine.stop()
+
+
+def test_the_moe_quickstart_runs_as_written(moe_engines: dict[str, ServedEngine], hf_moe: tuple):
+    """docs/moe.md's push block, as written, into the shared EP-2 engine of its checkpoint: the
+    engine serves the last version, and each rank received its experts, not all of them."""
+    path, _ = hf_moe
+    page = (Path(__file__).parents[3] / "docs" / "moe.md").read_text()
+    section = page.split("## Serving an MoE")[1].split("\n## ")[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    engine = moe_engines["ep2"]
+    code = code.replace("http://127.0.0.1:8000", engine.url)
+    code = code.replace('"./qwen3-moe"', repr(str(path)))
+    scope: dict = {}
+    exec(compile(code, "docs/moe.md", "exec"), scope)
+    result = scope["result"]
+    assert engine.client.get("/v1/weights").json()["version"] == result.version == "moe-step-2"
+    assert max(result.engines[0].rank_nbytes) < result.nbytes * 0.6
+    assert result.fingerprint == fingerprint(scope["model"])
