@@ -152,6 +152,12 @@ def test_a_frozen_engine_fails_the_fleet_push_naming_it_and_frees_the_healthy_on
         # the healthy engine heard of it at once, is named as aborted, and serves what it served
         assert "publisher failed" in raised.value.failures[engine.url]
         assert raised.value.aborted == [engine.url]
+        # counted apart from the frozen one, its reason (an echo of the publisher's) not said
+        assert reason.startswith(
+            "push of version 'frozen' failed on 1 engine(s) (1 more aborted because of it): "
+            f"{frozen.url}: ReadTimeout"
+        ), reason
+        assert reason.endswith(f"; aborted because of the others: {engine.url}"), reason
         state = weights_state(engine)
         assert (state["status"], state["fingerprint"]) == ("NORMAL", healthy_before["fingerprint"])
         # the thawed engine gets the abandoned request, finds no publisher, keeps the old weights

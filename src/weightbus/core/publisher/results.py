@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from weightbus.core.fixes import split_fixes
 from weightbus.core.publisher.delta import DeltaReport
 from weightbus.core.publisher.targets import EngineResult
 from weightbus.core.wire.adapter import AdapterSpec
@@ -11,8 +12,12 @@ from weightbus.core.wire.adapter import AdapterSpec
 class PushError(RuntimeError):
     """One or more engines did not commit a push (or a rollback).
 
+    The message counts and names the engines that failed on their own, then the publisher's
+    failure, then the engines aborted only because of them, then one `fix: ...` line per fix
+    the reasons name.
+
     Attributes:
-        failures: engine URL -> reason.
+        failures: engine URL -> reason (the aborted engines that failed too included).
         transport_error: why the publisher's side of the transport failed, if it did.
         aborted: engines told to discard the version because of another: those that had
             staged it (two-phase: no engine commits unless all can), and those whose ranks
@@ -33,13 +38,32 @@ class PushError(RuntimeError):
         self.transport_error = transport_error
         self.aborted = list(aborted)
         self.action = action
-        details = "; ".join(f"{url}: {reason}" for url, reason in failures.items())
+        # an aborted engine's reason only repeats the others' (a whole fleet aborted: all)
+        failed = {url: why for url, why in failures.items() if url not in self.aborted}
+        failed = failed or failures
+        fixes: list[str] = []
+        parts, reasons = [], []
+        for url, why in failed.items():
+            reason, named = split_fixes(why)
+            parts.append(f"{url}: {reason}")
+            reasons.append(reason)
+            fixes += named
         if transport_error:
-            details += f"; publisher: {transport_error}"
-        if self.aborted:
-            details += f"; aborted because of the others: {', '.join(self.aborted)}"
+            reason, named = split_fixes(transport_error)
+            # a stream stopped by an engine's early answer repeats that answer: said once
+            if not any(said in reason for said in reasons):
+                parts.append(f"publisher: {reason}")
+            fixes += named
+        others = [url for url in self.aborted if url not in failed]
+        if others:
+            parts.append(f"aborted because of the others: {', '.join(others)}")
         action = action or f"push of version {version!r}"
-        super().__init__(f"{action} failed on {len(failures)} engine(s): {details}")
+        counted = f"{len(failed)} engine(s)"
+        if others:
+            counted += f" ({len(others)} more aborted because of it)"
+        lines = [f"{action} failed on {counted}: {'; '.join(parts)}"]
+        lines += [f"fix: {fix}" for fix in dict.fromkeys(fixes)]
+        super().__init__("\n".join(lines))
 
 
 @dataclass(frozen=True, slots=True)

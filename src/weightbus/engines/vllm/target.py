@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import httpx
 import msgspec
 
+from weightbus.core.fixes import with_fix
 from weightbus.core.meta import DRAFT_PREFIX
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.targets.base import (
@@ -53,7 +54,7 @@ from weightbus.core.publisher.targets.http import HTTP_MARGIN_S, request_json
 from weightbus.core.transport.base import EngineRequestError
 from weightbus.core.wire import PauseMode
 from weightbus.core.wire.messages import SliceSpec
-from weightbus.engines.vllm import WORKER_EXTENSION
+from weightbus.engines.vllm import BACKEND, WORKER_EXTENSION
 from weightbus.engines.vllm.adapter_pushes import AdapterChange, AdapterPushes
 from weightbus.engines.vllm.adapters import LORA_UPDATING_ENV, AdapterDirectories
 from weightbus.engines.vllm.messages import (
@@ -69,10 +70,29 @@ from weightbus.engines.vllm.prefix_cache import reset_prefix_cache
 # What each weightbus pause mode is called on vLLM's `/pause`.
 PAUSE_MODES: dict[PauseMode, str] = {"drain": "wait", "in_place": "keep", "abort": "abort"}
 _CONTROL_TIMEOUT_S = 30.0
+# Routes vLLM serves without VLLM_SERVER_DEV_MODE=1: a 404 on them is not about the mode.
+_PUBLIC_ROUTES = frozenset({"/v1/completions", "/v1/models"})
 # vLLM's worker refuses a second session while one is open (a publisher died inside it).
 _SESSION_OPEN = "already active"
 
 logger = logging.getLogger(__name__)
+
+
+def _server_fix(path: str, reason: str) -> str | None:
+    """The fix of a refusal that says how the vLLM server was started, if it is one: a 404
+    on the routes vLLM serves only with `VLLM_SERVER_DEV_MODE=1` (`/pause`, `/collective_rpc`,
+    the weight-transfer routes...), or backend `weightbus` unknown to vLLM's factory."""
+    if f"backend: {BACKEND}" in reason:  # vLLM: "Invalid weight transfer backend: ..."
+        return (
+            "install weightbus in vLLM's environment (`pip install weightbus`): its plugin "
+            "registers backend 'weightbus' when vLLM starts (docs/vllm.md)"
+        )
+    if reason.startswith(f"{path}: HTTP 404") and path not in _PUBLIC_ROUTES:
+        return (
+            f"start vLLM with VLLM_SERVER_DEV_MODE=1: without it vLLM does not serve {path} "
+            "(docs/vllm.md)"
+        )
+    return None
 
 
 def update_info(order: PushOrder, *, skip_unchanged: bool = False) -> VllmUpdateInfo:
@@ -244,7 +264,15 @@ class VllmEngineTarget(AdapterPushes, EngineTarget):
 
     # requests
     def _request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> dict:
-        return request_json(self._http, method, self.url, path, timeout_s, name_path=True, **kwargs)
+        try:
+            return request_json(
+                self._http, method, self.url, path, timeout_s, name_path=True, **kwargs
+            )
+        except EngineRequestError as exc:
+            fix = _server_fix(path, str(exc))
+            if fix is None:
+                raise
+            raise EngineRequestError(with_fix(str(exc), fix)) from None
 
     def _pause(self, mode: PauseMode, timeout_s: float) -> None:
         # the cache is dropped explicitly once new weights loaded (`prefix_cache.py`)

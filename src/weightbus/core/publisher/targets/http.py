@@ -7,6 +7,7 @@ import dataclasses
 import httpx
 import msgspec
 
+from weightbus.core.fixes import with_fix
 from weightbus.core.publisher.probe import LogprobProbe
 from weightbus.core.publisher.targets.base import (
     EngineResult,
@@ -60,6 +61,10 @@ def request_json(
     prefix = f"{path}: " if name_path else ""
     try:
         response = http.request(method, f"{url}{path}", timeout=timeout_s, **kwargs)
+    except httpx.ConnectError as exc:  # the first error of a newcomer: nothing listens there
+        reason = f"{prefix}{type(exc).__name__}: {exc}"
+        fix = f"start the engine (`weightbus serve`, or vLLM: docs/vllm.md) or check the URL {url}"
+        raise EngineRequestError(with_fix(reason, fix)) from None
     except httpx.HTTPError as exc:
         raise EngineRequestError(f"{prefix}{type(exc).__name__}: {exc}") from None
     if response.status_code != 200:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from weightbus.core.fixes import with_fix
 from weightbus.core.transport.parts.arena import on_arena_close
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,10 @@ def _nixl_api() -> Any:
         from nixl import _api
     except ImportError as exc:
         raise ValueError(
-            f"transport nixl needs NIXL (pip install 'weightbus[nixl]'): {exc}"
+            with_fix(
+                f"transport nixl needs NIXL, which this Python cannot import: {exc}",
+                "pip install 'weightbus[nixl]' (or pick another transport, e.g. 'shm')",
+            )
         ) from None
     return _api
 

@@ -22,13 +22,19 @@ from collections.abc import Iterator
 import msgspec
 import zmq
 
+from weightbus.core.fixes import with_fix
 from weightbus.core.trainer.digests import combine, digest_plan
 from weightbus.core.trainer.writes import write_outcome
 from weightbus.core.transport.base import BucketSink, Progress, PushSession, no_progress
 from weightbus.core.transport.parts.direct_channel import receive_one, tell_outcome, tell_written
 from weightbus.core.transport.parts.layout import checked_copies
 from weightbus.core.transport.parts.rank_session import JoiningRanks
-from weightbus.core.transport.parts.shared_memory import Slot, private_ipc_dir, remove_stale_slots
+from weightbus.core.transport.parts.shared_memory import (
+    SHM_DIR,
+    Slot,
+    private_ipc_dir,
+    remove_stale_slots,
+)
 from weightbus.core.transport.sending import Sending
 from weightbus.core.transport.shm.description import ShmDescription
 from weightbus.core.transport.shm.sender import PackOrder, SlotsOrder, WriteOrder
@@ -138,8 +144,18 @@ class ShmSink(BucketSink):
             for slot in self.slots:
                 slot.unlink()
             self.slots = []
+            size = shutil.disk_usage(SHM_DIR).total
+            fix = (
+                f"give /dev/shm at least {self.num_slots * self._slot_bytes} bytes (docker: "
+                "--shm-size; or mount -o remount,size=... /dev/shm), or push with a smaller "
+                "bucket_bytes"
+            )
             raise OSError(
-                f"cannot create {self.num_slots} slots of {self._slot_bytes} bytes: {exc}"
+                with_fix(
+                    f"cannot create {self.num_slots} slots of {self._slot_bytes} bytes in "
+                    f"{SHM_DIR} ({size} bytes in all): {exc}",
+                    fix,
+                )
             ) from exc
         logger.info("created %d shared-memory slots of %d bytes", self.num_slots, self._slot_bytes)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightbus.core.fixes import with_fix
 from weightbus.core.fp8 import Fp8Block
 from weightbus.core.wire.adapter import LORA_TARGETS, MAX_LORA_RANK
 from weightbus.engines.reference.layers.rotary import ROPE_TYPES
@@ -259,8 +260,14 @@ class ModelConfig:
         """
         model_type = hf.get("model_type")
         if model_type not in MODEL_TYPES:
+            fix = (
+                "serve a checkpoint of one of these types with `weightbus serve`, or this one "
+                "with vLLM and the weightbus plugin (docs/vllm.md)"
+            )
             raise ValueError(
-                f"config.json model_type {model_type!r} is not supported: {MODEL_TYPES}"
+                with_fix(
+                    f"config.json model_type {model_type!r} is not supported: {MODEL_TYPES}", fix
+                )
             )
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported")

@@ -9,6 +9,7 @@ stops all ranks through the TP group), stragglers are terminated, the directory 
 """
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ import msgspec
 import uvicorn
 from fastapi import FastAPI
 
+from weightbus.core.fixes import with_fix
 from weightbus.engines.reference.engine.worker import WorkerConfig
 from weightbus.engines.reference.models.config import ModelConfig
 from weightbus.engines.reference.models.experts import ExpertLayout
@@ -437,7 +439,14 @@ def listen(host: str, port: int) -> tuple[socket.socket, str]:
     Bound before any worker starts: a taken port fails fast, and `--port 0` is known.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family)
+    try:
+        sock = socket.create_server((host, port), family=family)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        fix = f"stop what serves on port {port}, or pass another --port (--port 0: a free one)"
+        # create_server's strerror names the address
+        raise OSError(exc.errno, with_fix(exc.strerror, fix)) from None
     # Accepted connections inherit TCP_NODELAY (Linux): without it a response written as
     # headers then body waits ~40 ms for the client's delayed ACK on every keep-alive request.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
