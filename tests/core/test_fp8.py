@@ -3,6 +3,7 @@ published definition, block by block; NaN/inf refused by name; the reference eng
 layers hold each rank's slice of the weights and of their scales, and compute what
 transformers computes on the dequantized weights."""
 
+import copy
 import json
 import math
 
@@ -18,9 +19,11 @@ from weightbus.core.fp8 import (
     Fp8Block,
     dequantize,
     dequantize_weights,
+    dequantized_model,
     quantize,
     quantize_weights,
 )
+from weightbus.core.publisher.probe import ROUNDING_MARGIN, LogprobProbe
 from weightbus.engines.reference.engine.model_runner import ModelRunner
 from weightbus.engines.reference.layers.parallel import TPContext, tp_context
 from weightbus.engines.reference.models.config import ModelConfig
@@ -242,3 +245,44 @@ def test_an_fp8_draft_is_refused_at_start(tmp_path):
     config = ServeConfig(model="tiny", draft_model=path, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="--draft-model is an FP8 checkpoint: a draft is served"):
         checked_model(config)
+
+
+def _bf16_llama() -> torch.nn.Module:
+    """A Llama in bf16 whose matrices hold whole 128x128 blocks (as test_fp8_pushes.py's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=101,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval().to(torch.bfloat16)
+
+
+def test_a_bf16_models_quantized_probe_passes_bf16_rounding_and_fails_misplaced_scales():
+    """The default tolerance of a bf16 model's probe is above what a bf16 engine's rounding
+    does to the logprobs (up to twice the trainer's own over float32: ROUNDING_MARGIN is 4)
+    and below what scales loaded into the wrong blocks do."""
+    model = _bf16_llama()
+    probe = LogprobProbe.of_quantized_model(model, PROMPT, BLOCK)
+    served = dequantized_model(model, BLOCK)
+    in_float32 = LogprobProbe.of_model(copy.deepcopy(served).float(), PROMPT, tolerance=1.0)
+    rounding = probe.gap(in_float32.logprobs)
+    assert 0 < ROUNDING_MARGIN * rounding <= probe.tolerance
+    # a matrix whose blocks differ in scale (its first 128 rows 8x the rest), its scales swapped
+    name = "model.layers.0.mlp.down_proj.weight"
+    weights = dict(served.named_parameters())
+    with torch.no_grad():
+        weight = weights[name].float()
+        weight[:128] *= 8
+        fp8, scale_inv = quantize(name, weight, BLOCK)
+        weights[name].copy_(dequantize(fp8, scale_inv.flip(0), BLOCK))
+    misloaded = LogprobProbe.of_model(served, PROMPT, tolerance=1.0)
+    assert probe.gap(misloaded.logprobs) > probe.tolerance

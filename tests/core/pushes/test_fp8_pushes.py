@@ -271,6 +271,11 @@ def test_nan_is_refused_before_quantizing_and_unquantized_weights_by_name(engine
     ):
         publisher.push(trained_copy(model, seed=32), version="fp8-missing", force=True)
     reason = refused.value.failures[engine.url]
-    assert reason.startswith("HTTP 400: "), reason
+    # the cause leads, before the 14 scales it lacks
+    assert reason.startswith(
+        "HTTP 400: rank 0: this engine serves 14 tensors in float8 (block FP8, with their "
+        "weight_scale_inv scales) that the push sends unquantized: push with "
+        "Publisher(quantize='fp8-block') (docs/fp8.md); rank 0: missing tensors: "
+    ), reason
     assert f"tensor '{name}': expected float8_e4m3fn[256, 256], got float32[256, 256]" in reason
     assert _serving(engine) == before

@@ -18,6 +18,12 @@ from weightbus.core.fp8 import Fp8Block, dequantized_model
 
 # The smallest default tolerance of a quantized model's probe: above float32 rounding (~1e-6).
 _MIN_TOLERANCE = 1e-5
+# A quantized probe's default tolerance is at least this many times the logprob change the
+# serving dtype's rounding makes (measured on the trainer): the engine rounds in its own
+# summation order, and the trainer's probe carries its own rounding too (up to twice it), so
+# four leaves a margin. A bf16 engine differed by 0.10 where a tenth of the quantization's
+# change was 0.05: that default failed good pushes.
+ROUNDING_MARGIN = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,22 +75,31 @@ class LogprobProbe:
         token_ids: Sequence[int],
         quantize: Fp8Block,
         tolerance: float | None = None,
+        serving_dtype: torch.dtype | None = None,
     ) -> "LogprobProbe":
         """The probe of `model` as a block-FP8 engine serves it after a push with `quantize`:
         the trainer's model with the same quantize-dequantize applied.
 
         Args:
-            tolerance: None: a tenth of the largest logprob change the quantization itself
-                makes on these tokens. A scale in a wrong block moves logprobs by about as
-                much or more; a float32 engine's own rounding is ~1e-6 (a bf16 engine's ~0.1
-                is not below it: give a tolerance, or probe a float32 engine). At least 1e-5.
+            tolerance: None: the larger of a tenth of the largest logprob change the
+                quantization itself makes on these tokens (a scale in a wrong block moves
+                logprobs by about as much or more) and `ROUNDING_MARGIN` times what computing
+                in `serving_dtype` instead of float32 changes them (an engine's own rounding:
+                ~1e-6 in float32, about a tenth of a nat in bf16 on a trained model, where a
+                mis-load moves logprobs by nats). At least 1e-5.
+            serving_dtype: the dtype the engine computes in; None: the model's own.
         """
-        # both in eval mode (no dropout), the caller's model left in its own
-        probe = cls.of_model(dequantized_model(model, quantize), token_ids, tolerance=1.0)
+        served = dequantized_model(model, quantize)  # in eval mode, the caller's model as it is
+        probe = cls.of_model(served, token_ids, tolerance=1.0)
         if tolerance is None:
             exact = cls.of_model(copy.deepcopy(model).eval(), token_ids, tolerance=1.0)
-            gap = probe.gap(exact.logprobs)
-            tolerance = max(gap / 10, _MIN_TOLERANCE)
+            tolerance = max(probe.gap(exact.logprobs) / 10, _MIN_TOLERANCE)
+            dtype = serving_dtype or _floating_dtype(model)
+            if dtype != torch.float32:
+                in_float32 = cls.of_model(served.float(), token_ids, tolerance=1.0)
+                rounded = cls.of_model(served.to(dtype), token_ids, tolerance=1.0)
+                rounding = rounded.gap(in_float32.logprobs)
+                tolerance = max(tolerance, ROUNDING_MARGIN * rounding)
         return cls(token_ids=probe.token_ids, logprobs=probe.logprobs, tolerance=tolerance)
 
     def gap_reason(self, gap: float) -> str:
@@ -105,3 +120,11 @@ class LogprobProbe:
         if not all(math.isfinite(a) and math.isfinite(b) for a, b in pairs):
             return math.inf
         return max(abs(a - b) for a, b in pairs)
+
+
+def _floating_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of `model`'s first floating parameter (float32 when it has none)."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32

@@ -73,6 +73,9 @@ def _describe(meta: TensorMeta) -> str:
     return f"{dtype_name(meta.dtype)}{list(meta.shape)}"
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _layout_errors(stream: dict[str, TensorMeta], expected: Mapping[str, TensorMeta]) -> list:
     """(message, names) for every way the stream's tensors differ from the model's."""
     problems = []
@@ -83,6 +86,15 @@ def _layout_errors(stream: dict[str, TensorMeta], expected: Mapping[str, TensorM
         for name in set(stream) & set(expected)
         if (stream[name].dtype, stream[name].shape) != (expected[name].dtype, expected[name].shape)
     )
+    # an unquantized push into an FP8 engine: the cause first, then the scales it lacks
+    unquantized = [name for name in mismatched if expected[name].dtype in FP8_DTYPES]
+    if unquantized:
+        cause = (
+            f"this engine serves {len(unquantized)} tensors in float8 (block FP8, with their "
+            "weight_scale_inv scales) that the push sends unquantized: push with "
+            "Publisher(quantize='fp8-block') (docs/fp8.md)"
+        )
+        problems.append((cause, ()))  # the tensors are named one by one below
     if unknown:
         problems.append((f"unknown tensors: {unknown}", unknown))
     if missing:
