@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from weightbus import Publisher, PushError
 from weightbus.apps import progress
-from weightbus.apps.progress import RoundsProgress
+from weightbus.apps.progress import RoundsProgress, StepsProgress
 from weightbus.engines.reference.models.config import tiny_config
 from weightbus.engines.reference.models.loader import random_hf_weights
 
@@ -202,3 +202,21 @@ def test_publisher_progress_draws_each_push_and_closes_a_failed_one(engine, monk
         stream.truncate()
         publisher.push(weights, version=f"no-bar-{time.monotonic_ns()}")
     assert stream.getvalue() == ""
+
+
+def test_steps_draw_the_step_running_and_nothing_in_a_pipe(monkeypatch):
+    monkeypatch.setattr(progress, "_quiet", False)
+    piped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", piped)
+    with StepsProgress(3, label="bench serving") as steps:
+        steps.step("warm-up")
+    assert piped.getvalue() == ""
+    stream = _Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    with StepsProgress(3, label="bench serving") as steps:
+        steps.step("warm-up")
+        assert stream.getvalue().rsplit("\r", 1)[-1].startswith("bench serving:   0%")
+        steps.step("drain")
+        assert "bench serving:  33%" in stream.getvalue()
+        assert stream.getvalue().rstrip().endswith("drain]")
+    assert stream.getvalue().endswith("\n")

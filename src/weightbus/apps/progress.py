@@ -34,7 +34,51 @@ def bars_on() -> bool:
     return not _quiet and sys.stderr.isatty()
 
 
-class RoundsProgress:
+class StepsProgress:
+    """A suite's steps, run one after another, as one bar: which step runs now. Call `step`
+    as each starts (the previous one is done). Draws nothing unless `bars_on()`.
+
+    Args:
+        total: the steps to run.
+        label: what is measured, shown before the bar.
+        unit: what a step is called on the bar.
+    """
+
+    def __init__(self, total: int, label: str = "", unit: str = "step") -> None:
+        self._bar = (
+            tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, desc=label or None)
+            if bars_on()
+            else None
+        )
+        self._running = False
+
+    def __enter__(self) -> "StepsProgress":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def step(self, name: str, description: str | None = None) -> None:
+        """Step `name` starts (the previous one is done); `description` replaces the label."""
+        if self._bar is None:
+            return
+        if self._running:
+            self._bar.update(1)
+        self._running = True
+        if description is not None:
+            self._bar.set_description_str(description, refresh=False)
+        self._bar.set_postfix_str(name)
+
+    def close(self) -> None:
+        """The last step is done: draw the final state and end the line."""
+        if self._bar is not None:
+            if self._running:
+                self._bar.update(1)
+            self._bar.close()
+            self._bar = None
+
+
+class RoundsProgress(StepsProgress):
     """A bench suite's interleaved rounds as one bar: which round runs, and which row.
 
     Call `row` as each row starts; round 0 is the untimed warm-up. Draws nothing unless
@@ -47,36 +91,11 @@ class RoundsProgress:
     """
 
     def __init__(self, rows: int, repeat: int, label: str = "") -> None:
+        super().__init__(rows * (repeat + 1), unit="row")
         self.repeat = repeat
         self.label = f"{label} " if label else ""
-        self._bar = (
-            tqdm(total=rows * (repeat + 1), unit="row", file=sys.stderr, dynamic_ncols=True)
-            if bars_on()
-            else None
-        )
-        self._running = False
-
-    def __enter__(self) -> "RoundsProgress":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def row(self, round_index: int, name: str) -> None:
         """Row `name` of round `round_index` starts (the previous row is done)."""
-        if self._bar is None:
-            return
-        if self._running:
-            self._bar.update(1)
-        self._running = True
         round_name = f"round {round_index}/{self.repeat}" if round_index else "warm-up"
-        self._bar.set_description_str(f"{self.label}{round_name}", refresh=False)
-        self._bar.set_postfix_str(name)
-
-    def close(self) -> None:
-        """The last row is done: draw the final state and end the line."""
-        if self._bar is not None:
-            if self._running:
-                self._bar.update(1)
-            self._bar.close()
-            self._bar = None
+        self.step(name, description=f"{self.label}{round_name}")

@@ -15,6 +15,7 @@ import httpx
 import torch
 
 from weightbus.apps.launch import start_engine, stop_engine
+from weightbus.apps.progress import StepsProgress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,20 +74,9 @@ def run(args: argparse.Namespace) -> int:
         return run_speculation(args)
     generator = torch.Generator().manual_seed(0)
     rows = []
-    for tp in args.tp:
-        proc, url = start_engine(args.model, tp)
-        try:
-            _round(url, [[1, 2, 3]], 4)  # warm-up
-            for batch in args.batch:
-                shape = (batch, args.prompt_tokens)
-                prompts = torch.randint(0, 256, shape, generator=generator).tolist()
-                best = min(
-                    (_round(url, prompts, args.max_tokens) for _ in range(args.rounds)),
-                    key=lambda r: r[1],
-                )
-                rows.append((tp, batch, *best))
-        finally:
-            stop_engine(proc)
+    with StepsProgress(len(args.tp) * len(args.batch), label="bench engine") as progress:
+        for tp in args.tp:
+            rows += _rows_at(tp, args, generator, progress)
     print(
         f"weightbus bench engine: model={args.model} prompt={args.prompt_tokens} tokens, "
         f"{args.max_tokens} generated per request, greedy, best of {args.rounds}"
@@ -105,3 +95,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+def _rows_at(
+    tp: int, args: argparse.Namespace, generator: torch.Generator, progress: StepsProgress
+) -> list[tuple]:
+    """Start an engine at `tp`; each batch size's best round: (tp, batch, tokens, seconds)."""
+    rows = []
+    proc, url = start_engine(args.model, tp)
+    try:
+        _round(url, [[1, 2, 3]], 4)  # warm-up
+        for batch in args.batch:
+            progress.step(f"tp {tp}, batch {batch}")
+            shape = (batch, args.prompt_tokens)
+            prompts = torch.randint(0, 256, shape, generator=generator).tolist()
+            best = min(
+                (_round(url, prompts, args.max_tokens) for _ in range(args.rounds)),
+                key=lambda r: r[1],
+            )
+            rows.append((tp, batch, *best))
+    finally:
+        stop_engine(proc)
+    return rows

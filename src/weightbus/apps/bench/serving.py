@@ -32,6 +32,7 @@ from weightbus.apps.bench.serving_prefix import group_seconds
 from weightbus.apps.bench.serving_pushes import push_figures
 from weightbus.apps.bench.serving_report import figures
 from weightbus.apps.bench.serving_trainer import TrainerConfig, TrainerProcess
+from weightbus.apps.progress import StepsProgress
 from weightbus.core.units import parse_bytes
 
 MODES = ("drain", "in_place", "abort")
@@ -89,13 +90,21 @@ def run(args: argparse.Namespace) -> int:
         trainers: dict[str, TrainerProcess] = {}
         try:
             trainers |= {mode: _trainer(mode, engines[0], model_dir, args) for mode in args.modes}
-            # untimed: the engine's first steps touch its KV cache and warm its kernels
-            asyncio.run(run_load(engines[0].url, shape, args.warmup_s, engines[0].api))
-            for trainer in trainers.values():
-                trainer.wait_ready(_TRAINER_START_TIMEOUT_S)
-            runs = [_run(BASELINE, engines[0], shape, args, None)]
-            runs += [_run(mode, engines[0], shape, args, trainers[mode]) for mode in args.modes]
-            prefix = _prefix_row(engines, model_dir, args) if _with_prefix_row(args) else None
+            steps = 2 + len(args.modes) + _with_prefix_row(args)
+            with StepsProgress(steps, label="bench serving") as progress:
+                # untimed: the engine's first steps touch its KV cache and warm its kernels
+                progress.step("warm-up")
+                asyncio.run(run_load(engines[0].url, shape, args.warmup_s, engines[0].api))
+                for trainer in trainers.values():
+                    trainer.wait_ready(_TRAINER_START_TIMEOUT_S)
+                runs = []
+                for mode in (BASELINE, *args.modes):
+                    progress.step(mode)
+                    runs.append(_run(mode, engines[0], shape, args, trainers.get(mode)))
+                prefix = None
+                if _with_prefix_row(args):
+                    progress.step("prefix cache on / off")
+                    prefix = _prefix_row(engines, model_dir, args)
         finally:
             for trainer in trainers.values():
                 trainer.kill()

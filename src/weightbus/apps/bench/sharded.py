@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from weightbus.apps.bench.llama_weights import hf_config, llama_shape, llama_weights
 from weightbus.apps.bench.timing import write_json
 from weightbus.apps.launch import run_rank_processes, start_engine, stop_engine
+from weightbus.apps.progress import StepsProgress
 from weightbus.apps.tables import print_table
 from weightbus.core.units import byte_size_arg, format_bytes
 
@@ -71,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
                 "bucket_bytes": args.bucket_bytes,
                 "transports": args.transports,
             }
-            results = {n: _run_ranks(n, worker_args, Path(tmp) / f"ranks{n}") for n in args.ranks}
+            results = {}
+            with StepsProgress(len(args.ranks), label="bench sharded") as progress:
+                for n in args.ranks:
+                    progress.step(f"{n} trainer rank(s)")
+                    results[n] = _run_ranks(n, worker_args, Path(tmp) / f"ranks{n}")
         finally:
             stop_engine(engine)
     rows = []

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import zmq
 
+from weightbus.apps.progress import StepsProgress
 from weightbus.engines.reference.engine import messages
 from weightbus.engines.reference.engine.worker import Worker, WorkerConfig, ipc_addresses
 
@@ -109,12 +110,14 @@ def _measure(worker: Worker, requests: zmq.Socket, outputs: zmq.Socket, args) ->
     bare.__dict__.update(worker.__dict__)  # the very same model, cache and sockets
     samples: dict[str, list[float]] = {"with": [], "without": []}
     variants = [("with", worker), ("without", bare)]
-    for index in range(args.rounds):
-        # alternate which variant goes first, so neither always runs on a warmer cache
-        for name, variant in variants[:: 1 if index % 2 else -1]:
-            samples[name].append(_time_steps(variant, requests, args.batch, args.steps))
-            while outputs.poll(0):
-                outputs.recv()
+    with StepsProgress(args.rounds * len(variants), label="bench status") as progress:
+        for index in range(args.rounds):
+            # alternate which variant goes first, so neither always runs on a warmer cache
+            for name, variant in variants[:: 1 if index % 2 else -1]:
+                progress.step(f"round {index + 1}/{args.rounds}: {name} update machinery")
+                samples[name].append(_time_steps(variant, requests, args.batch, args.steps))
+                while outputs.poll(0):
+                    outputs.recv()
     return samples
 
 

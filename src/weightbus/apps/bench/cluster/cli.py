@@ -19,6 +19,7 @@ from weightbus.apps.bench.timing import write_json
 from weightbus.apps.cluster import start_cluster, unavailable
 from weightbus.apps.cluster.hosts import bit_rate_arg
 from weightbus.apps.cluster.linkrate import measure
+from weightbus.apps.progress import StepsProgress
 from weightbus.core.units import byte_size_arg, format_bytes
 
 CASES = {"senders": senders, "replicas": replicas, "deltas": deltas, "experts": experts}
@@ -125,17 +126,16 @@ def run(args: argparse.Namespace) -> int:
         runs = [(name, args.link) for name in args.cases if name != "deltas"]
         runs += [("deltas", rate) for rate in args.delta_links if "deltas" in args.cases]
         written: dict = {}
-        for name, rate in runs:
-            source = _source(name, Path(tmp), args, written)
-            case_rows, link = _case(name, rate, args, Path(tmp), source)
-            result = results.setdefault(name, {"link_bits_per_s": [], "rows": []})
-            result["link_bits_per_s"].append(link)
-            result["rows"] += [r.as_dict() for r in case_rows]
-            rows += case_rows
-            size = format_bytes(case_rows[0].model_bytes)
-            print_rows(f"{name}: links {link / 1e6:.0f} Mbit/s payload, model {size}", case_rows)
-            if name == "experts":
-                print_experts(case_rows)
+        with StepsProgress(len(runs), label="bench cluster") as progress:
+            for name, rate in runs:
+                progress.step(f"{name} at {rate / 1e6:.0f} Mbit/s")
+                source = _source(name, Path(tmp), args, written)
+                case_rows, link = _case(name, rate, args, Path(tmp), source)
+                result = results.setdefault(name, {"link_bits_per_s": [], "rows": []})
+                result["link_bits_per_s"].append(link)
+                result["rows"] += [r.as_dict() for r in case_rows]
+                rows += case_rows
+                _print_case(name, link, case_rows)
     lines = verdicts(rows)
     print("\n" + "\n".join(lines))
     failures = [f"{r.case} {r.path}: {f}" for r in rows for f in r.failures]
@@ -149,6 +149,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(rows, args.plot)
     return exit_code(failures, lines, check=args.check)
+
+
+def _print_case(name: str, link: float, case_rows: list[Row]) -> None:
+    size = format_bytes(case_rows[0].model_bytes)
+    print_rows(f"{name}: links {link / 1e6:.0f} Mbit/s payload, model {size}", case_rows)
+    if name == "experts":
+        print_experts(case_rows)
 
 
 def exit_code(failures: list[str], verdict_lines: list[str], *, check: bool) -> int:
