@@ -117,6 +117,9 @@ def test_push_draws_bytes_and_rate_on_a_terminal(terminal):
     last = rf"push {version}: 100%\|[^\r\n]*\| 12\.7M/12\.7M \[[0-9:]+<00:00, [0-9.]+[kMG]?B/s\]"
     assert re.search(last, terminal[version]), terminal[version]
     assert f'"version": "{version}"' in terminal[version]
+    # the checkpoint's read came first, with its own bar
+    read = r"read \S+: 100%\|[^\r\n]*\| 12\.7M/12\.7M \["
+    assert re.search(read, terminal[version].split(f"push {version}:")[0]), terminal[version]
 
 
 @pytest.mark.parametrize("case", ["small", "quiet-first", "quiet-after"])
@@ -125,6 +128,7 @@ def test_a_small_or_quiet_push_draws_no_bar_on_a_terminal(terminal, case):
     assert f'"version": "{version}"' in terminal[version]
     assert "B/s" not in terminal[version]
     assert f"push {version}:" not in terminal[version]
+    assert "read " not in terminal[version]
 
 
 def test_push_draws_no_bar_in_a_pipe(engine, checkpoint):

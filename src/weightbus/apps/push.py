@@ -56,12 +56,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from weightbus.core.checkpoint import iter_safetensors
     from weightbus.core.meta import dtype_from_name
     from weightbus.core.publisher import Publisher, PushError
 
     try:
-        weights = list(iter_safetensors(args.model_dir))
+        weights = _read(args.model_dir, args.progress_min_bytes)
         adapter = _adapter_config(Path(args.model_dir), args.base_fingerprint)
         if args.dtype is not None:
             dtype: torch.dtype = dtype_from_name(args.dtype)
@@ -97,6 +96,29 @@ def run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(summary))
     return 0
+
+
+def _read(model_dir: str, progress_min_bytes: int) -> list:
+    """Every tensor of the checkpoint in `model_dir`, with a bar of the bytes read when its
+    tensors hold at least `progress_min_bytes` and bars are on."""
+    from tqdm import tqdm
+
+    from weightbus.core.checkpoint import iter_safetensors, safetensors_files, safetensors_metas
+
+    if not bars_on():
+        return list(iter_safetensors(model_dir))
+    metas = safetensors_metas(safetensors_files(model_dir))  # headers only
+    total_bytes = sum(meta.nbytes for meta, _ in metas.values())
+    if total_bytes < progress_min_bytes:
+        return list(iter_safetensors(model_dir))
+    weights = []
+    with tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc=f"read {model_dir}", file=sys.stderr
+    ) as bar:
+        for name, tensor in iter_safetensors(model_dir):
+            weights.append((name, tensor))
+            bar.update(tensor.nbytes)
+    return weights
 
 
 def _adapter_config(model_dir: Path, base_fingerprint: str | None) -> dict:
