@@ -14,7 +14,10 @@ CITED_TEST = re.compile(r"`(tests/[\w/]+\.py|…)(?:::(\w+))?(?:\[[^`]*\])?`")
 # the pages whose Python blocks are runnable as written (others hold fragments of larger scripts)
 RUNNABLE = [
     README,
-    *(README.parent / "docs" / name for name in ("quickstart.md", "development.md")),
+    *(
+        README.parent / "docs" / name
+        for name in ("quickstart.md", "development.md", "own_engine.md")
+    ),
 ]
 EXAMPLES = [
     (page, code)
