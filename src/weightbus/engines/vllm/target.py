@@ -81,7 +81,13 @@ logger = logging.getLogger(__name__)
 def _server_fix(path: str, reason: str) -> str | None:
     """The fix of a refusal that says how the vLLM server was started, if it is one: a 404
     on the routes vLLM serves only with `VLLM_SERVER_DEV_MODE=1` (`/pause`, `/collective_rpc`,
-    the weight-transfer routes...), or backend `weightbus` unknown to vLLM's factory."""
+    the weight-transfer routes...), no `--weight-transfer-config`, or backend `weightbus`
+    unknown to vLLM's factory."""
+    if "Weight transfer not configured" in reason:  # vLLM started without the backend
+        return (
+            f'start vLLM with --weight-transfer-config \'{{"backend": "{BACKEND}"}}\', '
+            "weightbus installed in vLLM's environment (docs/vllm.md)"
+        )
     if f"backend: {BACKEND}" in reason:  # vLLM: "Invalid weight transfer backend: ..."
         return (
             "install weightbus in vLLM's environment (`pip install weightbus`): its plugin "
