@@ -133,6 +133,10 @@ class _HidesNixl:
 
 
 def test_transport_nixl_without_nixl_names_the_extra(monkeypatch):
+    from weightbus.core.transport.nixl import agent
+
+    # a process that made no publisher agent yet (an earlier test's is kept per process)
+    monkeypatch.setattr(agent, "_publisher_agents", {})
     for name in [name for name in sys.modules if name == "nixl" or name.startswith("nixl.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [_HidesNixl(), *sys.meta_path])
