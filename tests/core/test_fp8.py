@@ -9,7 +9,13 @@ import math
 
 import pytest
 import torch
-from engine_harness import NUM_GREEDY_TOKENS, PROMPT, greedy_generate, hf_reference
+from engine_harness import (
+    NUM_GREEDY_TOKENS,
+    PROMPT,
+    fp8_block_llama,
+    greedy_generate,
+    hf_reference,
+)
 from safetensors.torch import save_file
 
 from weightbus.core.digest import fingerprint_of_digests, fingerprint_of_tensors
@@ -247,30 +253,11 @@ def test_an_fp8_draft_is_refused_at_start(tmp_path):
         checked_model(config)
 
 
-def _bf16_llama() -> torch.nn.Module:
-    """A Llama in bf16 whose matrices hold whole 128x128 blocks (as test_fp8_pushes.py's)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=101,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).eval().to(torch.bfloat16)
-
-
 def test_a_bf16_models_quantized_probe_passes_bf16_rounding_and_fails_misplaced_scales():
     """The default tolerance of a bf16 model's probe is above what a bf16 engine's rounding
     does to the logprobs (up to twice the trainer's own over float32: ROUNDING_MARGIN is 4)
     and below what scales loaded into the wrong blocks do."""
-    model = _bf16_llama()
+    model = fp8_block_llama().to(torch.bfloat16)  # bf16, in whole 128x128 blocks
     probe = LogprobProbe.of_quantized_model(model, PROMPT, BLOCK)
     served = dequantized_model(model, BLOCK)
     in_float32 = LogprobProbe.of_model(copy.deepcopy(served).float(), PROMPT, tolerance=1.0)

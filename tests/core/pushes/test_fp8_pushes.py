@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import PROMPT, ServedEngine
+from engine_harness import PROMPT, ServedEngine, fp8_block_llama
 from sharded_harness import run_trainers
 from update_harness import (
     ByteFlippingTarget,
@@ -35,27 +35,7 @@ BLOCK = Fp8Block()
 
 
 def _hf_model(path: Path) -> torch.nn.Module:
-    """A Llama whose matrices split over TP 2 on 128x128 blocks: q, k, v 128 rows per rank,
-    o_proj 128 columns, gate/up 256 rows, down_proj 256 columns."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=101,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = fp8_block_llama()
     model.save_pretrained(path, safe_serialization=True)
     return model
 

@@ -116,6 +116,30 @@ def make_hf_model(name: str, path: Path, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def fp8_block_llama() -> torch.nn.Module:
+    """A float32 Llama (seed 0) whose matrices split over TP 2 on 128x128 blocks: q, k, v 128
+    rows per rank, o_proj 128 columns, gate/up 256 rows, down_proj 256 columns."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
 def hf_reference(model: torch.nn.Module) -> tuple[torch.Tensor, list[int]]:
     """Logits of PROMPT and NUM_GREEDY_TOKENS greedy tokens from transformers."""
     ids = torch.tensor([PROMPT])
