@@ -15,6 +15,7 @@ import torch
 
 from weightbus.core.digest import checked_digest, fingerprint_of_digests
 from weightbus.core.finite import describe_nonfinite
+from weightbus.core.fp8 import FP8_DTYPE
 from weightbus.core.meta import TensorMeta, dtype_name
 from weightbus.core.plan import plan_buckets
 from weightbus.core.receiver.delta import DeltaReceive, SliceWriter
@@ -73,9 +74,6 @@ def _describe(meta: TensorMeta) -> str:
     return f"{dtype_name(meta.dtype)}{list(meta.shape)}"
 
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def _layout_errors(stream: dict[str, TensorMeta], expected: Mapping[str, TensorMeta]) -> list:
     """(message, names) for every way the stream's tensors differ from the model's."""
     problems = []
@@ -87,7 +85,7 @@ def _layout_errors(stream: dict[str, TensorMeta], expected: Mapping[str, TensorM
         if (stream[name].dtype, stream[name].shape) != (expected[name].dtype, expected[name].shape)
     )
     # an unquantized push into an FP8 engine: the cause first, then the scales it lacks
-    unquantized = [name for name in mismatched if expected[name].dtype in FP8_DTYPES]
+    unquantized = [name for name in mismatched if expected[name].dtype == FP8_DTYPE]
     if unquantized:
         cause = (
             f"this engine serves {len(unquantized)} tensors in float8 (block FP8, with their "
